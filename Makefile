@@ -1,0 +1,45 @@
+# pdd-testbed: the two commands a newcomer needs are `make run-trace` and `make test`.
+# Both set everything up first (`make setup` is idempotent).
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+DEB_PACKAGES := iproute2 ethtool iperf3 mosquitto iputils-ping
+SCENARIO ?= topologies/two-dc.yaml
+
+.PHONY: setup debs test lint bench-net clean distclean
+
+setup: debs $(STAMP)
+
+# Installs only the Debian packages that are missing; needs root (apt-get).
+debs:
+	@missing=""; for p in $(DEB_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  if [ "$$(id -u)" != 0 ]; then echo "error: need root to install:$$missing" >&2; exit 1; fi; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check testbed workers tests
+
+bench-net: setup
+	$(VENV)/bin/testbed bench net --scenario topologies/bench-net.yaml
+
+# Removes every namespace, link and process left by earlier (crashed) runs.
+clean:
+	@if [ -x $(VENV)/bin/testbed ]; then $(VENV)/bin/testbed clean; fi
+
+distclean: clean
+	rm -rf $(VENV) .cache

@@ -1,0 +1,216 @@
+"""Command-line interface: ``testbed net up|down|check``, ``testbed clean``, ``testbed bench``."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from testbed import netns, runstate
+from testbed.errors import TestbedError
+from testbed.scenario import Scenario, load_scenario
+
+
+class Terminated(BaseException):
+    """Raised in the main thread on SIGTERM/SIGHUP so that teardown runs as on Ctrl-C."""
+
+
+def _raise_terminated(signum: int, _frame: object) -> None:
+    raise Terminated(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def network_session(scenario: Scenario, impairment: str) -> Iterator[object]:
+    """Build a network for this process's run, always tear it down (error, Ctrl-C, SIGTERM)."""
+    from testbed.net.build import Network
+
+    runstate.clean_stale()  # the next start removes what a killed run left behind
+    run = runstate.Run.new()
+    net = None
+    try:
+        net = Network.up(scenario, run, impairment)  # type: ignore[arg-type]
+        yield net
+    finally:
+        if net is not None:
+            net.down()
+        else:
+            runstate.destroy(run.run_id, run.namespaces, run.processes)
+
+
+def _require_root() -> None:
+    import os
+
+    if os.geteuid() != 0:
+        raise TestbedError("this command needs root (network namespaces, netlink, raw sockets)")
+
+
+# ------------------------------------------------------------------------------- net
+def cmd_net_up(args: argparse.Namespace) -> int:
+    _require_root()
+    sc = load_scenario(args.scenario)
+    with network_session(sc, args.impairment) as net:
+        print(_describe(net))
+        print(f"run {net.run.run_id} is up; Ctrl-C or `testbed net down` tears it down", flush=True)
+        while True:
+            signal.pause()
+    return 0
+
+
+def _describe(net: object) -> str:
+    from testbed.net.build import Network
+
+    assert isinstance(net, Network)
+    p = net.plan
+    lines = [f"scenario {net.scenario.name}: impairment backend {net.impairment} ({net.impairment_reason})"]
+    for dc in p.dcs.values():
+        lines.append(f"  datacenter {dc.name}: {dc.subnet} gateway ns {dc.gw_ns}")
+        for h in p.hosts.values():
+            if h.dc == dc.name:
+                role = net.scenario.datacenters[dc.name].hosts[h.name].role
+                lines.append(f"    {h.name:14} {h.ip:15} ns {h.ns:24} {role}")
+    for (src, dst), s in p.wan_shaping.items():
+        rate = f"{s.rate_bps / 1e6:.0f} Mbit/s" if s.rate_bps else "unshaped"
+        lines.append(
+            f"  wan {src}->{dst}: {rate}, delay {s.delay_ms} ms, jitter {s.jitter_ms} ms, "
+            f"loss {s.loss_pct}%, buffer {s.queue_bytes} B, burst {s.burst_bytes} B"
+        )
+    lines.append(f"  up in {net.timings.get('up_s', 0):.3f} s")
+    return "\n".join(lines)
+
+
+def cmd_net_down(args: argparse.Namespace) -> int:
+    _require_root()
+    import os
+
+    stopped = 0
+    for run in runstate.live_runs():
+        if args.run and run.run_id != args.run:
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(run.owner_pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while run.owner_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        runstate.destroy(run.run_id, run.namespaces, run.processes)
+        print(f"run {run.run_id} down")
+        stopped += 1
+    removed = runstate.clean_stale()
+    if not stopped and not removed:
+        print("no run is up")
+    return 0
+
+
+def cmd_net_check(args: argparse.Namespace) -> int:
+    _require_root()
+    from testbed.net.check import format_table, passed, rows_as_dicts, run_check
+
+    sc = load_scenario(args.scenario)
+    with network_session(sc, args.impairment) as net:
+        if not args.json:
+            print(_describe(net), flush=True)
+            print(f"measuring ({args.samples} RTT samples per path, {args.seconds:g} s bulk TCP per path)...",
+                  flush=True)
+        rows = run_check(net, rtt_samples=args.samples, goodput_s=args.seconds)
+        dl = net.delayline_stats()
+    ok = passed(rows)
+    if args.json:
+        print(json.dumps({"scenario": sc.name, "impairment": net.impairment, "passed": ok,
+                          "rows": rows_as_dicts(rows), "delayline": net.delayline_stats_final or dl,
+                          "timings": net.timings}, indent=2))
+    else:
+        print(format_table(rows))
+        final = net.delayline_stats_final or dl
+        if final:
+            for name, d in final["directions"].items():
+                print(f"delay line {name}: {d['frames_out']} frames out, drops loss={d['drop_loss']} "
+                      f"queue-full={d['drop_queue_full']} overflow={d['drop_overflow']} error={d['drop_error']}, "
+                      f"late>1ms={d['late_over_1ms']} (max {d['late_max_us'] / 1000:.2f} ms)")
+        print("PASS" if ok else "FAIL: measured network deviates from the scenario")
+    return 0 if ok else 1
+
+
+def cmd_clean(args: argparse.Namespace) -> int:
+    if not runstate.STATE_ROOT.exists() and not any(
+        runstate.PREFIX_RE.match(n) for n in netns.list_namespaces()
+    ):
+        print("nothing to clean")
+        return 0
+    _require_root()
+    removed = runstate.clean_stale(include_live=args.all)
+    for r in removed:
+        print(f"removed {r}")
+    if not removed:
+        print("nothing to clean" + ("" if args.all else " (live runs kept; --all removes them too)"))
+    return 0
+
+
+def cmd_bench_net(args: argparse.Namespace) -> int:
+    _require_root()
+    from testbed.net.bench import run_bench
+
+    sc = load_scenario(args.scenario)
+    result = run_bench(sc, args.impairment, repeats=args.repeats, seconds=args.seconds)
+    print(json.dumps(result, indent=2) if args.json else result["text"])
+    return 0
+
+
+# ------------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="testbed", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def scenario_opts(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--scenario", type=Path, default=Path("topologies/two-dc.yaml"))
+        p.add_argument("--impairment", choices=["auto", "netem", "delayline"], default="auto",
+                       help="how WAN delay/jitter/loss are made (default: netem if the kernel has it)")
+
+    net = sub.add_parser("net", help="build, check or tear down the emulated network")
+    nsub = net.add_subparsers(dest="net_cmd", required=True)
+    p = nsub.add_parser("up", help="build the network and hold it until Ctrl-C / `net down`")
+    scenario_opts(p)
+    p.set_defaults(func=cmd_net_up)
+    p = nsub.add_parser("down", help="tear down running networks")
+    p.add_argument("--run", help="only this run id")
+    p.set_defaults(func=cmd_net_down)
+    p = nsub.add_parser("check", help="build, measure configured vs measured, tear down")
+    scenario_opts(p)
+    p.add_argument("--samples", type=int, default=40, help="RTT samples per path (>= 20)")
+    p.add_argument("--seconds", type=float, default=3.0, help="bulk-transfer seconds per path")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_net_check)
+
+    p = sub.add_parser("clean", help="remove namespaces, links and processes of dead runs")
+    p.add_argument("--all", action="store_true", help="also tear down runs that are still alive")
+    p.set_defaults(func=cmd_clean)
+
+    bench = sub.add_parser("bench", help="benchmarks (slow; not part of make test)")
+    bsub = bench.add_subparsers(dest="bench_cmd", required=True)
+    p = bsub.add_parser("net", help="highest WAN goodput, RTT error, up/down time")
+    scenario_opts(p)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--seconds", type=float, default=5.0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench_net)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "samples", 20) < 20:
+        print("error: --samples must be at least 20", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    signal.signal(signal.SIGHUP, _raise_terminated)
+    try:
+        return int(args.func(args))
+    except TestbedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except (KeyboardInterrupt, Terminated):
+        print("interrupted; torn down", file=sys.stderr)
+        return 130

@@ -1,0 +1,267 @@
+"""Instantiate a scenario's network: namespaces, veth links, bridges, routes, WAN shaping.
+
+``Network`` is the running counterpart of a ``NetworkPlan``. ``Network.up`` builds
+everything or nothing: any failure undoes what was built and raises ``BuildError`` naming
+the step that failed. ``Network.down`` stops the delay line and deletes every namespace of
+the run (deleting a namespace deletes its links and qdiscs). The run registry
+(``testbed.runstate``) records each object before it is created, so ``testbed clean``
+can finish the job after a crash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pyroute2 import IPRoute
+from pyroute2 import netns as pr_netns
+
+from testbed import netns, runstate
+from testbed.errors import BuildError, CapabilityError
+from testbed.net import shaping
+from testbed.net.plan import NetworkPlan, Shaping, make_plan, size_lan
+from testbed.scenario import Scenario
+
+Impairment = Literal["auto", "netem", "delayline"]
+
+# Large TCP windows: a WAN of 1 Gbit/s x 40 ms needs 5 MB in flight, a 10G LAN more.
+TCP_MEM = "4096 131072 134217728"
+
+
+@dataclass
+class Network:
+    scenario: Scenario
+    run: runstate.Run
+    plan: NetworkPlan
+    impairment: str = "none"
+    impairment_reason: str = ""
+    delayline: subprocess.Popen[bytes] | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    # ---------------------------------------------------------------- lifecycle
+    @classmethod
+    def up(cls, scenario: Scenario, run: runstate.Run, impairment: Impairment = "auto") -> Network:
+        t0 = time.monotonic()
+        net = cls(scenario, run, make_plan(scenario, run.prefix))
+        try:
+            net._build(impairment)
+        except BaseException as e:
+            net.down()
+            if isinstance(e, (CapabilityError, KeyboardInterrupt)):
+                raise
+            raise BuildError(f"network build failed at step '{net._step}': {e}; everything built was removed") from e
+        net.timings["up_s"] = time.monotonic() - t0
+        run.info["impairment"] = {"backend": net.impairment, "reason": net.impairment_reason}
+        run.save()
+        return net
+
+    def down(self) -> None:
+        t0 = time.monotonic()
+        if self.delayline and self.delayline.poll() is None:
+            self.delayline.send_signal(signal.SIGTERM)
+            try:
+                self.delayline.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                self.delayline.kill()
+                self.delayline.wait()
+        self.delayline_stats_final = self.delayline_stats()
+        runstate.destroy(self.run.run_id, self.run.namespaces, self.run.processes)
+        self.run.namespaces.clear()
+        self.run.processes.clear()
+        self.timings["down_s"] = time.monotonic() - t0
+
+    def __enter__(self) -> Network:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    # ---------------------------------------------------------------- helpers for users
+    def ns_of(self, host: str) -> str:
+        return self.plan.hosts[host].ns
+
+    def ip_of(self, host: str) -> str:
+        return self.plan.hosts[host].ip
+
+    @property
+    def stats_path(self) -> Path:
+        return self.run.dir / "delayline-stats.json"
+
+    def delayline_stats(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.stats_path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def spawn(self, host_or_ns: str, argv: list[str], name: str, log: Path | None = None,
+              **kw: Any) -> subprocess.Popen[bytes]:
+        """Start a process inside a host's namespace and record it in the run."""
+        ns = self.plan.hosts[host_or_ns].ns if host_or_ns in self.plan.hosts else host_or_ns
+        proc = netns.spawn(ns, argv, log_path=log, **kw)
+        self.run.add_process(proc.pid, name, ns)
+        return proc
+
+    # ---------------------------------------------------------------- build steps
+    _step = "start"
+
+    @contextlib.contextmanager
+    def _stage(self, name: str) -> Iterator[None]:
+        self._step = name
+        yield
+
+    def _build(self, impairment: Impairment) -> None:
+        p = self.plan
+        with self._stage("create namespaces"):
+            for ns in p.namespaces:
+                self.run.add_namespace(ns)  # recorded before it exists
+                pr_netns.create(ns)
+                self._init_namespace(ns)
+        with self._stage("choose impairment backend"):
+            self._choose_impairment(impairment)
+        for dc in p.dcs.values():
+            with self._stage(f"gateway {dc.gw_ns}"), IPRoute(netns=dc.gw_ns) as ipr:
+                ipr.link("add", ifname="br0", kind="bridge", mtu=p.mtu)
+                br = ipr.link_lookup(ifname="br0")[0]
+                ipr.addr("add", index=br, address=dc.gw_lan_ip, prefixlen=24)
+                ipr.link("set", index=br, state="up")
+                netns.write_sysctl(dc.gw_ns, "net.ipv4.ip_forward", 1)
+        for h in p.hosts.values():
+            dc = p.dcs[h.dc]
+            with self._stage(f"host {h.name} link"):
+                self._veth(h.ns, "eth0", dc.gw_ns, h.gw_port)
+                with IPRoute(netns=h.ns) as ipr:
+                    idx = ipr.link_lookup(ifname="eth0")[0]
+                    ipr.addr("add", index=idx, address=h.ip, prefixlen=24)
+                    ipr.link("set", index=idx, state="up")
+                    ipr.route("add", dst="0.0.0.0/0", gateway=dc.gw_lan_ip)
+                with IPRoute(netns=dc.gw_ns) as ipr:
+                    port = ipr.link_lookup(ifname=h.gw_port)[0]
+                    ipr.link("set", index=port, master=ipr.link_lookup(ifname="br0")[0], state="up")
+            if dc.lan_rate_mbit:
+                with self._stage(f"host {h.name} lan shaping"):
+                    self._shape_lan(h.ns, "eth0", dc.lan_rate_mbit)
+                    self._shape_lan(dc.gw_ns, h.gw_port, dc.lan_rate_mbit)
+        self._build_wan()
+
+    def _init_namespace(self, ns: str) -> None:
+        with IPRoute(netns=ns) as ipr:
+            ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+        # IPv4 only: no router solicitations or DAD chatter on the emulated links.
+        netns.write_sysctl(ns, "net.ipv6.conf.all.disable_ipv6", 1)
+        netns.write_sysctl(ns, "net.ipv6.conf.default.disable_ipv6", 1)
+        netns.write_sysctl(ns, "net.ipv4.tcp_rmem", TCP_MEM)
+        netns.write_sysctl(ns, "net.ipv4.tcp_wmem", TCP_MEM)
+
+    def _veth(self, ns_a: str, if_a: str, ns_b: str, if_b: str) -> None:
+        # Created from inside ns_a with the peer placed straight into ns_b: the pair never
+        # exists in the root namespace, so concurrent runs cannot collide on names.
+        with IPRoute(netns=ns_a) as ipr:
+            ipr.link("add", ifname=if_a, kind="veth", mtu=self.plan.mtu,
+                     peer={"ifname": if_b, "net_ns_fd": ns_b})
+        with IPRoute(netns=ns_b) as ipr:
+            ipr.link("set", index=ipr.link_lookup(ifname=if_b)[0], mtu=self.plan.mtu)
+
+    def _shape_lan(self, ns: str, ifname: str, rate_mbit: float) -> None:
+        rate = int(rate_mbit * 1e6)
+        s = size_lan(rate, self.plan.mtu)
+        with IPRoute(netns=ns) as ipr:
+            shaping.add_rate_limit(ipr, ifname, rate, s.burst_bytes, s.queue_bytes)
+
+    def _choose_impairment(self, requested: Impairment) -> None:
+        needs = any(s.delay_ms or s.jitter_ms or s.loss_pct for s in self.plan.wan_shaping.values())
+        if requested == "delayline":
+            self.impairment, self.impairment_reason = "delayline", "requested"
+            return
+        ok, why = shaping.netem_available(self.plan.wan_ns)
+        if requested == "netem":
+            if not ok:
+                raise CapabilityError(f"--impairment netem: {why}. Use --impairment delayline (or auto).")
+            self.impairment, self.impairment_reason = "netem", "requested"
+        elif ok:
+            self.impairment, self.impairment_reason = "netem", why
+        else:
+            self.impairment, self.impairment_reason = "delayline", why
+        if not needs and self.impairment == "delayline":
+            self.impairment_reason += "; no delay/jitter/loss configured, delay line forwards only"
+
+    def _build_wan(self) -> None:
+        p = self.plan
+        a, b = p.wan_between
+        with self._stage("WAN links"):
+            for dc in (p.dcs[a], p.dcs[b]):
+                self._veth(dc.gw_ns, "wan0", p.wan_ns, dc.wan_port)
+                other = p.dcs[b if dc.name == a else a]
+                with IPRoute(netns=dc.gw_ns) as ipr:
+                    idx = ipr.link_lookup(ifname="wan0")[0]
+                    ipr.addr("add", index=idx, address=dc.gw_wan_ip, prefixlen=30)
+                    ipr.link("set", index=idx, state="up")
+                    ipr.route("add", dst=str(other.subnet), gateway=other.gw_wan_ip)
+                with IPRoute(netns=p.wan_ns) as ipr:
+                    ipr.link("set", index=ipr.link_lookup(ifname=dc.wan_port)[0], state="up")
+        with self._stage("WAN offloads off"):
+            for dc in (p.dcs[a], p.dcs[b]):
+                shaping.disable_offloads(dc.gw_ns, "wan0")
+                shaping.disable_offloads(p.wan_ns, dc.wan_port)
+        netem = self.impairment == "netem"
+        with self._stage("WAN shaping"), IPRoute(netns=p.wan_ns) as ipr:
+            for (src, dst), s in p.wan_shaping.items():
+                # Frames of src->dst leave the WAN namespace through the port facing dst.
+                shaping.add_wan_qdiscs(ipr, p.dcs[dst].wan_port, s, p.mtu, netem)
+            if netem:
+                ipr.link("add", ifname="br0", kind="bridge", mtu=p.mtu)
+                br = ipr.link_lookup(ifname="br0")[0]
+                for dc in (p.dcs[a], p.dcs[b]):
+                    ipr.link("set", index=ipr.link_lookup(ifname=dc.wan_port)[0], master=br)
+                ipr.link("set", index=br, state="up")
+        if not netem:
+            with self._stage("start delay line"):
+                self._start_delayline()
+
+    def _start_delayline(self) -> None:
+        p = self.plan
+        ready = self.run.dir / "delayline.ready"
+        cfg = {
+            "ports": {dc: p.dcs[dc].wan_port for dc in p.wan_between},
+            "directions": [
+                {
+                    "src": src, "dst": dst, "delay_ms": s.delay_ms, "jitter_ms": s.jitter_ms,
+                    "loss_pct": s.loss_pct,
+                    # Room for everything in flight (rate x delay) plus the egress buffer.
+                    "max_backlog_bytes": _backlog_cap(s),
+                }
+                for (src, dst), s in p.wan_shaping.items()
+            ],
+            "stats_path": str(self.stats_path),
+            "ready_path": str(ready),
+            "seed": int(self.run.run_id, 16),
+        }  # fmt: skip
+        self.delayline = self.spawn(
+            p.wan_ns, [sys.executable, "-m", "testbed.net.delayline", json.dumps(cfg)],
+            name="delayline", log=self.run.dir / "delayline.log",
+        )
+        _wait_for(lambda: ready.exists() or self.delayline.poll() is not None, 10, "delay line start")
+        if self.delayline.poll() is not None:
+            log = (self.run.dir / "delayline.log").read_text()[-2000:]
+            raise BuildError(f"delay line exited with {self.delayline.returncode}: {log}")
+
+
+def _backlog_cap(s: Shaping) -> int:
+    hold_s = (s.delay_ms + s.jitter_ms) / 1000 + 0.05
+    rate = s.rate_bps or 40e9  # unshaped: what the kernel could possibly push (40 Gbit/s)
+    return int(rate / 8 * hold_s) + s.queue_bytes
+
+
+def _wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise BuildError(f"timed out waiting for {what}")
+        time.sleep(0.005)

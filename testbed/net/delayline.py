@@ -1,0 +1,227 @@
+"""Userspace delay line: the WAN's delay, jitter and loss on kernels without netem.
+
+Runs as its own process inside the WAN namespace (``python -m testbed.net.delayline CFG``).
+It reads every frame arriving on each of the two WAN ports with an AF_PACKET socket, holds
+it for the direction's delay (+ uniform jitter in [-jitter, +jitter]) and writes it out of the
+other port, where the kernel's htb class for that direction enforces the rate and its
+byte-fifo is the bottleneck buffer.
+
+Guarantees:
+
+* it never dies on a bad frame or a full queue: ``ENOBUFS`` (the egress qdisc is full) is
+  a tail drop, any other send error drops that frame; every drop is counted by cause;
+* frames of one direction leave in the order they arrived (jitter never reorders, the way
+  a real line behaves; netem reorders, which wrecks TCP);
+* memory is bounded: a direction holds at most ``max_backlog_bytes`` (excess is dropped and
+  counted as ``drop_overflow``);
+* fidelity is reported, not assumed: how late each frame left versus its schedule
+  (``late_max_us``, ``late_over_1ms``) is part of the statistics it writes to
+  ``stats_path`` once a second and on exit.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import gc
+import json
+import os
+import random
+import select
+import signal
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+ETH_P_ALL = 0x0003
+SOL_PACKET = 263
+PACKET_IGNORE_OUTGOING = 23
+SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33  # not exported by Python's socket module
+SOCK_BUF = 64 * 1024 * 1024
+RECV_SIZE = 65536 + 64
+BATCH = 256
+STATS_PERIOD_S = 1.0
+
+
+@dataclass
+class DirectionStats:
+    frames_in: int = 0
+    bytes_in: int = 0
+    frames_out: int = 0
+    bytes_out: int = 0
+    drop_loss: int = 0
+    drop_queue_full: int = 0
+    drop_overflow: int = 0
+    drop_error: int = 0
+    backlog_max_bytes: int = 0
+    late_max_us: float = 0.0
+    late_over_1ms: int = 0
+    delay_sum_ms: float = 0.0
+
+
+@dataclass
+class Direction:
+    """Frames from ``src`` held for ``delay`` then written to ``dst``."""
+
+    name: str
+    src: socket.socket
+    dst: socket.socket
+    delay_s: float
+    jitter_s: float
+    loss: float
+    max_backlog: int
+    rng: random.Random
+    queue: collections.deque[tuple[float, bytes]] = field(default_factory=collections.deque)
+    backlog: int = 0
+    last_due: float = 0.0
+    blocked: bool = False
+    stats: DirectionStats = field(default_factory=DirectionStats)
+
+    def ingest(self, now: float) -> None:
+        st = self.stats
+        for _ in range(BATCH):
+            try:
+                frame = self.src.recv(RECV_SIZE)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                st.drop_error += 1
+                return
+            size = len(frame)
+            st.frames_in += 1
+            st.bytes_in += size
+            if self.loss and self.rng.random() < self.loss:
+                st.drop_loss += 1
+                continue
+            if self.backlog + size > self.max_backlog:
+                st.drop_overflow += 1
+                continue
+            delay = self.delay_s
+            if self.jitter_s:
+                delay = max(0.0, delay + self.rng.uniform(-self.jitter_s, self.jitter_s))
+            due = max(now + delay, self.last_due)  # FIFO: never overtake the previous frame
+            self.last_due = due
+            self.queue.append((due, frame))
+            self.backlog += size
+            st.delay_sum_ms += (due - now) * 1e3
+            if self.backlog > st.backlog_max_bytes:
+                st.backlog_max_bytes = self.backlog
+
+    def release(self, now: float) -> None:
+        q, st = self.queue, self.stats
+        self.blocked = False
+        while q and q[0][0] <= now:
+            due, frame = q[0]
+            try:
+                self.dst.send(frame)
+            except (BlockingIOError, InterruptedError):
+                self.blocked = True  # socket buffer full: retry when writable
+                return
+            except OSError as e:
+                st.drop_queue_full += e.errno == errno.ENOBUFS
+                st.drop_error += e.errno != errno.ENOBUFS
+            else:
+                st.frames_out += 1
+                st.bytes_out += len(frame)
+                late = now - due
+                if late > 0.001:
+                    st.late_over_1ms += 1
+                if late * 1e6 > st.late_max_us:
+                    st.late_max_us = late * 1e6
+            q.popleft()
+            self.backlog -= len(frame)
+
+    def next_due(self) -> float | None:
+        return self.queue[0][0] if self.queue else None
+
+
+def open_port(ifname: str) -> socket.socket:
+    s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+    # Do not read back the frames we ourselves send out of this port.
+    s.setsockopt(SOL_PACKET, PACKET_IGNORE_OUTGOING, 1)
+    for force, plain in ((SO_RCVBUFFORCE, socket.SO_RCVBUF), (SO_SNDBUFFORCE, socket.SO_SNDBUF)):
+        try:
+            s.setsockopt(socket.SOL_SOCKET, force, SOCK_BUF)  # root: ignores rmem_max
+        except OSError:
+            s.setsockopt(socket.SOL_SOCKET, plain, SOCK_BUF)
+    s.bind((ifname, ETH_P_ALL))
+    s.setblocking(False)
+    return s
+
+
+def write_stats(path: str, dirs: list[Direction], started: float, final: bool) -> None:
+    data: dict[str, Any] = {
+        "pid": os.getpid(),
+        "uptime_s": time.monotonic() - started,
+        "final": final,
+        "directions": {d.name: asdict(d.stats) | {"backlog_bytes": d.backlog} for d in dirs},
+    }
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def run(cfg: dict[str, Any]) -> None:
+    stop = False
+
+    def _stop(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        os.nice(int(cfg.get("nice", -10)))  # the line must not starve behind the workers
+    except OSError:
+        pass
+    gc.disable()  # no collector pauses in the forwarding loop; frames hold no cycles
+    rng = random.Random(cfg.get("seed", 0))
+    ports = {name: open_port(ifname) for name, ifname in cfg["ports"].items()}
+    dirs = [
+        Direction(
+            name=f"{d['src']}->{d['dst']}",
+            src=ports[d["src"]],
+            dst=ports[d["dst"]],
+            delay_s=d["delay_ms"] / 1e3,
+            jitter_s=d["jitter_ms"] / 1e3,
+            loss=d["loss_pct"] / 100,
+            max_backlog=int(d["max_backlog_bytes"]),
+            rng=random.Random(rng.random()),
+        )
+        for d in cfg["directions"]
+    ]
+    by_fd = {d.src.fileno(): d for d in dirs}
+    started = time.monotonic()
+    next_stats = started
+    stats_path = cfg["stats_path"]
+    ready_path = cfg.get("ready_path")
+    if ready_path:
+        open(ready_path, "w").close()
+    while not stop:
+        now = time.monotonic()
+        for d in dirs:
+            d.release(now)
+        if now >= next_stats:
+            write_stats(stats_path, dirs, started, final=False)
+            next_stats = now + STATS_PERIOD_S
+        timeout = min(0.2, next_stats - now)
+        for d in dirs:
+            due = d.next_due()
+            if due is not None and not d.blocked:
+                timeout = min(timeout, due - now)
+        wlist = [d.dst for d in dirs if d.blocked]
+        try:
+            readable, _, _ = select.select(list(by_fd), wlist, [], max(0.0, timeout))
+        except InterruptedError:
+            continue
+        now = time.monotonic()
+        for fd in readable:
+            by_fd[fd].ingest(now)
+    write_stats(stats_path, dirs, started, final=True)
+
+
+if __name__ == "__main__":
+    run(json.loads(sys.argv[1]))

@@ -1,0 +1,166 @@
+"""Network-namespace primitives: enter a namespace, start a process in one, find its processes.
+
+``setns(CLONE_NEWNET)`` changes the namespace of the calling *thread* only, so
+``entered(ns)`` lets the orchestrator open sockets or write sysctls inside a namespace and
+return; a socket keeps the namespace it was created in. Processes are started directly in
+their namespace (no ``ip netns exec``), in their own session, and receive SIGTERM if the
+orchestrator dies (PR_SET_PDEATHSIG), so a ``kill -9`` of the orchestrator leaves at most
+the namespaces themselves, which ``testbed clean`` removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+NETNS_DIR = Path("/run/netns")
+CLONE_NEWNET = 0x40000000
+PR_SET_PDEATHSIG = 1
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _setns_fd(fd: int) -> None:
+    if _libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+@contextlib.contextmanager
+def entered(ns: str) -> Iterator[None]:
+    """Run the body with the current thread inside namespace ``ns``."""
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    target = os.open(NETNS_DIR / ns, os.O_RDONLY)
+    try:
+        _setns_fd(target)
+        try:
+            yield
+        finally:
+            _setns_fd(own)
+    finally:
+        os.close(target)
+        os.close(own)
+
+
+def write_sysctl(ns: str, key: str, value: str | int) -> None:
+    """Write a per-namespace sysctl such as ``net.ipv4.ip_forward``."""
+    with entered(ns), open(Path("/proc/sys") / key.replace(".", "/"), "w") as f:
+        f.write(str(value))
+
+
+def ns_inode(ns: str) -> int | None:
+    try:
+        return os.stat(NETNS_DIR / ns).st_ino
+    except FileNotFoundError:
+        return None
+
+
+def list_namespaces() -> list[str]:
+    try:
+        return sorted(p.name for p in NETNS_DIR.iterdir())
+    except FileNotFoundError:
+        return []
+
+
+def pids_in_namespace(ns: str) -> list[int]:
+    """PIDs of every process whose network namespace is ``ns`` (matched by nsfs inode)."""
+    ino = ns_inode(ns)
+    if ino is None:
+        return []
+    pids = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{entry.name}/ns/net").st_ino == ino:
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def proc_starttime(pid: int) -> int | None:
+    """Kernel start time of ``pid`` (clock ticks since boot): guards against PID reuse."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Field 22; the command name (field 2) may contain spaces, so split after its ')'.
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def is_alive(pid: int, starttime: int | None) -> bool:
+    st = proc_starttime(pid)
+    return st is not None and (starttime is None or st == starttime)
+
+
+def terminate(pids: Sequence[int], grace_s: float = 2.0) -> None:
+    """SIGTERM the given PIDs, then SIGKILL whatever is still alive after ``grace_s``."""
+    pending = set()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+            pending.add(pid)
+    deadline = time.monotonic() + grace_s
+    while pending and time.monotonic() < deadline:
+        for pid in list(pending):
+            if not _exists(pid):
+                pending.discard(pid)
+        time.sleep(0.02)
+    for pid in pending:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _exists(pid: int) -> bool:
+    # Reap our own children so they do not linger as zombies (a zombie still "exists").
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def spawn(
+    ns: str,
+    argv: Sequence[str],
+    *,
+    log_path: Path | None = None,
+    env: dict[str, str] | None = None,
+    pass_fds: Sequence[int] = (),
+    stdout: int | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` inside namespace ``ns``; stdout+stderr go to ``log_path`` if given."""
+    ns_path = str(NETNS_DIR / ns)
+    if not os.path.exists(ns_path):
+        raise FileNotFoundError(f"namespace {ns} does not exist")
+
+    def _in_child() -> None:
+        fd = os.open(ns_path, os.O_RDONLY)
+        _setns_fd(fd)
+        os.close(fd)
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - handed to the child
+    try:
+        return subprocess.Popen(
+            list(argv),
+            preexec_fn=_in_child,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=stdout if stdout is not None else (out or subprocess.DEVNULL),
+            stderr=out or subprocess.DEVNULL,
+            env=env,
+            pass_fds=tuple(pass_fds),
+        )
+    finally:
+        if out:
+            out.close()

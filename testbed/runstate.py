@@ -1,0 +1,153 @@
+"""Run registry: every kernel object and process a run creates is recorded before it exists.
+
+Each run gets an id and a name prefix (``pdd<6 hex>``) carried by all its namespaces. The
+manifest (``/run/pdd-testbed/<id>/manifest.json``) is written *before* the first namespace
+is created and updated as processes start, so a crash at any point leaves enough behind for
+``clean_stale`` to undo it: a run whose owner process is gone is stale. Processes are only
+ever ended by PID (checked against their start time) or because they live inside one of
+the run's own namespaces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pyroute2 import netns as pr_netns
+
+from testbed import netns
+
+STATE_ROOT = Path(os.environ.get("PDD_TESTBED_STATE", "/run/pdd-testbed"))
+PREFIX_RE = re.compile(r"^pdd[0-9a-f]{6}-")
+
+
+@dataclass
+class ProcRecord:
+    pid: int
+    starttime: int | None
+    name: str
+    ns: str
+
+
+@dataclass
+class Run:
+    """One live run: id, owner, and what it has created so far."""
+
+    run_id: str
+    owner_pid: int
+    owner_starttime: int | None
+    created: float
+    namespaces: list[str] = field(default_factory=list)
+    processes: list[ProcRecord] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prefix(self) -> str:
+        return f"pdd{self.run_id}"
+
+    @property
+    def dir(self) -> Path:
+        return STATE_ROOT / self.run_id
+
+    @classmethod
+    def new(cls) -> Run:
+        pid = os.getpid()
+        run = cls(secrets.token_hex(3), pid, netns.proc_starttime(pid), time.time())
+        run.dir.mkdir(parents=True, exist_ok=False)
+        run.save()
+        return run
+
+    def ns_name(self, suffix: str) -> str:
+        return f"{self.prefix}-{suffix}"
+
+    def add_namespace(self, name: str) -> None:
+        self.namespaces.append(name)
+        self.save()
+
+    def add_process(self, pid: int, name: str, ns: str) -> None:
+        self.processes.append(ProcRecord(pid, netns.proc_starttime(pid), name, ns))
+        self.save()
+
+    def save(self) -> None:
+        tmp = self.dir / "manifest.json.tmp"
+        tmp.write_text(json.dumps(asdict(self), indent=1, default=str))
+        os.replace(tmp, self.dir / "manifest.json")
+
+    @classmethod
+    def load(cls, path: Path) -> Run:
+        data = json.loads(path.read_text())
+        data["processes"] = [ProcRecord(**p) for p in data.get("processes", [])]
+        return cls(**data)
+
+    def owner_alive(self) -> bool:
+        return netns.is_alive(self.owner_pid, self.owner_starttime)
+
+
+def destroy(run_id: str, namespaces: list[str], processes: list[ProcRecord]) -> list[str]:
+    """Stop the run's processes and delete its namespaces. Returns what was removed."""
+    removed: list[str] = []
+    prefix = f"pdd{run_id}-"
+    all_ns = sorted(set(namespaces) | {n for n in netns.list_namespaces() if n.startswith(prefix)})
+    victims = [p.pid for p in processes if netns.is_alive(p.pid, p.starttime)]
+    for ns in all_ns:
+        victims += netns.pids_in_namespace(ns)
+    victims = sorted(set(victims) - {os.getpid()})
+    if victims:
+        netns.terminate(victims)
+        removed += [f"process {pid}" for pid in victims]
+    for ns in all_ns:
+        if (netns.NETNS_DIR / ns).exists():
+            # Deleting the namespace destroys every link and qdisc inside it.
+            with contextlib.suppress(OSError):
+                pr_netns.remove(ns)
+            removed.append(f"namespace {ns}")
+    shutil.rmtree(STATE_ROOT / run_id, ignore_errors=True)
+    return removed
+
+
+def clean_stale(include_live: bool = False) -> list[str]:
+    """Remove everything left by runs whose owner is dead (all runs if ``include_live``).
+
+    Also removes testbed-prefixed namespaces with no manifest at all (a manifest is written
+    before any namespace, so such a namespace can only come from a wiped state dir).
+    """
+    removed: list[str] = []
+    known: set[str] = set()
+    if STATE_ROOT.exists():
+        for d in sorted(STATE_ROOT.iterdir()):
+            mf = d / "manifest.json"
+            try:
+                run = Run.load(mf)
+            except (OSError, ValueError, TypeError):
+                # Manifest being written right now or unreadable: judge by age.
+                if time.time() - d.stat().st_mtime < 5:
+                    known.add(d.name)
+                    continue
+                removed += destroy(d.name, [], [])
+                continue
+            known.add(run.run_id)
+            if include_live or not run.owner_alive():
+                removed += destroy(run.run_id, run.namespaces, run.processes)
+    for ns in netns.list_namespaces():
+        if PREFIX_RE.match(ns) and ns[3:9] not in known:
+            removed += destroy(ns[3:9], [ns], [])
+    return removed
+
+
+def live_runs() -> list[Run]:
+    runs = []
+    if STATE_ROOT.exists():
+        for d in sorted(STATE_ROOT.iterdir()):
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                run = Run.load(d / "manifest.json")
+                if run.owner_alive():
+                    runs.append(run)
+    return runs

@@ -1,0 +1,197 @@
+"""Scenario description: the validated, immutable picture of an experiment.
+
+A scenario is read from YAML once, at the edge (``load_scenario``), and validated with
+pydantic. Everything downstream (network build, workers, policies) receives the
+``Scenario`` object and never re-reads YAML. Errors name the file, the line and the field.
+
+This module only *describes*; ``testbed.net.plan`` turns a scenario into names and
+addresses, and ``testbed.net.build`` instantiates it (Mininet's Topo vs Mininet split).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from testbed.errors import InputError
+
+NAME_RE = r"^[a-z][a-z0-9]{0,11}(-[a-z0-9]{1,11})*$"
+HostName = Annotated[str, Field(pattern=NAME_RE, max_length=16)]
+DcName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9]{0,7}$")]
+
+
+class Role(StrEnum):
+    CLIENT = "client"
+    ROUTER = "router"
+    PREFILL = "prefill"
+    RELAY_DECODE = "relay-decode"
+    DECODE = "decode"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Host(_Strict):
+    role: Role
+
+
+class Lan(_Strict):
+    """Links inside a datacenter (host <-> datacenter gateway), RDMA-class by default."""
+
+    rate_mbit: float | None = Field(default=None, gt=0, description="per-host link rate; null = unshaped")
+
+
+class Datacenter(_Strict):
+    lan: Lan = Lan()
+    hosts: dict[HostName, Host] = Field(min_length=1)
+
+
+class WanDirection(_Strict):
+    """One direction of the inter-datacenter line."""
+
+    rate_mbit: float | None = Field(default=None, gt=0, description="null = unshaped")
+    delay_ms: float = Field(ge=0, le=10_000)
+    jitter_ms: float = Field(default=0.0, ge=0)
+    loss_pct: float = Field(default=0.0, ge=0, lt=100)
+    queue_bytes: int | None = Field(
+        default=None, gt=0, description="bottleneck buffer; null = sized from rate x RTT"
+    )
+
+    @model_validator(mode="after")
+    def _jitter_within_delay(self) -> WanDirection:
+        if self.jitter_ms > self.delay_ms:
+            raise ValueError("jitter_ms must not exceed delay_ms (a delay cannot be negative)")
+        return self
+
+
+class Wan(_Strict):
+    between: tuple[DcName, DcName]
+    forward: WanDirection = Field(description="first datacenter of `between` -> second")
+    reverse: WanDirection = Field(description="second -> first")
+
+
+class NetworkSettings(_Strict):
+    subnet: ipaddress.IPv4Network = ipaddress.IPv4Network("10.213.0.0/16")
+    # The emulated network is internal: a large MTU is a free 4x for the userspace delay line.
+    mtu: int = Field(default=65000, ge=1280, le=65520)
+
+    @field_validator("subnet")
+    @classmethod
+    def _private_and_big_enough(cls, v: ipaddress.IPv4Network) -> ipaddress.IPv4Network:
+        if not v.is_private:
+            raise ValueError(f"{v} is not a private range")
+        if v.prefixlen > 16:
+            raise ValueError("subnet must be /16 or larger (one /24 per datacenter)")
+        return v
+
+
+class Scenario(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str = ""
+    network: NetworkSettings = NetworkSettings()
+    datacenters: dict[DcName, Datacenter] = Field(min_length=2, max_length=2)
+    wan: Wan
+    source: Path | None = Field(default=None, exclude=True)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Scenario:
+        seen: dict[str, str] = {}
+        for dc_name, dc in self.datacenters.items():
+            for host in dc.hosts:
+                if host in seen:
+                    raise ValueError(f"host {host!r} appears in datacenters {seen[host]!r} and {dc_name!r}")
+                if host.startswith("gw") or host == "wan":
+                    raise ValueError(f"host name {host!r} is reserved")
+                seen[host] = dc_name
+        a, b = self.wan.between
+        for dc in (a, b):
+            if dc not in self.datacenters:
+                raise ValueError(f"wan.between names unknown datacenter {dc!r}")
+        if a == b:
+            raise ValueError("wan.between must name two different datacenters")
+        return self
+
+    # Convenience lookups used by the network plan and the router.
+    def datacenter_of(self, host: str) -> str:
+        for dc_name, dc in self.datacenters.items():
+            if host in dc.hosts:
+                return dc_name
+        raise KeyError(host)
+
+    def hosts_with_role(self, role: Role) -> list[str]:
+        return [h for dc in self.datacenters.values() for h, spec in dc.hosts.items() if spec.role == role]
+
+    def wan_direction(self, src_dc: str, dst_dc: str) -> WanDirection:
+        a, b = self.wan.between
+        if (src_dc, dst_dc) == (a, b):
+            return self.wan.forward
+        if (src_dc, dst_dc) == (b, a):
+            return self.wan.reverse
+        raise KeyError((src_dc, dst_dc))
+
+
+def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
+    """1-based line of the YAML node at pydantic location ``loc`` (deepest existing node)."""
+    line = node.start_mark.line + 1 if node is not None else None
+    for key in loc:
+        if isinstance(node, yaml.MappingNode):
+            nxt = None
+            for k, v in node.value:
+                if k.value == str(key):
+                    nxt = v
+                    line = k.start_mark.line + 1
+                    break
+            if nxt is None:
+                return line
+            node = nxt
+        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
+            node = node.value[key]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
+
+
+def load_scenario(path: str | Path, overrides: dict[str, Any] | None = None) -> Scenario:
+    """Read and validate a scenario file. Raises InputError naming file:line: field."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise InputError(f"{path}: cannot read scenario: {e.strerror}") from e
+    try:
+        node = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise InputError(f"{where}: invalid YAML: {getattr(e, 'problem', e)}") from e
+    if not isinstance(data, dict):
+        raise InputError(f"{path}:1: scenario must be a mapping at the top level")
+    if overrides:
+        data = _deep_merge(data, overrides)
+    try:
+        return Scenario.model_validate({**data, "source": path})
+    except ValidationError as e:
+        msgs = []
+        for err in e.errors():
+            loc = tuple(err["loc"])
+            field = ".".join(str(p) for p in loc) or "(top level)"
+            line = _line_of(node, loc)
+            msg = re.sub(r"^Value error, ", "", err["msg"])
+            msgs.append(f"{path}:{line or '?'}: {field}: {msg}")
+        raise InputError("\n".join(msgs)) from e
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
