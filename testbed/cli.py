@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import sys
 import time
@@ -20,7 +21,12 @@ class Terminated(BaseException):
     """Raised in the main thread on SIGTERM/SIGHUP so that teardown runs as on Ctrl-C."""
 
 
+_MAIN_PID = os.getpid()
+
+
 def _raise_terminated(signum: int, _frame: object) -> None:
+    if os.getpid() != _MAIN_PID:
+        os._exit(128 + signum)  # a library's forked helper must never run our teardown
     raise Terminated(signal.Signals(signum).name)
 
 
@@ -43,7 +49,6 @@ def network_session(scenario: Scenario, impairment: str) -> Iterator[object]:
 
 
 def _require_root() -> None:
-    import os
 
     if os.geteuid() != 0:
         raise TestbedError("this command needs root (network namespaces, netlink, raw sockets)")
@@ -85,7 +90,6 @@ def _describe(net: object) -> str:
 
 def cmd_net_down(args: argparse.Namespace) -> int:
     _require_root()
-    import os
 
     stopped = 0
     for run in runstate.live_runs():
@@ -127,9 +131,12 @@ def cmd_net_check(args: argparse.Namespace) -> int:
         final = net.delayline_stats_final or dl
         if final:
             for name, d in final["directions"].items():
-                print(f"delay line {name}: {d['frames_out']} frames out, drops loss={d['drop_loss']} "
-                      f"queue-full={d['drop_queue_full']} overflow={d['drop_overflow']} error={d['drop_error']}, "
-                      f"late>1ms={d['late_over_1ms']} (max {d['late_max_us'] / 1000:.2f} ms)")
+                print(
+                    f"delay line {name}: {d['frames_out']} frames out, drops loss={d['drop_loss']} "
+                    f"queue-full={d['drop_queue_full']} overflow={d['drop_overflow']} "
+                    f"error={d['drop_error']}, late>1ms={d['late_over_1ms']} "
+                    f"(max {d['late_max_us'] / 1000:.2f} ms)"
+                )
         print("PASS" if ok else "FAIL: measured network deviates from the scenario")
     return 0 if ok else 1
 

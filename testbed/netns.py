@@ -15,9 +15,12 @@ import ctypes
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+from pyroute2 import IPRoute
 
 NETNS_DIR = Path("/run/netns")
 CLONE_NEWNET = 0x40000000
@@ -46,6 +49,61 @@ def entered(ns: str) -> Iterator[None]:
     finally:
         os.close(target)
         os.close(own)
+
+
+MS_REC, MS_BIND, MS_SHARED = 0x4000, 0x1000, 1 << 20
+MNT_DETACH = 2
+
+
+def create_namespace(ns: str) -> None:
+    """Create a named namespace like ``ip netns add`` (bind mount under /run/netns).
+
+    Done in a throwaway thread (unshare affects only the calling thread), not in a forked
+    child: forking a multi-threaded orchestrator copies its signal handlers and state.
+    """
+    NETNS_DIR.mkdir(parents=True, exist_ok=True)
+    d = bytes(NETNS_DIR)
+    # Make /run/netns a shared mount so the bind mounts propagate (what iproute2 does).
+    if _libc.mount(b"", d, b"none", MS_SHARED | MS_REC, None) != 0:
+        _libc.mount(d, d, b"none", MS_BIND | MS_REC, None)
+        _libc.mount(b"", d, b"none", MS_SHARED | MS_REC, None)
+    path = NETNS_DIR / ns
+    os.close(os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0))
+    errors: list[OSError] = []
+
+    def _make() -> None:
+        if _libc.unshare(CLONE_NEWNET) != 0:
+            errors.append(OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET) failed"))
+        elif _libc.mount(b"/proc/thread-self/ns/net", bytes(path), b"none", MS_BIND, None) != 0:
+            errors.append(OSError(ctypes.get_errno(), f"bind mount of {path} failed"))
+
+    t = threading.Thread(target=_make, name=f"netns-{ns}")
+    t.start()
+    t.join()
+    if errors:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        raise errors[0]
+
+
+def remove_namespace(ns: str) -> None:
+    """Unmount and delete a named namespace; it dies once no process is left inside."""
+    path = NETNS_DIR / ns
+    _libc.umount2(bytes(path), MNT_DETACH)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+@contextlib.contextmanager
+def iproute(ns: str) -> Iterator[IPRoute]:
+    """An rtnetlink handle bound inside ``ns`` (socket opened while the thread is there)."""
+    with entered(ns):
+        ipr = IPRoute()
+        try:
+            ipr.get_links(1)  # open the socket now, inside the namespace
+            yield ipr
+        finally:
+            ipr.close()
 
 
 def write_sysctl(ns: str, key: str, value: str | int) -> None:

@@ -21,8 +21,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pyroute2 import netns as pr_netns
-
 from testbed import netns
 
 STATE_ROOT = Path(os.environ.get("PDD_TESTBED_STATE", "/run/pdd-testbed"))
@@ -107,7 +105,7 @@ def destroy(run_id: str, namespaces: list[str], processes: list[ProcRecord]) -> 
         if (netns.NETNS_DIR / ns).exists():
             # Deleting the namespace destroys every link and qdisc inside it.
             with contextlib.suppress(OSError):
-                pr_netns.remove(ns)
+                netns.remove_namespace(ns)
             removed.append(f"namespace {ns}")
     shutil.rmtree(STATE_ROOT / run_id, ignore_errors=True)
     return removed

@@ -21,9 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pyroute2 import IPRoute
-from pyroute2 import netns as pr_netns
-
 from testbed import netns, runstate
 from testbed.errors import BuildError, CapabilityError
 from testbed.net import shaping
@@ -57,7 +54,9 @@ class Network:
             net.down()
             if isinstance(e, (CapabilityError, KeyboardInterrupt)):
                 raise
-            raise BuildError(f"network build failed at step '{net._step}': {e}; everything built was removed") from e
+            raise BuildError(
+                f"network build failed at step '{net._step}': {e}; everything built was removed"
+            ) from e
         net.timings["up_s"] = time.monotonic() - t0
         run.info["impairment"] = {"backend": net.impairment, "reason": net.impairment_reason}
         run.save()
@@ -122,12 +121,12 @@ class Network:
         with self._stage("create namespaces"):
             for ns in p.namespaces:
                 self.run.add_namespace(ns)  # recorded before it exists
-                pr_netns.create(ns)
+                netns.create_namespace(ns)
                 self._init_namespace(ns)
         with self._stage("choose impairment backend"):
             self._choose_impairment(impairment)
         for dc in p.dcs.values():
-            with self._stage(f"gateway {dc.gw_ns}"), IPRoute(netns=dc.gw_ns) as ipr:
+            with self._stage(f"gateway {dc.gw_ns}"), netns.iproute(dc.gw_ns) as ipr:
                 ipr.link("add", ifname="br0", kind="bridge", mtu=p.mtu)
                 br = ipr.link_lookup(ifname="br0")[0]
                 ipr.addr("add", index=br, address=dc.gw_lan_ip, prefixlen=24)
@@ -137,12 +136,12 @@ class Network:
             dc = p.dcs[h.dc]
             with self._stage(f"host {h.name} link"):
                 self._veth(h.ns, "eth0", dc.gw_ns, h.gw_port)
-                with IPRoute(netns=h.ns) as ipr:
+                with netns.iproute(h.ns) as ipr:
                     idx = ipr.link_lookup(ifname="eth0")[0]
                     ipr.addr("add", index=idx, address=h.ip, prefixlen=24)
                     ipr.link("set", index=idx, state="up")
                     ipr.route("add", dst="0.0.0.0/0", gateway=dc.gw_lan_ip)
-                with IPRoute(netns=dc.gw_ns) as ipr:
+                with netns.iproute(dc.gw_ns) as ipr:
                     port = ipr.link_lookup(ifname=h.gw_port)[0]
                     ipr.link("set", index=port, master=ipr.link_lookup(ifname="br0")[0], state="up")
             if dc.lan_rate_mbit:
@@ -152,7 +151,7 @@ class Network:
         self._build_wan()
 
     def _init_namespace(self, ns: str) -> None:
-        with IPRoute(netns=ns) as ipr:
+        with netns.iproute(ns) as ipr:
             ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
         # IPv4 only: no router solicitations or DAD chatter on the emulated links.
         netns.write_sysctl(ns, "net.ipv6.conf.all.disable_ipv6", 1)
@@ -163,16 +162,16 @@ class Network:
     def _veth(self, ns_a: str, if_a: str, ns_b: str, if_b: str) -> None:
         # Created from inside ns_a with the peer placed straight into ns_b: the pair never
         # exists in the root namespace, so concurrent runs cannot collide on names.
-        with IPRoute(netns=ns_a) as ipr:
+        with netns.iproute(ns_a) as ipr:
             ipr.link("add", ifname=if_a, kind="veth", mtu=self.plan.mtu,
                      peer={"ifname": if_b, "net_ns_fd": ns_b})
-        with IPRoute(netns=ns_b) as ipr:
+        with netns.iproute(ns_b) as ipr:
             ipr.link("set", index=ipr.link_lookup(ifname=if_b)[0], mtu=self.plan.mtu)
 
     def _shape_lan(self, ns: str, ifname: str, rate_mbit: float) -> None:
         rate = int(rate_mbit * 1e6)
         s = size_lan(rate, self.plan.mtu)
-        with IPRoute(netns=ns) as ipr:
+        with netns.iproute(ns) as ipr:
             shaping.add_rate_limit(ipr, ifname, rate, s.burst_bytes, s.queue_bytes)
 
     def _choose_impairment(self, requested: Impairment) -> None:
@@ -199,20 +198,20 @@ class Network:
             for dc in (p.dcs[a], p.dcs[b]):
                 self._veth(dc.gw_ns, "wan0", p.wan_ns, dc.wan_port)
                 other = p.dcs[b if dc.name == a else a]
-                with IPRoute(netns=dc.gw_ns) as ipr:
+                with netns.iproute(dc.gw_ns) as ipr:
                     idx = ipr.link_lookup(ifname="wan0")[0]
                     ipr.addr("add", index=idx, address=dc.gw_wan_ip, prefixlen=30)
                     ipr.link("set", index=idx, state="up")
                     ipr.route("add", dst=str(other.subnet), gateway=other.gw_wan_ip)
-                with IPRoute(netns=p.wan_ns) as ipr:
+                with netns.iproute(p.wan_ns) as ipr:
                     ipr.link("set", index=ipr.link_lookup(ifname=dc.wan_port)[0], state="up")
         with self._stage("WAN offloads off"):
             for dc in (p.dcs[a], p.dcs[b]):
                 shaping.disable_offloads(dc.gw_ns, "wan0")
                 shaping.disable_offloads(p.wan_ns, dc.wan_port)
         netem = self.impairment == "netem"
-        with self._stage("WAN shaping"), IPRoute(netns=p.wan_ns) as ipr:
-            for (src, dst), s in p.wan_shaping.items():
+        with self._stage("WAN shaping"), netns.iproute(p.wan_ns) as ipr:
+            for (_src, dst), s in p.wan_shaping.items():
                 # Frames of src->dst leave the WAN namespace through the port facing dst.
                 shaping.add_wan_qdiscs(ipr, p.dcs[dst].wan_port, s, p.mtu, netem)
             if netem:

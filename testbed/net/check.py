@@ -119,5 +119,7 @@ def format_table(rows: list[Row]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         conf = "unshaped" if r.configured is None else f"{r.configured:.2f}"
-        lines.append(f"{r.path:34} {r.metric:11} {conf:>12} {r.measured:12.2f} {r.unit:7} {r.verdict:7} {r.note}")
+        lines.append(
+            f"{r.path:34} {r.metric:11} {conf:>12} {r.measured:12.2f} {r.unit:7} {r.verdict:7} {r.note}"
+        )
     return "\n".join(lines)

@@ -22,6 +22,7 @@ Guarantees:
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import gc
 import json
@@ -173,10 +174,8 @@ def run(cfg: dict[str, Any]) -> None:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    try:
+    with contextlib.suppress(OSError):
         os.nice(int(cfg.get("nice", -10)))  # the line must not starve behind the workers
-    except OSError:
-        pass
     gc.disable()  # no collector pauses in the forwarding loop; frames hold no cycles
     rng = random.Random(cfg.get("seed", 0))
     ports = {name: open_port(ifname) for name, ifname in cfg["ports"].items()}

@@ -95,7 +95,7 @@ def disable_offloads(ns: str, ifname: str) -> None:
 
 def netem_available(ns: str) -> tuple[bool, str]:
     """Try netem on a scratch dummy-less veth inside ``ns`` (a namespace we own)."""
-    with IPRoute(netns=ns) as ipr:
+    with netns.iproute(ns) as ipr:
         ipr.link("add", ifname="nmprobe0", kind="veth", peer={"ifname": "nmprobe1"})
         try:
             idx = _ifindex(ipr, "nmprobe0")
