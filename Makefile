@@ -4,7 +4,7 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-DEB_PACKAGES := iproute2 ethtool iperf3 mosquitto iputils-ping
+DEB_PACKAGES := iproute2 mosquitto
 SCENARIO ?= topologies/two-dc.yaml
 
 .PHONY: setup debs test lint bench-net clean distclean

@@ -154,8 +154,9 @@ def proc_starttime(pid: int) -> int | None:
 
 
 def is_alive(pid: int, starttime: int | None) -> bool:
+    """True if ``pid`` still runs the same process (a zombie counts as ended)."""
     st = proc_starttime(pid)
-    return st is not None and (starttime is None or st == starttime)
+    return st is not None and (starttime is None or st == starttime) and _exists(pid)
 
 
 def terminate(pids: Sequence[int], grace_s: float = 2.0) -> None:

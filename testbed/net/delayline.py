@@ -10,6 +10,8 @@ Guarantees:
 
 * it never dies on a bad frame or a full queue: ``ENOBUFS`` (the egress qdisc is full) is
   a tail drop, any other send error drops that frame; every drop is counted by cause;
+* loss applies to IP frames only (ARP between the gateways is an artifact of emulating
+  the line as one segment);
 * frames of one direction leave in the order they arrived (jitter never reorders, the way
   a real line behaves; netem reorders, which wrecks TCP);
 * memory is bounded: a direction holds at most ``max_backlog_bytes`` (excess is dropped and
@@ -37,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 ETH_P_ALL = 0x0003
+ETH_P_ARP = b"\x08\x06"
 SOL_PACKET = 263
 PACKET_IGNORE_OUTGOING = 23
 SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33  # not exported by Python's socket module
@@ -93,7 +96,9 @@ class Direction:
             size = len(frame)
             st.frames_in += 1
             st.bytes_in += size
-            if self.loss and self.rng.random() < self.loss:
+            # ARP only exists because the two gateways share a segment in this emulation;
+            # losing it would turn one lost frame into a burst, so loss spares it.
+            if self.loss and frame[12:14] != ETH_P_ARP and self.rng.random() < self.loss:
                 st.drop_loss += 1
                 continue
             if self.backlog + size > self.max_backlog:

@@ -1,22 +1,20 @@
 """Measurements taken from inside the namespaces: ICMP round-trip times and TCP goodput.
 
 RTT uses a raw ICMP socket opened inside the source namespace (the destination's kernel
-answers; no responder process). Goodput uses iperf3 (client and server started inside the
-two namespaces), reading the receiver's byte count after a warm-up second is omitted.
+answers; no responder process). Goodput is a bulk TCP transfer between sockets
+opened inside the two namespaces, counted at the receiver in steady state.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import socket
 import statistics
 import struct
-import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from testbed import netns
 
@@ -111,56 +109,83 @@ def ping(src_ns: str, dst_ip: str, count: int = 30, interval_s: float = 0.01,
 @dataclass
 class GoodputResult:
     bits_per_second: float
-    retransmits: int
     seconds: float
+    bytes: int
     error: str | None = None
 
 
-_port = 5201
+CHUNK = 4 * 1024 * 1024
 
 
-def goodput(src_ns: str, dst_ns: str, dst_ip: str, seconds: float = 3.0, omit: float = 1.0,
-            streams: int = 1, log_dir: Path | None = None) -> GoodputResult:
-    """Bulk TCP from ``src_ns`` to ``dst_ip`` (a server started in ``dst_ns``)."""
-    global _port
-    _port = 5201 + (_port - 5200) % 200
-    port = _port
-    server = netns.spawn(dst_ns, ["iperf3", "-s", "-1", "-B", dst_ip, "-p", str(port)])
-    try:
-        _wait_listening(dst_ns, port, timeout=5)
-        cmd = ["iperf3", "-c", dst_ip, "-p", str(port), "-t", str(seconds), "-O", str(omit),
-               "-P", str(streams), "-J"]
-        client = netns.spawn(src_ns, cmd, stdout=subprocess.PIPE)
+def goodput(src_ns: str, dst_ns: str, dst_ip: str, seconds: float = 3.0, warmup: float = 2.0,
+            streams: int = 1) -> GoodputResult:
+    """Bulk TCP from ``src_ns`` to ``dst_ip`` (listening in ``dst_ns``), steady state only.
+
+    Goodput is counted at the receiver over a window that starts after ``warmup`` (slow
+    start) and lasts ``seconds``; bytes still queued when the sender stops are not counted,
+    so a full bottleneck buffer cannot inflate the figure. Sockets are opened inside the
+    namespaces by threads of this process; send/recv release the GIL.
+    """
+    with netns.entered(dst_ns):
+        lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        lsock.bind((dst_ip, 0))
+        lsock.listen(streams)
+    port = lsock.getsockname()[1]
+    t_start = time.monotonic()
+    t_from, t_to = t_start + warmup, t_start + warmup + seconds
+    counted = [0] * streams
+    errors: list[str] = []
+
+    def receive(conn: socket.socket, i: int) -> None:
+        buf = bytearray(CHUNK)
+        view = memoryview(buf)
         try:
-            out, _ = client.communicate(timeout=seconds + omit + 20)
-        except subprocess.TimeoutExpired:
-            client.kill()
-            client.wait()
-            return GoodputResult(0.0, 0, seconds, "iperf3 client timed out")
-        try:
-            data = json.loads(out)
-        except ValueError:
-            return GoodputResult(0.0, 0, seconds, f"iperf3 printed no JSON: {out[:200]!r}")
-        if "error" in data:
-            return GoodputResult(0.0, 0, seconds, data["error"])
-        end = data["end"]
-        return GoodputResult(
-            end["sum_received"]["bits_per_second"],
-            end.get("sum_sent", {}).get("retransmits", 0),
-            end["sum_received"]["seconds"],
-        )
-    finally:
-        netns.terminate([server.pid], grace_s=1.0)
-
-
-def _wait_listening(ns: str, port: int, timeout: float) -> None:
-    want = f":{port:04X}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with netns.entered(ns), open("/proc/thread-self/net/tcp") as f:
-            for line in f.readlines()[1:]:
-                parts = line.split()
-                if parts[1].endswith(want) and parts[3] == "0A":  # LISTEN
+            while True:
+                n = conn.recv_into(view)
+                if n == 0:
                     return
-        time.sleep(0.01)
-    raise TimeoutError(f"iperf3 server did not listen on port {port} in {ns}")
+                now = time.monotonic()
+                if t_from <= now <= t_to:
+                    counted[i] += n
+                elif now > t_to:
+                    return
+        except OSError as e:
+            errors.append(f"receiver: {e}")
+        finally:
+            conn.close()
+
+    def send(i: int) -> None:
+        with netns.entered(src_ns):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        payload = memoryview(bytes(CHUNK))
+        try:
+            s.settimeout(warmup + seconds + 10)
+            s.connect((dst_ip, port))
+            while time.monotonic() < t_to + 0.1:
+                s.sendall(payload)
+        except OSError:
+            pass  # the receiver closes first once its window is over
+        finally:
+            s.close()
+
+    senders = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(streams)]
+    for t in senders:
+        t.start()
+    receivers = []
+    lsock.settimeout(10)
+    try:
+        for i in range(streams):
+            conn, _ = lsock.accept()
+            t = threading.Thread(target=receive, args=(conn, i), daemon=True)
+            t.start()
+            receivers.append(t)
+    except OSError as e:
+        errors.append(f"accept: {e}")
+    finally:
+        lsock.close()
+    for t in receivers + senders:
+        t.join(timeout=warmup + seconds + 20)
+    total = sum(counted)
+    if errors or not total:
+        return GoodputResult(0.0, seconds, total, "; ".join(errors) or "no data received")
+    return GoodputResult(total * 8 / seconds, seconds, total)

@@ -1,0 +1,55 @@
+"""Shared fixtures. Root tests build real namespaces; each run has a unique prefix and is
+torn down in a finally, so a failing test leaves nothing behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from testbed import netns, runstate
+from testbed.net.build import Network
+from testbed.scenario import Scenario, load_scenario
+
+ROOT = Path(__file__).resolve().parent.parent
+TOPOLOGIES = ROOT / "topologies"
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces")
+
+
+def scenario_with(overrides: dict[str, Any] | None = None, base: str = "two-dc.yaml") -> Scenario:
+    return load_scenario(TOPOLOGIES / base, overrides)
+
+
+def small_wan(delay_ms: float, rate_mbit: float | None, jitter_ms: float = 0.0,
+              loss_fwd: float = 0.0, queue_bytes: int | None = None) -> Scenario:
+    """Two datacenters with one host each (plus a second in a) and the given WAN."""
+    fwd: dict[str, Any] = {"rate_mbit": rate_mbit, "delay_ms": delay_ms, "jitter_ms": jitter_ms,
+                           "loss_pct": loss_fwd, "queue_bytes": queue_bytes}
+    rev: dict[str, Any] = {"rate_mbit": rate_mbit, "delay_ms": delay_ms, "jitter_ms": jitter_ms}
+    return Scenario.model_validate({
+        "name": "test-wan",
+        "datacenters": {
+            "a": {"hosts": {"ha": {"role": "client"}, "hb": {"role": "router"}}},
+            "b": {"hosts": {"hc": {"role": "decode"}}},
+        },
+        "wan": {"between": ["a", "b"], "forward": fwd, "reverse": rev},
+    })
+
+
+@contextlib.contextmanager
+def built(sc: Scenario, impairment: str = "auto") -> Iterator[Network]:
+    run = runstate.Run.new()
+    net = None
+    try:
+        net = Network.up(sc, run, impairment)  # type: ignore[arg-type]
+        yield net
+    finally:
+        if net is not None:
+            net.down()
+        runstate.destroy(run.run_id, run.namespaces, run.processes)
+        assert not [n for n in netns.list_namespaces() if n.startswith(run.prefix)]

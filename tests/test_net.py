@@ -1,0 +1,197 @@
+"""The emulated network, built for real in namespaces (root). Every test tears down."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from testbed import netns, runstate
+from testbed.errors import BuildError, CapabilityError
+from testbed.net import check, measure, shaping
+from testbed.net.build import Network
+
+from .conftest import ROOT, TOPOLOGIES, built, needs_root, small_wan
+
+pytestmark = needs_root
+
+
+@pytest.mark.parametrize(("delay_ms", "rate_mbit"), [(5, 50), (20, 100), (50, 500)])
+def test_rtt_and_goodput_match_configuration(delay_ms: float, rate_mbit: float) -> None:
+    with built(small_wan(delay_ms, rate_mbit)) as net:
+        rows = check.run_check(net, rtt_samples=25, goodput_s=2.0)
+    print(check.format_table(rows))
+    assert check.passed(rows), check.format_table(rows)
+    rtt = next(r for r in rows if r.metric == "rtt median" and r.path.startswith("wan"))
+    assert abs(rtt.measured - 2 * delay_ms) <= max(1.0, 0.05 * 2 * delay_ms)
+    wan_goodput = [r for r in rows if r.metric == "goodput" and r.path.startswith("wan")]
+    assert len(wan_goodput) == 2  # both directions
+    for r in wan_goodput:
+        assert 0.9 * rate_mbit <= r.measured <= 1.02 * rate_mbit
+
+
+def test_jitter_spread_matches_configuration() -> None:
+    delay, jitter = 10.0, 4.0
+    with built(small_wan(delay, None, jitter_ms=jitter)) as net:
+        res = measure.ping(net.ns_of("ha"), net.ip_of("hc"), count=250, interval_s=0.02)
+    expected = math.sqrt(2 * jitter**2 / 3)  # two independent uniform(-j, j) legs
+    assert res.received == 250
+    assert abs(res.median_ms - 2 * delay) < 1.0
+    assert 0.75 * expected <= res.stdev_ms <= 1.25 * expected, (res.stdev_ms, expected)
+    assert min(res.rtts_ms) >= 2 * (delay - jitter) - 0.05
+    assert max(res.rtts_ms) <= 2 * (delay + jitter) + 1.5
+
+
+def test_loss_matches_configuration() -> None:
+    with built(small_wan(2.0, None, loss_fwd=5.0)) as net:
+        res = measure.ping(net.ns_of("ha"), net.ip_of("hc"), count=1200, interval_s=0.002)
+        stats = net.delayline_stats()
+    d = stats["directions"]["a->b"] if stats else {}
+    assert 3.0 <= res.loss_pct <= 7.0, (res.loss_pct, res.sent, res.received, d)
+    assert stats is not None and stats["directions"]["a->b"]["drop_loss"] > 0
+    assert stats["directions"]["b->a"]["drop_loss"] == 0
+
+
+def _udp_flood(ns: str, dst_ip: str, seconds: float) -> int:
+    with netns.entered(ns):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setblocking(False)
+    payload = bytes(60000)
+    sent = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            s.sendto(payload, (dst_ip, 9))
+            sent += 1
+        except (BlockingIOError, OSError):
+            time.sleep(0.0005)
+    s.close()
+    return sent
+
+
+def test_delay_line_survives_flood_that_overflows_queue() -> None:
+    # 20 Mbit/s with a 200 KB buffer: a UDP flood at several Gbit/s must overflow it.
+    with built(small_wan(5.0, 20, queue_bytes=200_000)) as net:
+        assert net.impairment == "delayline" or net.impairment == "netem"
+        sent = _udp_flood(net.ns_of("ha"), net.ip_of("hc"), 1.5)
+        time.sleep(0.5)
+        assert net.delayline is None or net.delayline.poll() is None, "delay line died"
+        res = measure.ping(net.ns_of("ha"), net.ip_of("hc"), count=20, interval_s=0.02)
+        stats = net.delayline_stats()
+    assert sent > 100
+    assert res.received == 20 and abs(res.median_ms - 10.0) < 1.0
+    if stats is not None:
+        d = stats["directions"]["a->b"]
+        assert d["drop_queue_full"] + d["drop_overflow"] > 0
+        assert d["frames_out"] > 0
+
+
+def test_teardown_leaves_nothing() -> None:
+    sc = small_wan(5.0, 100)
+    with built(sc) as net:
+        prefix = net.run.prefix
+        pids = [p.pid for p in net.run.processes]
+        nss = list(net.plan.namespaces)
+        assert all(os.path.exists(f"/run/netns/{n}") for n in nss)
+    assert not [n for n in netns.list_namespaces() if n.startswith(prefix)]
+    assert not any(netns.is_alive(p, None) for p in pids)
+    assert not (runstate.STATE_ROOT / prefix[3:]).exists()
+
+
+def test_build_failure_undoes_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*a: object, **k: object) -> None:
+        raise OSError(22, "injected netlink failure")
+
+    monkeypatch.setattr(shaping, "add_wan_qdiscs", boom)
+    run = runstate.Run.new()
+    with pytest.raises(BuildError, match="WAN shaping.*injected netlink failure"):
+        Network.up(small_wan(5.0, 100), run)
+    assert not [n for n in netns.list_namespaces() if n.startswith(run.prefix)]
+    assert not run.dir.exists()
+
+
+def test_netem_requested_without_netem_fails_cleanly() -> None:
+    run = runstate.Run.new()
+    try:
+        net = Network.up(small_wan(5.0, 100), run, "netem")
+    except CapabilityError as e:
+        assert "netem" in str(e) and "delayline" in str(e)
+    else:
+        net.down()  # this kernel has netem: the backend works, nothing to check here
+        pytest.skip("kernel has netem")
+    assert not [n for n in netns.list_namespaces() if n.startswith(run.prefix)]
+
+
+def _start_net_up(scenario: Path) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "testbed", "net", "up", "--scenario", str(scenario)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 30
+    for line in proc.stdout:
+        if " is up" in line:
+            return proc, line.split()[1]
+        assert time.monotonic() < deadline
+    raise AssertionError(f"net up did not come up (rc={proc.wait()})")
+
+
+def _run_leftovers(run_id: str) -> list[str]:
+    return [n for n in netns.list_namespaces() if n.startswith(f"pdd{run_id}-")]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_net_up_tears_down_on_signal(sig: signal.Signals) -> None:
+    proc, run_id = _start_net_up(TOPOLOGIES / "two-dc.yaml")
+    try:
+        assert _run_leftovers(run_id)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=20) != 0
+        assert not _run_leftovers(run_id)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        runstate.destroy(run_id, [], [])
+
+
+def test_kill9_then_clean_leaves_nothing() -> None:
+    proc, run_id = _start_net_up(TOPOLOGIES / "two-dc.yaml")
+    try:
+        manifest = json.loads((runstate.STATE_ROOT / run_id / "manifest.json").read_text())
+        pids = [p["pid"] for p in manifest["processes"]]
+        proc.kill()
+        proc.wait()
+        assert _run_leftovers(run_id), "namespaces should survive a kill -9 until cleaned"
+        out = subprocess.run([sys.executable, "-m", "testbed", "clean"], capture_output=True,
+                             text=True, cwd=ROOT, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert f"pdd{run_id}-" in out.stdout
+        assert not _run_leftovers(run_id)
+        assert not any(netns.is_alive(p, None) for p in pids)
+        assert not (runstate.STATE_ROOT / run_id).exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        runstate.destroy(run_id, [], [])
+
+
+def test_net_check_cli_json() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "testbed", "net", "check", "--scenario", str(TOPOLOGIES / "two-dc.yaml"),
+         "--json", "--samples", "20", "--seconds", "1.5"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    data = json.loads(out.stdout)
+    assert data["passed"] and data["impairment"] in ("netem", "delayline")
+    metrics = {(r["path"].split()[0], r["metric"]) for r in data["rows"]}
+    assert {("wan", "rtt median"), ("lan", "rtt median"), ("wan", "goodput"), ("lan", "goodput")} <= metrics

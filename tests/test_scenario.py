@@ -1,0 +1,84 @@
+"""Scenario validation and the network plan (no root needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from testbed.errors import InputError
+from testbed.net.plan import make_plan
+from testbed.scenario import Role, load_scenario
+
+from .conftest import TOPOLOGIES
+
+GOOD = (TOPOLOGIES / "two-dc.yaml").read_text()
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "sc.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_default_scenario_loads() -> None:
+    sc = load_scenario(TOPOLOGIES / "two-dc.yaml")
+    assert set(sc.datacenters) == {"a", "b"}
+    assert sc.hosts_with_role(Role.PREFILL) == ["prefill"]
+    assert sc.datacenter_of("decode-b") == "b"
+    assert sc.wan_direction("a", "b").delay_ms == 15.0
+    load_scenario(TOPOLOGIES / "bench-net.yaml")
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expect"),
+    [
+        ("delay_ms: 15.0, jitter_ms: 0.5, loss_pct: 0.0}   # a -> b",
+         "delay_ms: -3, jitter_ms: 0.5, loss_pct: 0.0}   # a -> b", "wan.forward.delay_ms"),
+        ("jitter_ms: 0.5, loss_pct: 0.0}   # b -> a", "jitter_ms: 40, loss_pct: 0.0}   # b -> a",
+         "wan.reverse: jitter_ms must not exceed delay_ms"),
+        ("relay:    {role: relay-decode}", "relay:    {role: teapot}", "datacenters.a.hosts.relay.role"),
+        ("relay:    {role: relay-decode}", "relay:    {role: relay-decode, gpu: 3}",
+         "datacenters.a.hosts.relay.gpu"),
+        ("decode-b: {role: decode}", "prefill: {role: decode}", "appears in datacenters"),
+        ("subnet: 10.213.0.0/16", "subnet: 8.8.0.0/16", "network.subnet"),
+        ("between: [a, b]", "between: [a, c]", "unknown datacenter 'c'"),
+        ("loss_pct: 0.0}   # a -> b", "loss_pct: 100}   # a -> b", "wan.forward.loss_pct"),
+    ],
+)
+def test_bad_scenario_names_file_line_field(tmp_path: Path, old: str, new: str, expect: str) -> None:
+    assert old in GOOD
+    text = GOOD.replace(old, new)
+    bad_line = next(i for i, line in enumerate(text.splitlines(), 1) if new.split("}")[0] in line)
+    p = write(tmp_path, text)
+    with pytest.raises(InputError) as ei:
+        load_scenario(p)
+    msg = str(ei.value)
+    assert str(p) in msg and expect in msg
+    if "." in expect.split(":")[0]:  # a field error points at the field's own line
+        assert f"{p}:{bad_line}:" in msg, msg
+
+
+def test_yaml_syntax_error_has_line(tmp_path: Path) -> None:
+    p = write(tmp_path, "name: x\ndatacenters: {a: [\n")
+    with pytest.raises(InputError, match=rf"{p}:\d+: invalid YAML"):
+        load_scenario(p)
+
+
+def test_missing_file() -> None:
+    with pytest.raises(InputError, match="cannot read scenario"):
+        load_scenario("/nonexistent/sc.yaml")
+
+
+def test_plan_addresses_and_sizing() -> None:
+    sc = load_scenario(TOPOLOGIES / "two-dc.yaml")
+    plan = make_plan(sc, "pdd123abc")
+    assert plan.hosts["client"].ip == "10.213.1.10"
+    assert plan.hosts["decode-b"].ip == "10.213.2.10"
+    assert plan.dcs["a"].gw_wan_ip == "10.213.0.1" and plan.dcs["b"].gw_wan_ip == "10.213.0.2"
+    assert all(ns.startswith("pdd123abc-") for ns in plan.namespaces)
+    s = plan.wan_shaping[("a", "b")]
+    # Buffer = rate x RTT (1 Gbit/s x 31 ms incl. jitter), burst = rate x 1 ms.
+    assert s.queue_bytes == pytest.approx(1e9 / 8 * 0.031, rel=0.01)
+    assert s.burst_bytes >= 1e9 / 8 * 0.001
+    assert s.burst_bytes >= 2 * sc.network.mtu
