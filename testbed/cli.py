@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from testbed import netns, runstate
-from testbed.errors import TestbedError
+from testbed.errors import InputError, TestbedError
 from testbed.scenario import Scenario, load_scenario
 
 
@@ -166,6 +166,100 @@ def cmd_bench_net(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------- inference
+def _progress(n: int, total: int, failed: int) -> None:
+    print(f"\r  {n}/{total} requests finished ({failed} failed)", end="", file=sys.stderr, flush=True)
+
+
+def _run_policy(sc: Scenario, impairment: str, policy: str, specs: list, dtype: str | None = None,
+                faults: dict | None = None) -> tuple[dict, dict, dict]:
+    """Build network + cluster for one policy, replay ``specs``, tear down. Returns records."""
+    from testbed.cluster import Cluster
+
+    with network_session(sc, impairment) as net:
+        cl = Cluster.start(net, policy, faults=faults, dtype=dtype)  # type: ignore[arg-type]
+        try:
+            recs = cl.replay(specs, progress=_progress if sys.stderr.isatty() else None)
+        except Exception:
+            for name in ["router", *cl.workers]:
+                tail = cl.log_tail(name if name == "router" else f"worker-{name}", 1500)
+                if tail:
+                    print(f"--- {name} log ---\n{tail}", file=sys.stderr)
+            raise
+        if sys.stderr.isatty():
+            print(file=sys.stderr)
+        return recs, cl.router_records(), cl.worker_stats()
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    _require_root()
+    from testbed.metrics import format_summary, itls, request_rows, summarize
+    from testbed.policies import make_policy
+    from testbed.requests import load_requests
+
+    sc = load_scenario(args.scenario)
+    specs = load_requests(args.requests)
+    try:
+        make_policy(args.policy)
+    except (ValueError, TypeError) as e:
+        raise InputError(f"--policy: {e}") from e
+    recs, router, workers = _run_policy(sc, args.impairment, args.policy, specs)
+    df = request_rows(recs, router)
+    summary = summarize(df, itls(recs))
+    out = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out / f"requests-{args.policy.split(':')[0]}.csv", index=False)
+    (out / "summary.json").write_text(json.dumps({args.policy: summary, "workers": workers}, indent=2, default=str))
+    cols = ["rid", "pipeline", "prompt_tokens", "prefill_hit_tokens", "output_tokens", "ttft_s", "tpot_s",
+            "e2e_s", "kv_bytes", "error"]
+    print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print(format_summary(args.policy, summary))
+    print(f"records saved under {out}/")
+    return 0 if summary["failed"] == 0 else 1
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    _require_root()
+    from testbed.policies import make_policy
+    from testbed.verify import compare, verification_prompts
+    from workers.model import ModelRunner, ensure_default_model
+
+    sc = load_scenario(args.scenario)
+    policies = [p for p in args.policies.split(",") if p]
+    # Policy options use commas too (pdd:handoff=x,threshold=y): re-join "k=v" pieces.
+    merged: list[str] = []
+    for p in policies:
+        if "=" in p and ":" not in p and merged:
+            merged[-1] += "," + p
+        else:
+            merged.append(p)
+    for p in merged:
+        try:
+            make_policy(p)
+        except (ValueError, TypeError) as e:
+            raise InputError(f"--policies: {p}: {e}") from e
+    specs = verification_prompts(args.prompts, args.seed)
+    model = str(sc.workers.model) if sc.workers.model else str(ensure_default_model())
+    ref_runner = ModelRunner(model, args.dtype)
+    if not args.json:
+        print(f"reference: generate(do_sample=False), {len(specs)} prompts, dtype {args.dtype}", flush=True)
+    refs = {s.rid: ref_runner.reference(s.prompt, s.max_new) for s in specs}
+    results = {}
+    for p in merged:
+        recs, _, _ = _run_policy(sc, args.impairment, p, specs, dtype=args.dtype)
+        bad = compare(specs, refs, recs)
+        results[p] = {"requests": len(specs), "mismatches": bad, "tokens": sum(len(r) for r in refs.values())}
+        if not args.json:
+            verdict = "OK: identical to the reference" if not bad else f"FAIL: {len(bad)} requests differ"
+            print(f"{p}: {len(specs)} requests, {results[p]['tokens']} tokens: {verdict}")
+            for b in bad:
+                print(f"  {b['rid']}: {b['problem']}")
+    ok = all(not r["mismatches"] for r in results.values())
+    if args.json:
+        print(json.dumps({"passed": ok, "policies": results}, indent=2))
+    return 0 if ok else 1
+
+
 # ------------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="testbed", description=__doc__)
@@ -194,6 +288,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("clean", help="remove namespaces, links and processes of dead runs")
     p.add_argument("--all", action="store_true", help="also tear down runs that are still alive")
     p.set_defaults(func=cmd_clean)
+
+    p = sub.add_parser("run", help="serve a request list under one policy and print per-request metrics")
+    scenario_opts(p)
+    p.add_argument("--policy", default="cross-dc", help="same-dc | cross-dc")
+    p.add_argument("--requests", type=Path, required=True, help="JSONL request list")
+    p.add_argument("--out", help="results folder (default runs/<timestamp>)")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("verify", help="compare every policy's greedy tokens with a single-process reference")
+    scenario_opts(p)
+    p.add_argument("--policies", default="same-dc,cross-dc")
+    p.add_argument("--prompts", type=int, default=24)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--dtype", default="float64", choices=["float64", "float32"])
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_verify)
 
     bench = sub.add_parser("bench", help="benchmarks (slow; not part of make test)")
     bsub = bench.add_subparsers(dest="bench_cmd", required=True)

@@ -106,6 +106,15 @@ def iproute(ns: str) -> Iterator[IPRoute]:
             ipr.close()
 
 
+def join(ns: str) -> None:
+    """Move the calling thread into ``ns`` for good (for executor threads' initializer)."""
+    fd = os.open(NETNS_DIR / ns, os.O_RDONLY)
+    try:
+        _setns_fd(fd)
+    finally:
+        os.close(fd)
+
+
 def write_sysctl(ns: str, key: str, value: str | int) -> None:
     """Write a per-namespace sysctl such as ``net.ipv4.ip_forward``."""
     with entered(ns), open(Path("/proc/sys") / key.replace(".", "/"), "w") as f:

@@ -14,7 +14,7 @@ import ipaddress
 import re
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -40,6 +40,28 @@ class _Strict(BaseModel):
 
 class Host(_Strict):
     role: Role
+    device: str = Field(default="native", description="a key of `devices`, or native (no pacing)")
+
+
+class DeviceProfile(_Strict):
+    """Roofline model of an accelerator: a step takes overhead + max(FLOPs/peak, bytes/bandwidth)."""
+
+    peak_tflops: float = Field(gt=0)
+    mem_gbps: float = Field(gt=0)
+    step_overhead_ms: float = Field(default=0.0, ge=0)
+
+
+class WorkerSettings(_Strict):
+    model: Path | None = Field(default=None, description="local causal-LM directory; null = default model")
+    dtype: Literal["float32", "float64", "bfloat16"] = "float32"
+    threads: int = Field(default=1, ge=1, le=64)
+    block_size: int = Field(default=16, ge=1, le=4096)
+    prefill_chunk: int = Field(default=512, ge=1)
+    prefill_cache_tokens: int = Field(default=262144, ge=0)
+    decode_cache_tokens: int = Field(default=262144, ge=0)
+    max_batch: int = Field(default=32, ge=1)
+    kv_timeout_s: float = Field(default=120.0, gt=0)
+    request_timeout_s: float = Field(default=600.0, gt=0)
 
 
 class Lan(_Strict):
@@ -98,6 +120,8 @@ class Scenario(_Strict):
     network: NetworkSettings = NetworkSettings()
     datacenters: dict[DcName, Datacenter] = Field(min_length=2, max_length=2)
     wan: Wan
+    workers: WorkerSettings = WorkerSettings()
+    devices: dict[str, DeviceProfile] = {}
     source: Path | None = Field(default=None, exclude=True)
 
     @model_validator(mode="after")
@@ -110,6 +134,10 @@ class Scenario(_Strict):
                 if host.startswith("gw") or host == "wan":
                     raise ValueError(f"host name {host!r} is reserved")
                 seen[host] = dc_name
+        for dc in self.datacenters.values():
+            for host, spec in dc.hosts.items():
+                if spec.device != "native" and spec.device not in self.devices:
+                    raise ValueError(f"host {host!r} uses unknown device profile {spec.device!r}")
         a, b = self.wan.between
         for dc in (a, b):
             if dc not in self.datacenters:

@@ -1,0 +1,157 @@
+"""The measuring client: sends requests, receives streamed tokens, timestamps each token.
+
+Transport and measurement are separate (as in vLLM's serving benchmark): this module only
+sends requests at their arrival times and records what came back and when
+(``ClientRecord``); ``testbed.metrics`` turns records into TTFT/TPOT/ITL/E2E.
+
+It runs on a thread of the orchestrator that has entered the client host's namespace, so
+its broker connection is a real connection from the client host across the emulated
+network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiomqtt
+
+from testbed import netns
+from testbed.broker import BrokerInfo
+from workers.control import QOS, Request, RouterStatus, Tokens, Topics
+
+
+@dataclass
+class RequestSpec:
+    rid: str
+    prompt: list[int]
+    max_new: int
+    at: float = 0.0  # seconds after the replay starts
+    meta: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass
+class ClientRecord:
+    rid: str
+    prompt_len: int
+    max_new: int
+    sent: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    error: str | None = None
+    done: bool = False
+    workers: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.done and self.error is None
+
+
+class ProtocolError(Exception):
+    pass
+
+
+async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[RequestSpec], timeout_s: float,
+                  progress: Callable[[int, int, int], None] | None) -> dict[str, ClientRecord]:
+    # aiomqtt connects from an executor thread: those threads must live in the namespace too.
+    asyncio.get_running_loop().set_default_executor(
+        concurrent.futures.ThreadPoolExecutor(2, initializer=netns.join, initargs=(ns,))
+    )
+    recs = {s.rid: ClientRecord(s.rid, len(s.prompt), s.max_new) for s in specs}
+    finished = asyncio.Event()
+    n_done = 0
+    async with aiomqtt.Client(broker.host, broker.port, username=broker.username, password=broker.password,
+                              identifier=f"{topics.root}-client", keepalive=10) as client:
+        await client.subscribe(topics.all_tokens, qos=QOS)
+        await client.subscribe(topics.router_status, qos=QOS)
+        ready = asyncio.Event()
+
+        async def read() -> None:
+            nonlocal n_done
+            async for msg in client.messages:
+                now = time.time()
+                payload = msg.payload
+                assert isinstance(payload, (bytes, bytearray))
+                if str(msg.topic) == topics.router_status:
+                    if RouterStatus.model_validate_json(payload).state == "ready":
+                        ready.set()
+                    continue
+                t = Tokens.model_validate_json(payload)
+                rec = recs.get(t.rid)
+                if rec is None or rec.done:
+                    continue
+                if t.error is not None:
+                    rec.error, rec.done = t.error, True
+                else:
+                    if t.start != len(rec.tokens):
+                        rec.error = f"stream out of order: got index {t.start}, expected {len(rec.tokens)}"
+                        rec.done = True
+                    else:
+                        rec.tokens.extend(t.tokens)
+                        rec.token_times.extend([now] * len(t.tokens))
+                        if t.worker not in rec.workers:
+                            rec.workers.append(t.worker)
+                        rec.done = t.done
+                if rec.done:
+                    n_done += 1
+                    if n_done == len(recs):
+                        finished.set()
+
+        reader = asyncio.create_task(read())
+        try:
+            await asyncio.wait_for(ready.wait(), timeout=120)
+        except TimeoutError as e:
+            reader.cancel()
+            raise ProtocolError("the router did not report ready within 120 s (workers failed to start?)") from e
+        t0 = time.time()
+
+        async def ticker() -> None:
+            while True:
+                await asyncio.sleep(1.0)
+                if progress:
+                    failed = sum(1 for r in recs.values() if r.done and r.error)
+                    progress(n_done, len(recs), failed)
+
+        tick = asyncio.create_task(ticker())
+        for spec in sorted(specs, key=lambda s: s.at):
+            delay = t0 + spec.at - time.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            recs[spec.rid].sent = time.time()
+            req = Request(rid=spec.rid, prompt=spec.prompt, max_new=spec.max_new, meta=dict(spec.meta))
+            await client.publish(topics.requests, req.dump(), qos=QOS)
+        try:
+            await asyncio.wait_for(finished.wait(), timeout=timeout_s)
+        except TimeoutError:
+            for r in recs.values():
+                if not r.done:
+                    r.error, r.done = f"no completion within the client timeout ({timeout_s} s)", True
+        tick.cancel()
+        reader.cancel()
+    return recs
+
+
+def replay_in_namespace(ns: str, broker: BrokerInfo, topics: Topics, specs: list[RequestSpec],
+                        timeout_s: float, progress: Callable[[int, int, int], None] | None = None,
+                        ) -> dict[str, ClientRecord]:
+    """Run the client on a thread inside namespace ``ns`` and wait for it."""
+    result: dict[str, dict[str, ClientRecord]] = {}
+    error: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            with netns.entered(ns):
+                result["r"] = asyncio.run(_replay(ns, broker, topics, specs, timeout_s, progress))
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            error.append(e)
+
+    th = threading.Thread(target=body, name="client", daemon=True)
+    th.start()
+    th.join()
+    if error:
+        raise error[0]
+    return result["r"]

@@ -1,0 +1,80 @@
+"""Per-request latency metrics and summaries, defined as in vLLM's serving benchmark.
+
+Measured at the client: TTFT = send -> first token received; TPOT = (E2E - TTFT) /
+(output tokens - 1), only when output > 1; ITL = every gap between consecutive tokens,
+pooled over requests; E2E = send -> last token. Failed requests are counted and listed
+with their reasons and excluded from latency statistics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from testbed.client import ClientRecord
+
+
+def request_rows(recs: dict[str, ClientRecord], router: dict[str, dict[str, Any]]) -> pd.DataFrame:
+    rows = []
+    for rid, r in recs.items():
+        rr = router.get(rid, {})
+        events = rr.get("events", [])
+        kv_sent = [e for e in events if e["kind"] == "kv_sent"]
+        prefill = next((e for e in events if e["kind"] == "prefill_done"), {})
+        cross = rr.get("prefill_dc") is not None and rr.get("prefill_dc") != rr.get("decode_dc")
+        row: dict[str, Any] = {
+            "rid": rid, "ok": r.ok, "error": r.error, "pipeline": rr.get("pipeline"),
+            "prompt_tokens": r.prompt_len, "output_tokens": len(r.tokens), "max_new": r.max_new,
+            "sent": r.sent, "ttft_s": np.nan, "tpot_s": np.nan, "e2e_s": np.nan,
+            "prefill_hit_tokens": prefill.get("hit_tokens"), "prefill_computed": prefill.get("computed"),
+            "kv_bytes": sum(e.get("bytes", 0) for e in kv_sent),
+            "kv_tokens_sent": sum(e.get("tokens", 0) for e in kv_sent),
+            "wan_kv_bytes": sum(e.get("bytes", 0) for e in kv_sent) if cross else 0,
+            "kv_transfer_s": sum(e["end"] - e["start"] for e in kv_sent) if kv_sent else np.nan,
+        }  # fmt: skip
+        if r.ok and r.token_times:
+            row["ttft_s"] = r.token_times[0] - r.sent
+            row["e2e_s"] = r.token_times[-1] - r.sent
+            if len(r.token_times) > 1:
+                row["tpot_s"] = (row["e2e_s"] - row["ttft_s"]) / (len(r.token_times) - 1)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def itls(recs: dict[str, ClientRecord]) -> list[float]:
+    return [b - a for r in recs.values() if r.ok for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
+
+
+def _pct(s: pd.Series, q: float) -> float | None:
+    s = s.dropna()
+    return float(np.percentile(s, q)) if len(s) else None
+
+
+def summarize(df: pd.DataFrame, itl: list[float]) -> dict[str, Any]:
+    ok = df[df.ok]
+    failed = df[~df.ok]
+    itl_s = pd.Series(itl, dtype=float)
+    return {
+        "requests": len(df), "completed": int(len(ok)), "failed": int(len(failed)),
+        "failures": {r.rid: r.error for r in failed.itertuples()},
+        "ttft_p50_s": _pct(ok.ttft_s, 50), "ttft_p90_s": _pct(ok.ttft_s, 90), "ttft_p99_s": _pct(ok.ttft_s, 99),
+        "tpot_p50_s": _pct(ok.tpot_s, 50), "tpot_p99_s": _pct(ok.tpot_s, 99),
+        "itl_p50_s": _pct(itl_s, 50), "itl_p99_s": _pct(itl_s, 99),
+        "e2e_p50_s": _pct(ok.e2e_s, 50), "e2e_p99_s": _pct(ok.e2e_s, 99),
+        "wan_kv_bytes": int(df.wan_kv_bytes.sum()), "kv_bytes": int(df.kv_bytes.sum()),
+        "output_tokens": int(ok.output_tokens.sum()),
+    }  # fmt: skip
+
+
+def format_summary(name: str, s: dict[str, Any]) -> str:
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{1000 * v:.0f}"
+
+    return (
+        f"{name:10} {s['completed']:>4}/{s['requests']:<4} failed {s['failed']:<3} "
+        f"TTFT ms p50 {ms(s['ttft_p50_s']):>6} p90 {ms(s['ttft_p90_s']):>6} p99 {ms(s['ttft_p99_s']):>6} | "
+        f"TPOT ms p50 {ms(s['tpot_p50_s']):>5} p99 {ms(s['tpot_p99_s']):>5} | "
+        f"E2E ms p50 {ms(s['e2e_p50_s']):>6} p99 {ms(s['e2e_p99_s']):>6} | WAN KV {s['wan_kv_bytes'] / 1e6:.1f} MB"
+    )

@@ -1,0 +1,32 @@
+"""The two classic PD pipelines.
+
+* ``same-dc``: prefill and decode in the prefill's datacenter (KV over the LAN).
+* ``cross-dc``: prefill in the first datacenter, decode in the other; decoding starts only
+  once the whole KV (what the decoder's prefix cache lacks) has crossed the WAN — the naive
+  baseline PDD improves on.
+"""
+
+from __future__ import annotations
+
+from testbed.policies.base import ClusterView, Plan, Policy, RequestState
+
+
+class SameDc(Policy):
+    name = "same-dc"
+
+    def plan(self, req: RequestState, cluster: ClusterView) -> Plan:
+        p = cluster.pick("prefill")
+        d = cluster.pick("decode", dc=p.dc)
+        return Plan(f"P-D({d.dc})", p.name, d.name)
+
+
+class CrossDc(Policy):
+    name = "cross-dc"
+
+    def plan(self, req: RequestState, cluster: ClusterView) -> Plan:
+        p = cluster.pick("prefill")
+        others = [w for w in cluster.workers.values() if w.role == "decode" and w.dc != p.dc and w.up]
+        if not others:
+            raise LookupError(f"no live decode worker outside datacenter {p.dc}")
+        d = cluster.pick("decode", dc=others[0].dc)
+        return Plan(f"P-D({d.dc})", p.name, d.name)

@@ -1,0 +1,175 @@
+"""Router process (datacenter a): admits requests, asks the policy for a plan, dispatches,
+tracks every request in flight until it completes or fails with a reason.
+
+Run as ``python -m testbed.router CONFIG.json`` inside the router host's namespace. It
+learns worker liveness and load from their retained status messages (a worker that dies
+is announced by its MQTT last will) and ends every request that depended on a dead worker,
+or that exceeds the request timeout, with an explicit error to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiomqtt
+from pydantic import BaseModel
+
+from testbed.policies import ClusterView, Policy, RequestState, make_policy
+from testbed.policies.base import WorkerView
+from workers.control import QOS, Command, Event, KVTarget, Request, RouterStatus, Status, Tokens, Topics
+
+
+class RouterConfig(BaseModel):
+    run_id: str
+    broker_host: str
+    broker_port: int
+    broker_user: str
+    broker_password: str
+    policy: str
+    workers: dict[str, dict[str, Any]]  # name -> {role, dc, host, kv_port}
+    request_timeout_s: float = 600.0
+    records_path: str
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.topics = Topics(cfg.run_id)
+        self.policy: Policy = make_policy(cfg.policy)
+        self.view = ClusterView({n: WorkerView(n, w["role"], w["dc"], w["host"], w["kv_port"])
+                                 for n, w in cfg.workers.items()})
+        self.inflight: dict[str, RequestState] = {}
+        self.finished: dict[str, dict[str, Any]] = {}  # rid -> record (late events still land)
+        self.client: aiomqtt.Client | None = None
+        self.ready = False
+
+    async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        assert self.client is not None
+        await self.client.publish(topic, payload, qos=QOS, retain=retain)
+
+    async def main(self) -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        async with aiomqtt.Client(self.cfg.broker_host, self.cfg.broker_port, username=self.cfg.broker_user,
+                                  password=self.cfg.broker_password, identifier=f"{self.cfg.run_id}-router",
+                                  keepalive=5) as client:
+            self.client = client
+            for t in (self.topics.requests, self.topics.all_status, self.topics.events):
+                await client.subscribe(t, qos=QOS)
+            reader = asyncio.create_task(self._read(client))
+            sweeper = asyncio.create_task(self._sweep())
+            await stop.wait()
+            reader.cancel()
+            sweeper.cancel()
+            for rid in list(self.inflight):
+                await self._fail(rid, "router stopped")
+            await self.publish(self.topics.router_status,
+                               RouterStatus(state="stopped", workers={}, policy=self.cfg.policy).dump(), retain=True)
+        tmp = Path(self.cfg.records_path + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.finished.values()))
+        tmp.replace(self.cfg.records_path)
+
+    async def _read(self, client: aiomqtt.Client) -> None:
+        async for msg in client.messages:
+            topic = str(msg.topic)
+            payload = msg.payload
+            assert isinstance(payload, (bytes, bytearray))
+            try:
+                if topic == self.topics.requests:
+                    await self._admit(Request.model_validate_json(payload))
+                elif topic == self.topics.events:
+                    await self._on_event(Event.model_validate_json(payload))
+                elif topic.endswith("/status"):
+                    await self._on_status(Status.model_validate_json(payload))
+            except ValueError as e:
+                print(f"router: bad message on {topic}: {e}", file=sys.stderr)
+
+    async def _on_status(self, st: Status) -> None:
+        w = self.view.workers.get(st.worker)
+        if w is None:
+            return
+        was_up, w.up, w.active, w.queued = w.up, st.state == "up", st.active, st.queued
+        if was_up and not w.up:
+            for rid, req in list(self.inflight.items()):
+                if req.plan and st.worker in (req.plan.prefill, req.plan.decode):
+                    await self._fail(rid, f"worker {st.worker} died")
+        if not self.ready and all(x.up for x in self.view.workers.values()):
+            self.ready = True
+            workers = {n: x.role for n, x in self.view.workers.items()}
+            await self.publish(self.topics.router_status,
+                               RouterStatus(state="ready", workers=workers, policy=self.policy.describe()).dump(),
+                               retain=True)
+
+    async def _admit(self, r: Request) -> None:
+        req = RequestState(r.rid, len(r.prompt), r.max_new, time.time(), dict(r.meta))
+        self.inflight[r.rid] = req
+        try:
+            plan = self.policy.plan(req, self.view)
+        except LookupError as e:
+            await self._fail(r.rid, f"no plan: {e}")
+            return
+        req.plan = plan
+        d = self.view.workers[plan.decode]
+        # Decode first: it must know the request before the KV arrives.
+        await self.publish(self.topics.cmd(plan.decode),
+                           Command(op="decode", rid=r.rid, prompt=r.prompt, max_new=r.max_new).dump())
+        target = KVTarget(worker=d.name, host=d.host, port=d.kv_port)
+        await self.publish(self.topics.cmd(plan.prefill),
+                           Command(op="prefill", rid=r.rid, prompt=r.prompt, max_new=r.max_new,
+                                   kv_to=[target]).dump())
+
+    async def _on_event(self, ev: Event) -> None:
+        req = self.inflight.get(ev.rid)
+        if req is None:
+            if ev.rid in self.finished:  # e.g. the sender's kv_sent after the decoder's done
+                self.finished[ev.rid]["events"].append({"kind": ev.kind, "worker": ev.worker, "t": ev.t, **ev.data})
+            return
+        req.events.append((ev.kind, ev.worker, ev.t))
+        req.meta.setdefault("events", []).append({"kind": ev.kind, "worker": ev.worker, "t": ev.t, **ev.data})
+        self.policy.on_event(req, ev.kind, ev.data)
+        if ev.kind == "failed":
+            await self._fail(ev.rid, ev.data.get("reason", f"failed on {ev.worker}"))
+        elif ev.kind == "done":
+            self._finish(req, None)
+
+    async def _fail(self, rid: str, reason: str) -> None:
+        req = self.inflight.get(rid)
+        if req is None:
+            return
+        if req.plan:
+            for w in {req.plan.prefill, req.plan.decode}:
+                await self.publish(self.topics.cmd(w), Command(op="cancel", rid=rid).dump())
+        await self.publish(self.topics.tokens(rid), Tokens(rid=rid, start=0, tokens=[], worker="router",
+                                                           t=time.time(), done=True, error=reason).dump())
+        self._finish(req, reason)
+
+    def _finish(self, req: RequestState, error: str | None) -> None:
+        self.inflight.pop(req.rid, None)
+        plan = req.plan
+        rec = {"rid": req.rid, "pipeline": plan.pipeline if plan else None,
+               "prefill": plan.prefill if plan else None, "decode": plan.decode if plan else None,
+               "decode_dc": self.view.workers[plan.decode].dc if plan else None,
+               "prefill_dc": self.view.workers[plan.prefill].dc if plan else None,
+               "error": error, "events": req.meta.get("events", [])}
+        self.finished[req.rid] = rec
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.time()
+            for rid, req in list(self.inflight.items()):
+                if now - req.arrived > self.cfg.request_timeout_s:
+                    await self._fail(rid, f"timed out after {self.cfg.request_timeout_s} s")
+
+
+if __name__ == "__main__":
+    cfg = RouterConfig.model_validate_json(Path(sys.argv[1]).read_text())
+    asyncio.run(Router(cfg).main())

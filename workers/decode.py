@@ -1,0 +1,184 @@
+"""Decode worker: receives KV over TCP, continuous batching, streams tokens to the client.
+
+Continuous batching: every step is *one* batched forward pass over all active requests
+(up to ``max_batch``); requests join as soon as their KV has arrived and leave at EOS or
+their output length, between steps. Each request's KV lives in a buffer preallocated for
+prompt + output, so a step appends in place instead of copying the context.
+
+The decode-side radix cache (DRC) keeps prompts' KV so a later request that shares a prefix
+needs only the missing part from the network: the receiver states its cached prefix before
+any block is sent.
+
+Why not transformers' continuous-batching manager: its paged cache is filled only by its
+own prefill; PD disaggregation must inject KV that arrived from the network, and PDD's
+handoff must extend a request by several known tokens in one pass. Neither is exposed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from workers import kv_wire
+from workers.control import Command
+from workers.radix_cache import Node, RadixCache
+from workers.runtime import Worker, WorkerConfig
+
+
+@dataclass(eq=False)
+class Seq:
+    rid: str
+    prompt: list[int]
+    max_new: int
+    registered: float
+    buf: torch.Tensor | None = None
+    n: int = 0
+    out: list[int] = field(default_factory=list)
+    path: list[Node] = field(default_factory=list)
+    kv_arrived: float = 0.0
+    kv_bytes: int = 0
+
+    @property
+    def kv(self) -> torch.Tensor:
+        assert self.buf is not None
+        return self.buf[:, :, :, : self.n]
+
+
+class DecodeWorker(Worker):
+    def __init__(self, cfg: WorkerConfig) -> None:
+        super().__init__(cfg)
+        self.cache = RadixCache(cfg.block_size, cfg.cache_tokens)
+        self.waiting: dict[str, Seq] = {}
+        self.running: dict[str, Seq] = {}
+        self.registered: dict[str, asyncio.Event] = {}
+        self.wake = asyncio.Event()
+        self.step_log: list[tuple[int, float]] = []  # (batch size, real seconds)
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self.server = await kv_wire.serve_kv(self.cfg.host_ip, self.cfg.kv_port, self._offer, self._arrived,
+                                             self._transfer_failed)
+        self.spawn(self._loop())
+
+    def active(self) -> int:
+        return len(self.running)
+
+    def queued(self) -> int:
+        return len(self.waiting)
+
+    def info(self) -> dict[str, Any]:
+        by_batch: dict[int, list[float]] = {}
+        for b, s in self.step_log[-2000:]:
+            by_batch.setdefault(b, []).append(s)
+        return {**super().info(),
+                "cache": {"hit_rate": self.cache.hit_rate, "blocks": self.cache.blocks},
+                "step_ms_by_batch": {b: 1000 * sum(v) / len(v) for b, v in sorted(by_batch.items())}}
+
+    # ----------------------------------------------------------------- commands
+    async def handle(self, cmd: Command) -> None:
+        if cmd.op == "decode":
+            seq = Seq(cmd.rid, cmd.prompt, cmd.max_new, time.time())
+            self.waiting[cmd.rid] = seq
+            self.registered.setdefault(cmd.rid, asyncio.Event()).set()
+            self.spawn(self._kv_deadline(seq))
+        elif cmd.op == "cancel":
+            await self._drop(cmd.rid)
+
+    async def _kv_deadline(self, seq: Seq) -> None:
+        await asyncio.sleep(self.cfg.kv_timeout_s)
+        if self.waiting.get(seq.rid) is seq:
+            await self._fail(seq.rid, f"KV did not arrive at {self.cfg.name} within {self.cfg.kv_timeout_s} s")
+
+    # ----------------------------------------------------------------- KV receive
+    async def _offer(self, rid: str, tokens: list[int]) -> int:
+        ev = self.registered.setdefault(rid, asyncio.Event())
+        try:
+            await asyncio.wait_for(ev.wait(), timeout=self.cfg.kv_timeout_s)
+        except TimeoutError as e:
+            raise kv_wire.KVTransferError(f"{rid} is not a request of {self.cfg.name}") from e
+        seq = self.waiting.get(rid)
+        if seq is None:
+            raise kv_wire.KVTransferError(f"{rid} is no longer waiting for KV on {self.cfg.name}")
+        path = self.cache.match_prefix(tokens)
+        self.cache.lock(path)
+        seq.path = path
+        return len(path) * self.cfg.block_size
+
+    async def _arrived(self, inc: kv_wire.Incoming) -> None:
+        seq = self.waiting.pop(inc.request_id, None)
+        if seq is None:
+            return
+        cached = self.cache.kv_of(seq.path)
+        kv = inc.kv if cached is None else torch.cat([cached, inc.kv], dim=3)
+        self.cache.unlock(seq.path)
+        seq.path = []
+        self.cache.insert(seq.prompt, kv)
+        s = kv.shape
+        seq.buf = torch.empty((s[0], s[1], s[2], s[3] + seq.max_new, s[4]), dtype=kv.dtype)
+        seq.buf[:, :, :, : s[3]] = kv
+        seq.n = s[3]
+        seq.out = [inc.first_token]
+        seq.kv_arrived = time.time()
+        seq.kv_bytes = inc.bytes_received
+        await self.event("kv_received", seq.rid, bytes=inc.bytes_received, had=inc.have,
+                         start=inc.start, end=inc.end)
+        await self.stream(seq.rid, 0, [inc.first_token], done=self._finished(seq))
+        if self._finished(seq):
+            await self._complete(seq)
+        else:
+            self.running[seq.rid] = seq
+            self.wake.set()
+
+    async def _transfer_failed(self, rid: str, msg: str) -> None:
+        if rid in self.waiting:
+            await self._fail(rid, msg)
+
+    # ----------------------------------------------------------------- decode loop
+    def _finished(self, seq: Seq) -> bool:
+        return len(seq.out) >= seq.max_new or seq.out[-1] == self.runner.eos_token_id
+
+    async def _loop(self) -> None:
+        while True:
+            if not self.running:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            batch = list(self.running.values())[: self.cfg.max_batch]
+            inputs = [(s.kv, s.out[-1]) for s in batch]
+            contexts = [s.n for s in batch]
+            results, real = await self.run_compute(self.runner.decode_step, inputs)
+            modeled = None if self.pacer.native else self.pacer.decode_time(self.cost, contexts)
+            self.step_log.append((len(batch), real))
+            await self.pace("decode", real, modeled)
+            for seq, (new_kv, tok) in zip(batch, results, strict=True):
+                if self.running.get(seq.rid) is not seq:
+                    continue  # cancelled while the step ran
+                assert seq.buf is not None
+                seq.buf[:, :, :, seq.n : seq.n + 1] = new_kv
+                seq.n += 1
+                seq.out.append(tok)
+                done = self._finished(seq)
+                await self.stream(seq.rid, len(seq.out) - 1, [tok], done=done)
+                if done:
+                    del self.running[seq.rid]
+                    await self._complete(seq)
+
+    async def _complete(self, seq: Seq) -> None:
+        self.registered.pop(seq.rid, None)
+        await self.event("done", seq.rid, output_tokens=len(seq.out), kv_bytes=seq.kv_bytes)
+
+    async def _drop(self, rid: str) -> None:
+        seq = self.waiting.pop(rid, None) or self.running.pop(rid, None)
+        self.registered.pop(rid, None)
+        if seq is not None and seq.path:
+            self.cache.unlock(seq.path)
+            seq.path = []
+
+    async def _fail(self, rid: str, reason: str) -> None:
+        await self._drop(rid)
+        await self.stream(rid, 0, [], done=True, error=reason)
+        await self.event("failed", rid, reason=reason)

@@ -1,0 +1,212 @@
+"""KV-cache wire format and point-to-point TCP transfer between workers.
+
+Every frame starts with a 12-byte header ``!4sBBHI``: magic ``PDKV``, version (1), frame
+type, reserved, payload length. A transfer is one TCP connection from sender to receiver:
+
+1. ``HELLO`` (sender -> receiver, JSON): request id, prompt tokens, dtype, layers,
+   kv_heads, head_dim, block size.
+2. ``OFFER`` (receiver -> sender, JSON): ``{"have": k}`` — the receiver's cached prefix
+   length in tokens (or ``{"error": ...}``). Only tokens ``[k, n)`` are sent.
+3. ``BLOCK`` (sender -> receiver), one per KV block of at most ``block_size`` tokens, all
+   layers: a fixed header ``!IIIHHHHBxxxI`` (block index, first token, tokens, layer start,
+   layer end, kv_heads, head_dim, dtype code, crc32 of the payload) and the raw tensor
+   ``(layers, 2, kv_heads, tokens, head_dim)`` in C order, native little-endian.
+4. ``END`` (sender -> receiver, JSON): the first generated token and the total count.
+5. ``ACK`` (receiver -> sender, JSON): ``{"ok": true}`` or ``{"error": ...}``.
+
+The receiver verifies every block (checksum, shape, dtype, contiguity) before using it; a
+bad block ends the transfer with an error on both sides. ``cancel`` stops a sender between
+blocks (bytes stop flowing; PDD cuts off useless WAN transfers this way).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import struct
+import time
+import zlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+MAGIC = b"PDKV"
+VERSION = 1
+HDR = struct.Struct("!4sBBHI")
+BLOCK_HDR = struct.Struct("!IIIHHHHBxxxI")
+HELLO, OFFER, BLOCK, END, ACK = 1, 2, 3, 4, 5
+DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3, torch.float16: 4}
+CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+
+
+class KVTransferError(Exception):
+    pass
+
+
+@dataclass
+class TransferStats:
+    request_id: str
+    peer: str
+    start: float
+    end: float = 0.0
+    bytes_sent: int = 0
+    payload_bytes: int = 0
+    tokens_sent: int = 0
+    receiver_had: int = 0
+    cancelled: bool = False
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+async def _write(w: asyncio.StreamWriter, ftype: int, payload: bytes) -> int:
+    w.write(HDR.pack(MAGIC, VERSION, ftype, 0, len(payload)))
+    w.write(payload)
+    await w.drain()
+    return HDR.size + len(payload)
+
+
+async def _read(r: asyncio.StreamReader) -> tuple[int, bytes]:
+    hdr = await r.readexactly(HDR.size)
+    magic, ver, ftype, _, n = HDR.unpack(hdr)
+    if magic != MAGIC or ver != VERSION:
+        raise KVTransferError(f"bad frame header {hdr!r}")
+    return ftype, await r.readexactly(n)
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+async def send_kv(
+    host: str, port: int, request_id: str, tokens: list[int], kv: torch.Tensor, first_token: int,
+    block_size: int, cancel: asyncio.Event | None = None, corrupt_block: int | None = None,
+    on_progress: Callable[[TransferStats], None] | None = None,
+) -> TransferStats:
+    """Send the part of ``kv`` (for ``tokens``) the receiver lacks. Raises KVTransferError."""
+    st = TransferStats(request_id, f"{host}:{port}", time.time())
+    layers, _, heads, n, head_dim = kv.shape
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+    except OSError as e:
+        raise KVTransferError(f"connect to {host}:{port}: {e}") from e
+    try:
+        hello = {"rid": request_id, "tokens": tokens, "dtype": str(kv.dtype), "layers": layers,
+                 "kv_heads": heads, "head_dim": head_dim, "block_size": block_size}
+        st.bytes_sent += await _write(writer, HELLO, json.dumps(hello).encode())
+        ftype, payload = await _read(reader)
+        offer = json.loads(payload)
+        if ftype != OFFER or "error" in offer:
+            raise KVTransferError(f"receiver refused: {offer.get('error', offer)}")
+        have = int(offer["have"])
+        st.receiver_had = have
+        code = DTYPE_CODES[kv.dtype]
+        for idx, start in enumerate(range(have, n, block_size)):
+            if cancel is not None and cancel.is_set():
+                st.cancelled = True
+                break
+            part = kv[:, :, :, start : start + block_size]
+            data = _tensor_bytes(part)
+            crc = zlib.crc32(data)
+            if corrupt_block == idx:  # fault injection for tests: flip one byte after the checksum
+                data = bytes([data[0] ^ 0xFF]) + data[1:]
+            hdr = BLOCK_HDR.pack(idx, start, part.shape[3], 0, layers, heads, head_dim, code, crc)
+            st.bytes_sent += await _write(writer, BLOCK, hdr + data)
+            st.payload_bytes += len(data)
+            st.tokens_sent += part.shape[3]
+            if on_progress:
+                on_progress(st)
+        if not st.cancelled:
+            st.bytes_sent += await _write(writer, END, json.dumps({"first_token": first_token, "n": n}).encode())
+            ftype, payload = await _read(reader)
+            ack = json.loads(payload)
+            if ftype != ACK or not ack.get("ok"):
+                raise KVTransferError(f"receiver rejected the transfer: {ack.get('error', ack)}")
+    except (OSError, asyncio.IncompleteReadError) as e:
+        raise KVTransferError(f"transfer to {host}:{port} broke: {e}") from e
+    finally:
+        st.end = time.time()
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+    return st
+
+
+@dataclass
+class Incoming:
+    """What a receiver got: the KV of tokens ``[have, n)`` plus the first token."""
+
+    request_id: str
+    tokens: list[int]
+    have: int
+    kv: torch.Tensor
+    first_token: int
+    bytes_received: int
+    start: float
+    end: float
+
+
+OfferFn = Callable[[str, list[int]], Awaitable[int]]
+DoneFn = Callable[[Incoming], Awaitable[None]]
+FailFn = Callable[[str, str], Awaitable[None]]
+
+
+async def serve_kv(host: str, port: int, offer: OfferFn, done: DoneFn, fail: FailFn) -> asyncio.Server:
+    """Accept transfers. ``offer(rid, tokens)`` returns the cached prefix length to claim."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        rid = "?"
+        start = time.time()
+        received = 0
+        try:
+            ftype, payload = await _read(reader)
+            received += HDR.size + len(payload)
+            if ftype != HELLO:
+                raise KVTransferError("expected HELLO")
+            hello = json.loads(payload)
+            rid, tokens = hello["rid"], hello["tokens"]
+            try:
+                have = await offer(rid, tokens)
+            except Exception as e:  # noqa: BLE001 - reported to the sender
+                await _write(writer, OFFER, json.dumps({"error": str(e)}).encode())
+                raise KVTransferError(str(e)) from e
+            await _write(writer, OFFER, json.dumps({"have": have}).encode())
+            n = len(tokens)
+            dtype = getattr(torch, hello["dtype"].removeprefix("torch."))
+            shape = (hello["layers"], 2, hello["kv_heads"], n - have, hello["head_dim"])
+            kv = torch.empty(shape, dtype=dtype)
+            pos = have
+            while True:
+                ftype, payload = await _read(reader)
+                received += HDR.size + len(payload)
+                if ftype == END:
+                    end = json.loads(payload)
+                    if pos != n or end["n"] != n:
+                        raise KVTransferError(f"transfer ended at token {pos} of {n}")
+                    await _write(writer, ACK, b'{"ok": true}')
+                    await done(Incoming(rid, tokens, have, kv, int(end["first_token"]), received, start, time.time()))
+                    return
+                if ftype != BLOCK:
+                    raise KVTransferError(f"unexpected frame type {ftype}")
+                _, first, count, l0, l1, heads, hd, code, crc = BLOCK_HDR.unpack_from(payload)
+                data = payload[BLOCK_HDR.size :]
+                if zlib.crc32(data) != crc:
+                    raise KVTransferError(f"block at token {first}: checksum mismatch")
+                if (first != pos or first + count > n or (l0, l1, heads, hd) != (0, shape[0], shape[2], shape[4])
+                        or CODE_DTYPES.get(code) != dtype):
+                    raise KVTransferError(f"block at token {first}: unexpected shape/position/dtype")
+                block = torch.frombuffer(bytearray(data), dtype=dtype).view(shape[0], 2, heads, count, hd)
+                kv[:, :, :, first - have : first - have + count] = block
+                pos += count
+        except (KVTransferError, asyncio.IncompleteReadError, OSError, ValueError, KeyError) as e:
+            msg = f"KV transfer for {rid} failed: {e}"
+            with contextlib.suppress(OSError):
+                await _write(writer, ACK, json.dumps({"error": msg}).encode())
+            if rid != "?":
+                await fail(rid, msg)
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, host, port)

@@ -1,0 +1,104 @@
+"""Prefill worker: prefix-cache lookup, chunked prefill of the missed tokens, KV shipping.
+
+Requests are prefilled one at a time in arrival order (prefill is compute-bound; chunking
+bounds a step's length). The matched prefix is locked for the duration of the request so
+eviction cannot pull it away; the prompt's full blocks are inserted afterwards. The KV is
+then shipped to every target of the command concurrently while the next prefill runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from workers import kv_wire
+from workers.control import Command
+from workers.radix_cache import RadixCache
+from workers.runtime import Worker, WorkerConfig
+
+
+class PrefillWorker(Worker):
+    def __init__(self, cfg: WorkerConfig) -> None:
+        super().__init__(cfg)
+        self.cache = RadixCache(cfg.block_size, cfg.cache_tokens)
+        self.queue: asyncio.Queue[Command] = asyncio.Queue()
+        self.computed_tokens = 0
+        self.reused_tokens = 0
+        self.transfers: list[dict[str, Any]] = []
+        self.cancels: dict[str, asyncio.Event] = {}
+        self.busy = 0
+
+    async def start(self) -> None:
+        self.spawn(self._loop())
+
+    async def handle(self, cmd: Command) -> None:
+        if cmd.op == "prefill":
+            self.cancels[cmd.rid] = asyncio.Event()
+            await self.queue.put(cmd)
+        elif cmd.op == "cancel" and cmd.rid in self.cancels:
+            self.cancels[cmd.rid].set()
+
+    def active(self) -> int:
+        return self.busy
+
+    def queued(self) -> int:
+        return self.queue.qsize()
+
+    def info(self) -> dict[str, Any]:
+        return {**super().info(), "cache": {"hit_rate": self.cache.hit_rate, "blocks": self.cache.blocks,
+                                            "hit_tokens": self.cache.hit_tokens,
+                                            "lookup_tokens": self.cache.lookup_tokens},
+                "computed_tokens": self.computed_tokens, "reused_tokens": self.reused_tokens}
+
+    async def _loop(self) -> None:
+        while True:
+            cmd = await self.queue.get()
+            self.busy = 1
+            try:
+                await self._prefill(cmd)
+            except Exception as e:  # noqa: BLE001 - the request fails, the worker goes on
+                await self.event("failed", cmd.rid, reason=f"prefill on {self.cfg.name}: {e}")
+            finally:
+                self.busy = 0
+
+    async def _prefill(self, cmd: Command) -> None:
+        cancel = self.cancels[cmd.rid]
+        if cancel.is_set():
+            return
+        tokens = cmd.prompt
+        path = self.cache.match_prefix(tokens)
+        # Keep at least one token to compute: its logits give the first output token.
+        while path and len(path) * self.cfg.block_size >= len(tokens):
+            path = path[:-1]
+        self.cache.lock(path)
+        try:
+            cached = self.cache.kv_of(path)
+            hit = len(path) * self.cfg.block_size
+            t0 = time.time()
+            (kv, first), real = await self.run_compute(self.runner.prefill, tokens, cached, self.cfg.prefill_chunk)
+            modeled = None if self.pacer.native else self.pacer.prefill_time(self.cost, len(tokens) - hit, hit)
+            await self.pace("prefill", real, modeled)
+            self.computed_tokens += len(tokens) - hit
+            self.reused_tokens += hit
+            self.cache.insert(tokens, kv)
+        finally:
+            self.cache.unlock(path)
+        await self.event("prefill_done", cmd.rid, hit_tokens=hit, computed=len(tokens) - hit,
+                         first_token=first, start=t0, end=time.time(), real_s=real, modeled_s=modeled)
+        for target in cmd.kv_to:
+            self.spawn(self._ship(cmd, target, kv, first, cancel))
+
+    async def _ship(self, cmd: Command, target: Any, kv: Any, first: int, cancel: asyncio.Event) -> None:
+        corrupt = self.cfg.faults.get("corrupt_block")
+        try:
+            st = await kv_wire.send_kv(target.host, target.port, cmd.rid, cmd.prompt, kv, first,
+                                       self.cfg.block_size, cancel=cancel, corrupt_block=corrupt)
+        except kv_wire.KVTransferError as e:
+            await self.event("failed", cmd.rid, reason=str(e), target=target.worker)
+            return
+        rec = {"to": target.worker, "bytes": st.bytes_sent, "payload": st.payload_bytes,
+               "tokens": st.tokens_sent, "had": st.receiver_had, "start": st.start, "end": st.end,
+               "cancelled": st.cancelled}
+        self.transfers.append({"rid": cmd.rid, **rec})
+        await self.event("kv_sent", cmd.rid, **rec)

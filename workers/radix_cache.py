@@ -1,0 +1,143 @@
+"""Radix (prefix) cache of KV blocks, keyed by token blocks.
+
+One concept, one module (after SGLang's RadixCache). The tree's edges are full blocks of
+``block_size`` token IDs; each node holds the KV of its block, shape
+``(layers, 2, kv_heads, block_size, head_dim)``. Guarantees:
+
+* ``match_prefix(tokens)`` returns the longest cached prefix in whole blocks, and the KV
+  returned for it is exactly what ``insert`` stored for those tokens (position-correct:
+  a block's KV only exists under its own prefix);
+* capacity is in tokens; when full, ``insert`` evicts least-recently-used *unlocked leaf*
+  blocks first; a locked block (a request in flight uses it) and its ancestors are never
+  evicted; if nothing evictable is left, the tail of the insert is dropped, not stored;
+* hit/miss counters (tokens) are kept for reporting.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(eq=False)
+class Node:
+    key: tuple[int, ...]
+    kv: torch.Tensor | None
+    parent: Node | None
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    lock: int = 0
+    last_used: int = 0
+
+
+class RadixCache:
+    def __init__(self, block_size: int, capacity_tokens: int) -> None:
+        if block_size < 1 or capacity_tokens < 0:
+            raise ValueError("block_size must be >= 1 and capacity >= 0")
+        self.block_size = block_size
+        self.capacity_blocks = capacity_tokens // block_size
+        self.root = Node((), None, None)
+        self.blocks = 0
+        self._clock = itertools.count(1)
+        self.hit_tokens = 0
+        self.lookup_tokens = 0
+        self.evicted_blocks = 0
+
+    def _keys(self, tokens: list[int]) -> list[tuple[int, ...]]:
+        bs = self.block_size
+        return [tuple(tokens[i : i + bs]) for i in range(0, len(tokens) - bs + 1, bs)]
+
+    def match_prefix(self, tokens: list[int], count: bool = True) -> list[Node]:
+        """Nodes of the longest cached block prefix of ``tokens`` (touching them as used)."""
+        node, path = self.root, []
+        now = next(self._clock)
+        for key in self._keys(tokens):
+            child = node.children.get(key)
+            if child is None:
+                break
+            child.last_used = now
+            path.append(child)
+            node = child
+        if count:
+            self.lookup_tokens += len(tokens)
+            self.hit_tokens += len(path) * self.block_size
+        return path
+
+    @staticmethod
+    def kv_of(path: list[Node]) -> torch.Tensor | None:
+        return torch.cat([n.kv for n in path], dim=3) if path else None  # type: ignore[misc]
+
+    def lock(self, path: list[Node]) -> None:
+        for n in path:
+            n.lock += 1
+
+    def unlock(self, path: list[Node]) -> None:
+        for n in path:
+            if n.lock <= 0:
+                raise RuntimeError("unlock of an unlocked block")
+            n.lock -= 1
+
+    def insert(self, tokens: list[int], kv: torch.Tensor) -> int:
+        """Store the KV (``kv[..., t, :]`` for token t) of every full block of ``tokens``.
+
+        Returns how many blocks are cached for this prefix afterwards.
+        """
+        bs = self.block_size
+        node = self.root
+        now = next(self._clock)
+        depth = 0
+        for i, key in enumerate(self._keys(tokens)):
+            if (i + 1) * bs > kv.shape[3]:
+                break
+            child = node.children.get(key)
+            if child is None:
+                if self.blocks >= self.capacity_blocks and not self._evict_one(protect=node):
+                    break
+                child = Node(key, kv[:, :, :, i * bs : (i + 1) * bs].clone(), node)
+                node.children[key] = child
+                self.blocks += 1
+            child.last_used = now
+            node = child
+            depth += 1
+        return depth
+
+    def evict(self, n_tokens: int) -> int:
+        """Evict at least ``n_tokens`` worth of unlocked LRU leaf blocks; returns tokens freed."""
+        freed = 0
+        while freed < n_tokens and self._evict_one(protect=None):
+            freed += self.block_size
+        return freed
+
+    def _evict_one(self, protect: Node | None) -> bool:
+        # Protect the node being extended and its ancestors (the insert path).
+        keep = set()
+        n = protect
+        while n is not None:
+            keep.add(id(n))
+            n = n.parent
+        leaves = [x for x in self._iter() if not x.children and x.lock == 0 and id(x) not in keep]
+        if not leaves:
+            return False
+        victim = min(leaves, key=lambda x: x.last_used)
+        assert victim.parent is not None
+        del victim.parent.children[victim.key]
+        self.blocks -= 1
+        self.evicted_blocks += 1
+        return True
+
+    def _iter(self) -> list[Node]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.blocks * self.block_size
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0

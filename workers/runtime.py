@@ -1,0 +1,194 @@
+"""Worker process runtime: configuration, MQTT session, status/last-will, command dispatch.
+
+A worker is one process inside its host's namespace (``python -m workers CONFIG.json``).
+Role-specific behaviour lives in ``PrefillWorker`` / ``DecodeWorker``; this module gives
+both the same life: connect to the broker with a last will (``dead``), publish a retained
+``up`` status with its load, hand each command to ``handle``, and run torch work on one
+dedicated thread so the event loop keeps serving the network while the model computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiomqtt
+from pydantic import BaseModel, ConfigDict
+
+from workers.control import QOS, Command, Event, Status, Tokens, Topics
+from workers.device import ModelCost, Pacer, make_pacer
+from workers.model import ModelRunner
+
+T = TypeVar("T")
+
+
+class WorkerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    role: str
+    run_id: str
+    host_ip: str
+    kv_port: int = 7070
+    broker_host: str
+    broker_port: int
+    broker_user: str
+    broker_password: str
+    model_path: str
+    dtype: str = "float32"
+    threads: int = 1
+    block_size: int = 16
+    prefill_chunk: int = 512
+    cache_tokens: int = 262144
+    max_batch: int = 32
+    kv_timeout_s: float = 120.0
+    device: str = "native"
+    peak_tflops: float | None = None
+    mem_gbps: float | None = None
+    step_overhead_ms: float = 0.0
+    stats_path: str = ""
+    faults: dict[str, Any] = {}
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.cfg = cfg
+        self.topics = Topics(cfg.run_id)
+        self.runner = ModelRunner(cfg.model_path, cfg.dtype, cfg.threads)
+        mc = self.runner.model.config
+        self.cost = ModelCost(
+            params=self.runner.params, layers=mc.num_hidden_layers, hidden=mc.hidden_size,
+            kv_bytes_per_token=self.runner.shape.kv_bytes_per_token,
+            weight_bytes=self.runner.params * self.runner.shape.kv_bytes_per_token
+            // (2 * self.runner.shape.layers * self.runner.shape.kv_heads * self.runner.shape.head_dim),
+        )  # fmt: skip
+        self.pacer: Pacer = make_pacer(cfg.device, cfg.peak_tflops, cfg.mem_gbps, cfg.step_overhead_ms)
+        self.compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torch")
+        self.client: aiomqtt.Client | None = None
+        self.stopping = asyncio.Event()
+        self.tasks: set[asyncio.Task[Any]] = set()
+
+    # ----------------------------------------------------------------- helpers for roles
+    async def run_compute(self, fn: Callable[..., T], *args: Any) -> tuple[T, float]:
+        """Run torch work on the compute thread; returns (result, real seconds)."""
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        res = await loop.run_in_executor(self.compute, fn, *args)
+        return res, time.perf_counter() - t0
+
+    async def pace(self, kind: str, real_s: float, modeled_s: float | None) -> None:
+        wait = self.pacer.account(kind, real_s, modeled_s)
+        if wait > 0:
+            await asyncio.sleep(wait)
+
+    async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        assert self.client is not None
+        await self.client.publish(topic, payload, qos=QOS, retain=retain)
+
+    async def event(self, kind: str, rid: str, **data: Any) -> None:
+        ev = Event(kind=kind, rid=rid, worker=self.cfg.name, t=time.time(), data=data)  # type: ignore[arg-type]
+        await self.publish(self.topics.events, ev.dump())
+
+    async def stream(self, rid: str, start: int, tokens: list[int], done: bool = False,
+                     error: str | None = None) -> None:
+        msg = Tokens(rid=rid, start=start, tokens=tokens, worker=self.cfg.name, t=time.time(),
+                     done=done, error=error)
+        await self.publish(self.topics.tokens(rid), msg.dump())
+
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            traceback.print_exception(task.exception(), file=sys.stderr)
+
+    async def publish_status(self) -> None:
+        st = Status(worker=self.cfg.name, role=self.cfg.role, state="up", active=self.active(),
+                    queued=self.queued(), host=self.cfg.host_ip, kv_port=self.cfg.kv_port,
+                    info=self.info())
+        await self.publish(self.topics.status(self.cfg.name), st.dump(), retain=True)
+
+    # ----------------------------------------------------------------- role interface
+    async def start(self) -> None:
+        """Role setup once connected (e.g. start the KV server)."""
+
+    async def handle(self, cmd: Command) -> None:
+        raise NotImplementedError
+
+    def active(self) -> int:
+        return 0
+
+    def queued(self) -> int:
+        return 0
+
+    def info(self) -> dict[str, Any]:
+        return {"device": self.pacer.report()}
+
+    # ----------------------------------------------------------------- main loop
+    async def main(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        dead = Status(worker=self.cfg.name, role=self.cfg.role, state="dead").dump()
+        will = aiomqtt.Will(self.topics.status(self.cfg.name), dead, qos=QOS, retain=True)
+        async with aiomqtt.Client(
+            self.cfg.broker_host, self.cfg.broker_port, username=self.cfg.broker_user,
+            password=self.cfg.broker_password, identifier=f"{self.cfg.run_id}-{self.cfg.name}",
+            will=will, keepalive=5,
+        ) as client:  # fmt: skip
+            self.client = client
+            await self.start()
+            await client.subscribe(self.topics.cmd(self.cfg.name), qos=QOS)
+            await self.publish_status()
+            self.spawn(self._status_loop())
+            reader = asyncio.create_task(self._read(client))
+            await self.stopping.wait()
+            reader.cancel()
+            self.write_stats()
+            await self.publish(self.topics.status(self.cfg.name), dead, retain=True)
+
+    async def _read(self, client: aiomqtt.Client) -> None:
+        async for message in client.messages:
+            try:
+                cmd = Command.model_validate_json(message.payload)  # type: ignore[arg-type]
+            except ValueError as e:
+                print(f"{self.cfg.name}: bad command: {e}", file=sys.stderr)
+                continue
+            self.spawn(self.handle(cmd))
+
+    async def _status_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            await self.publish_status()
+            self.write_stats()
+
+    def write_stats(self) -> None:
+        if self.cfg.stats_path:
+            tmp = self.cfg.stats_path + ".tmp"
+            Path(tmp).write_text(json.dumps({"worker": self.cfg.name, **self.info()}))
+            Path(tmp).replace(self.cfg.stats_path)
+
+
+def run_worker(config_path: str) -> None:
+    cfg = WorkerConfig.model_validate_json(Path(config_path).read_text())
+    if cfg.role == "prefill":
+        from workers.prefill import PrefillWorker
+
+        worker: Worker = PrefillWorker(cfg)
+    else:
+        from workers.decode import DecodeWorker
+
+        worker = DecodeWorker(cfg)
+    asyncio.run(worker.main())
