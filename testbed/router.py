@@ -117,6 +117,8 @@ class Router:
             await self._fail(r.rid, f"no plan: {e}")
             return
         req.plan = plan
+        for w in {plan.prefill, plan.decode}:
+            self.view.workers[w].assigned += 1
         d = self.view.workers[plan.decode]
         # Decode first: it must know the request before the KV arrives.
         await self.publish(self.topics.cmd(plan.decode),
@@ -154,6 +156,9 @@ class Router:
     def _finish(self, req: RequestState, error: str | None) -> None:
         self.inflight.pop(req.rid, None)
         plan = req.plan
+        if plan:
+            for w in {plan.prefill, plan.decode}:
+                self.view.workers[w].assigned -= 1
         rec = {"rid": req.rid, "pipeline": plan.pipeline if plan else None,
                "prefill": plan.prefill if plan else None, "decode": plan.decode if plan else None,
                "decode_dc": self.view.workers[plan.decode].dc if plan else None,

@@ -17,6 +17,7 @@ handoff must extend a request by several known tokens in one pass. Neither is ex
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +59,7 @@ class DecodeWorker(Worker):
         self.wake = asyncio.Event()
         self.step_log: list[tuple[int, float]] = []  # (batch size, real seconds)
         self.server: asyncio.Server | None = None
+        self.tokens_out = 0
 
     async def start(self) -> None:
         self.server = await kv_wire.serve_kv(self.cfg.host_ip, self.cfg.kv_port, self._offer, self._arrived,
@@ -163,6 +165,9 @@ class DecodeWorker(Worker):
                 seq.out.append(tok)
                 done = self._finished(seq)
                 await self.stream(seq.rid, len(seq.out) - 1, [tok], done=done)
+                self.tokens_out += 1
+                if self.tokens_out == self.cfg.faults.get("die_after_tokens"):
+                    os._exit(9)  # fault injection (tests): die abruptly, like kill -9
                 if done:
                     del self.running[seq.rid]
                     await self._complete(seq)

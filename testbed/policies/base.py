@@ -17,6 +17,7 @@ class WorkerView:
     up: bool = False
     active: int = 0
     queued: int = 0
+    assigned: int = 0  # requests the router has in flight on this worker (fresher than status)
 
 
 @dataclass
@@ -31,7 +32,7 @@ class ClusterView:
         if not cands:
             where = f" in datacenter {dc}" if dc else ""
             raise LookupError(f"no live {role} worker{where}")
-        return min(cands, key=lambda w: (w.active + w.queued, w.name))
+        return min(cands, key=lambda w: (w.assigned, w.active + w.queued, w.name))
 
 
 @dataclass

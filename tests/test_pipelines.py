@@ -1,0 +1,75 @@
+"""End-to-end pipelines on the emulated network (root): exact tokens, failures end requests."""
+
+from __future__ import annotations
+
+import pytest
+
+from testbed.cli import network_session
+from testbed.cluster import Cluster
+from testbed.client import RequestSpec
+from testbed.metrics import request_rows
+from testbed.requests import synth_tokens
+from testbed.verify import compare, verification_prompts
+from workers.model import ModelRunner, ensure_default_model
+
+from .conftest import needs_root, scenario_with
+
+pytestmark = needs_root
+
+
+@pytest.fixture(scope="module")
+def prompts_and_refs() -> tuple[list[RequestSpec], dict[str, list[int]]]:
+    specs = verification_prompts(20, seed=11)
+    runner = ModelRunner(ensure_default_model(), "float64")
+    return specs, {s.rid: runner.reference(s.prompt, s.max_new) for s in specs}
+
+
+@pytest.mark.parametrize("policy", ["same-dc", "cross-dc"])
+def test_policy_tokens_equal_reference(policy: str, prompts_and_refs) -> None:
+    specs, refs = prompts_and_refs
+    assert len(specs) >= 20 and min(len(s.prompt) for s in specs) == 16 and max(len(s.prompt) for s in specs) == 2048
+    with network_session(scenario_with(), "auto") as net:
+        cl = Cluster.start(net, policy, dtype="float64")
+        recs = cl.replay(specs)
+        router = cl.router_records()
+        stats = cl.worker_stats()
+    assert compare(specs, refs, recs) == []
+    df = request_rows(recs, router)
+    # Prefix hits really skip compute: computed + reused = prompt tokens, and groups hit.
+    assert (df.prefill_hit_tokens + df.prefill_computed == df.prompt_tokens).all()
+    assert df.prefill_hit_tokens.sum() > 0
+    pf = stats["prefill"]
+    assert pf["reused_tokens"] == df.prefill_hit_tokens.sum()
+    # Only what the decoder lacks is sent: KV bytes track the tokens actually sent.
+    assert (df.kv_tokens_sent <= df.prompt_tokens).all()
+    decode_dc = "a" if policy == "same-dc" else "b"
+    assert set(df.pipeline) == {f"P-D({decode_dc})"}
+    assert (df.wan_kv_bytes > 0).any() == (policy == "cross-dc")
+    # Every token timestamp is in order.
+    for r in recs.values():
+        assert r.token_times == sorted(r.token_times)
+
+
+def _specs(n: int, out: int) -> list[RequestSpec]:
+    return [RequestSpec(f"k{i}", synth_tokens(f"kill-{i}", 64), out, at=0.02 * i) for i in range(n)]
+
+
+def test_corrupted_kv_block_fails_request_cleanly() -> None:
+    with network_session(scenario_with(), "auto") as net:
+        cl = Cluster.start(net, "cross-dc", faults={"prefill": {"corrupt_block": 1}})
+        recs = cl.replay(_specs(3, 4), timeout_s=60)
+    assert all(not r.ok for r in recs.values())
+    assert all("checksum mismatch" in (r.error or "") for r in recs.values())
+
+
+def test_dead_decode_worker_fails_its_requests_only() -> None:
+    sc = scenario_with({"datacenters": {"b": {"hosts": {"decode-b": {"role": "decode"},
+                                                         "decode-b2": {"role": "decode"}}}}})
+    with network_session(sc, "auto") as net:
+        cl = Cluster.start(net, "cross-dc", faults={"decode-b": {"die_after_tokens": 20}})
+        recs = cl.replay(_specs(8, 40), timeout_s=60)
+    failed = [r for r in recs.values() if not r.ok]
+    done = [r for r in recs.values() if r.ok]
+    assert failed and done, {r.rid: r.error for r in recs.values()}
+    assert all("decode-b died" in (r.error or "") for r in failed), [r.error for r in failed]
+    assert all(r.workers == ["decode-b2"] and len(r.tokens) == 40 for r in done)

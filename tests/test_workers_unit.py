@@ -1,0 +1,145 @@
+"""Worker building blocks without the network: cache, wire format, model, pacing."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from workers import kv_wire
+from workers.device import ModelCost, make_pacer
+from workers.model import ModelRunner, ensure_default_model
+from workers.radix_cache import RadixCache
+
+
+@pytest.fixture(scope="module")
+def runner64() -> ModelRunner:
+    return ModelRunner(ensure_default_model(), "float64")
+
+
+def fake_kv(n: int, layers: int = 2, heads: int = 2, dim: int = 4, base: float = 0.0) -> torch.Tensor:
+    t = torch.arange(n, dtype=torch.float64) + base
+    return t.view(1, 1, 1, n, 1).expand(layers, 2, heads, n, dim).clone()
+
+
+def test_radix_match_insert_lru_and_locks() -> None:
+    c = RadixCache(block_size=4, capacity_tokens=16)
+    a = list(range(10))
+    assert c.match_prefix(a) == []
+    assert c.insert(a, fake_kv(10)) == 2  # two full blocks; the partial tail is not cached
+    path = c.match_prefix(a[:8] + [99, 98, 97, 96])
+    assert len(path) == 2
+    assert torch.equal(c.kv_of(path), fake_kv(8))  # type: ignore[arg-type]
+    c.lock(path)
+    b = [50 + i for i in range(12)]
+    assert c.insert(b, fake_kv(12, base=100)) == 2  # capacity 4 blocks: a's 2 locked, b gets 2
+    assert c.blocks == 4
+    c.unlock(path)
+    c.match_prefix(b)  # b is now the most recently used
+    assert c.insert([7] * 8, fake_kv(8)) == 2  # evicts a's blocks (LRU), leaf first
+    assert c.match_prefix(a) == []
+    assert len(c.match_prefix(b)) == 2
+    with pytest.raises(RuntimeError):
+        c.unlock(path)
+
+
+def test_radix_never_evicts_locked() -> None:
+    c = RadixCache(block_size=2, capacity_tokens=4)
+    c.insert([1, 2, 3, 4], fake_kv(4))
+    path = c.match_prefix([1, 2, 3, 4])
+    c.lock(path)
+    assert c.insert([9, 9, 9, 9], fake_kv(4)) == 0
+    assert c.evict(100) == 0
+    assert len(c.match_prefix([1, 2, 3, 4])) == 2
+
+
+def _transfer(kv: torch.Tensor, tokens: list[int], have: int, corrupt: int | None = None):
+    async def main():
+        got: dict[str, object] = {}
+
+        async def offer(rid: str, toks: list[int]) -> int:
+            return have
+
+        async def done(inc: kv_wire.Incoming) -> None:
+            got["inc"] = inc
+
+        async def fail(rid: str, msg: str) -> None:
+            got["fail"] = msg
+
+        server = await kv_wire.serve_kv("127.0.0.1", 0, offer, done, fail)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            st = await kv_wire.send_kv("127.0.0.1", port, "r1", tokens, kv, 42, 16, corrupt_block=corrupt)
+        except kv_wire.KVTransferError as e:
+            got["send_error"] = str(e)
+            st = None
+        await asyncio.sleep(0.05)
+        server.close()
+        return st, got
+
+    return asyncio.run(main())
+
+
+def test_wire_sends_only_missing_tokens_with_small_framing() -> None:
+    n, have = 700, 256
+    kv = torch.randn(4, 2, 2, n, 64, dtype=torch.float32)  # default model shape: 4096 B/token
+    tokens = list(range(n))
+    st, got = _transfer(kv, tokens, have)
+    inc = got["inc"]
+    assert torch.equal(inc.kv, kv[:, :, :, have:]) and inc.first_token == 42 and inc.have == have
+    payload = (n - have) * 4096
+    assert st.payload_bytes == payload and st.tokens_sent == n - have
+    # HELLO carries the prompt's token ids (which the receiver needs for its cache).
+    framing = st.bytes_sent - payload - len(str(tokens))
+    assert 0 < framing <= 0.01 * payload
+
+
+def test_wire_detects_corrupted_block() -> None:
+    kv = torch.randn(2, 2, 2, 64, 8, dtype=torch.float64)
+    st, got = _transfer(kv, list(range(64)), 0, corrupt=2)
+    assert "checksum mismatch" in got["fail"]
+    assert "inc" not in got
+    assert "send_error" in got
+
+
+def test_batched_decode_and_extend_equal_reference(runner64: ModelRunner) -> None:
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 32000) for _ in range(n)] for n in (16, 90, 333)]
+    refs = [runner64.reference(p, 12) for p in prompts]
+    states = []
+    for p in prompts:
+        kv, tok = runner64.prefill(p, None, chunk=32)  # chunked prefill
+        states.append([kv, tok, [tok]])
+    for _ in range(11):
+        res = runner64.decode_step([(s[0], s[1]) for s in states])
+        for s, (nkv, t) in zip(states, res, strict=True):
+            s[0], s[1] = torch.cat([s[0], nkv], dim=3), t
+            s[2].append(t)
+    assert [s[2] for s in states] == refs
+    kv, first = runner64.prefill(prompts[1], None, chunk=512)
+    new_kv, nxt = runner64.extend(kv, refs[1][:8])  # 8 known tokens in one pass
+    assert nxt[:7] == refs[1][1:8] and new_kv.shape[3] == 8
+
+
+def test_prefill_on_cached_prefix_equals_full(runner64: ModelRunner) -> None:
+    p = [random.Random(5).randrange(3, 32000) for _ in range(100)]
+    full, t1 = runner64.prefill(p, None, chunk=512)
+    part, t2 = runner64.prefill(p, full[:, :, :, :64], chunk=16)
+    assert t1 == t2 and torch.allclose(full, part, atol=1e-10)
+
+
+def test_pacer_models_slow_device_and_counts_overruns() -> None:
+    cost = ModelCost(params=19_000_000, layers=4, hidden=256, kv_bytes_per_token=4096, weight_bytes=76_000_000)
+    slow = make_pacer("slow", peak_tflops=0.001, mem_gbps=1.0, overhead_ms=1.0)
+    t = slow.decode_time(cost, [1000])
+    flops, nbytes = 2 * 19e6 + 4 * 4 * 256 * 1000, 76e6 + 4096 * 1000
+    assert t == pytest.approx(1e-3 + max(flops / 1e12 / 0.001, nbytes / 1e9), rel=1e-6)  # memory-bound here
+    assert slow.account("decode", 0.001, t) == pytest.approx(t - 0.001)
+    assert slow.overruns == 0
+    fast = make_pacer("fast", peak_tflops=1000.0, mem_gbps=10000.0, overhead_ms=0.0)
+    m = fast.prefill_time(cost, 512, 0)
+    assert fast.account("prefill", 0.05, m) == 0.0
+    assert fast.overruns == 1 and fast.overrun_s == pytest.approx(0.05 - m)
+    assert make_pacer("native", None, None, 0).native
