@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from testbed.cli import network_session
-from testbed.cluster import Cluster
 from testbed.client import RequestSpec
+from testbed.cluster import Cluster
 from testbed.metrics import request_rows
 from testbed.requests import synth_tokens
 from testbed.verify import compare, verification_prompts

@@ -164,7 +164,9 @@ class DecodeWorker(Worker):
                 seq.n += 1
                 seq.out.append(tok)
                 done = self._finished(seq)
-                await self.stream(seq.rid, len(seq.out) - 1, [tok], done=done)
+                # Not awaited: a QoS-1 publish waits for the broker's ack (a WAN round trip from
+                # datacenter b). Publishes are issued in order, so each stream stays ordered.
+                self.spawn(self.stream(seq.rid, len(seq.out) - 1, [tok], done=done))
                 self.tokens_out += 1
                 if self.tokens_out == self.cfg.faults.get("die_after_tokens"):
                     os._exit(9)  # fault injection (tests): die abruptly, like kill -9

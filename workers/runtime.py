@@ -146,7 +146,7 @@ class Worker:
         async with aiomqtt.Client(
             self.cfg.broker_host, self.cfg.broker_port, username=self.cfg.broker_user,
             password=self.cfg.broker_password, identifier=f"{self.cfg.run_id}-{self.cfg.name}",
-            will=will, keepalive=5,
+            will=will, keepalive=5, max_inflight_messages=1000,
         ) as client:  # fmt: skip
             self.client = client
             await self.start()
