@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from testbed import netns, runstate
+from testbed import netns
+from testbed.cli import network_session
 from testbed.net.build import Network
 from testbed.scenario import Scenario, load_scenario
 
@@ -43,13 +44,12 @@ def small_wan(delay_ms: float, rate_mbit: float | None, jitter_ms: float = 0.0,
 
 @contextlib.contextmanager
 def built(sc: Scenario, impairment: str = "auto") -> Iterator[Network]:
-    run = runstate.Run.new()
-    net = None
+    """The CLI's own network session, plus a check that teardown left nothing behind."""
+    prefix = ""
     try:
-        net = Network.up(sc, run, impairment)  # type: ignore[arg-type]
-        yield net
+        with network_session(sc, impairment) as net:
+            prefix = net.run.prefix
+            yield net  # type: ignore[misc]
     finally:
-        if net is not None:
-            net.down()
-        runstate.destroy(run.run_id, run.namespaces, run.processes)
-        assert not [n for n in netns.list_namespaces() if n.startswith(run.prefix)]
+        if prefix:
+            assert not [n for n in netns.list_namespaces() if n.startswith(prefix)]
