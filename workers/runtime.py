@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import aiomqtt
+import torch
 from pydantic import BaseModel, ConfigDict
 
 from workers.control import QOS, Command, Event, Status, Tokens, Topics
@@ -67,8 +68,7 @@ class Worker:
         self.cost = ModelCost(
             params=self.runner.params, layers=mc.num_hidden_layers, hidden=mc.hidden_size,
             kv_bytes_per_token=self.runner.shape.kv_bytes_per_token,
-            weight_bytes=self.runner.params * self.runner.shape.kv_bytes_per_token
-            // (2 * self.runner.shape.layers * self.runner.shape.kv_heads * self.runner.shape.head_dim),
+            weight_bytes=self.runner.params * torch.finfo(self.runner.shape.dtype).bits // 8,
         )  # fmt: skip
         self.pacer: Pacer = make_pacer(cfg.device, cfg.peak_tflops, cfg.mem_gbps, cfg.step_overhead_ms)
         self.compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torch")

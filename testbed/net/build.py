@@ -42,6 +42,7 @@ class Network:
     impairment_reason: str = ""
     delayline: subprocess.Popen[bytes] | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    delayline_stats_final: dict[str, Any] | None = None  # last statistics, read at teardown
 
     # ---------------------------------------------------------------- lifecycle
     @classmethod
