@@ -95,7 +95,7 @@ class PrefillWorker(Worker):
             st = await kv_wire.send_kv(target.host, target.port, cmd.rid, cmd.prompt, kv, first,
                                        self.cfg.block_size, cancel=cancel, corrupt_block=corrupt)
         except kv_wire.KVTransferError as e:
-            await self.event("failed", cmd.rid, reason=str(e), target=target.worker)
+            await self.event("failed", cmd.rid, reason=f"KV transfer to {target.worker}: {e}", target=target.worker)
             return
         rec = {"to": target.worker, "bytes": st.bytes_sent, "payload": st.payload_bytes,
                "tokens": st.tokens_sent, "had": st.receiver_had, "start": st.start, "end": st.end,

@@ -134,6 +134,11 @@ def goodput(src_ns: str, dst_ns: str, dst_ip: str, seconds: float = 3.0, warmup:
     t_start = time.monotonic()
     t_from, t_to = t_start + warmup, t_start + warmup + seconds
     counted = [0] * streams
+    # First and last receive time inside the window, per stream: bytes returned by the first
+    # receive in the window arrived before it (possibly before the window: a receiver thread
+    # delayed by a busy CPU finds a backlog), so only later receives count, over the time
+    # between the first and the last.
+    spans: list[list[float]] = [[0.0, 0.0] for _ in range(streams)]
     errors: list[str] = []
 
     def receive(conn: socket.socket, i: int) -> None:
@@ -146,7 +151,11 @@ def goodput(src_ns: str, dst_ns: str, dst_ip: str, seconds: float = 3.0, warmup:
                     return
                 now = time.monotonic()
                 if t_from <= now <= t_to:
-                    counted[i] += n
+                    if spans[i][0]:
+                        counted[i] += n
+                    else:
+                        spans[i][0] = now
+                    spans[i][1] = now
                 elif now > t_to:
                     return
         except OSError as e:
@@ -188,4 +197,5 @@ def goodput(src_ns: str, dst_ns: str, dst_ip: str, seconds: float = 3.0, warmup:
     total = sum(counted)
     if errors or not total:
         return GoodputResult(0.0, seconds, total, "; ".join(errors) or "no data received")
-    return GoodputResult(total * 8 / seconds, seconds, total)
+    rate = sum(c * 8 / (end - first) for c, (first, end) in zip(counted, spans, strict=True) if end > first)
+    return GoodputResult(rate, seconds, total)
