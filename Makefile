@@ -6,8 +6,13 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEB_PACKAGES := iproute2 mosquitto
 SCENARIO ?= topologies/two-dc.yaml
+# The default trace is written at production lengths; TOKEN_SCALE shrinks it for a CPU model.
+TRACE ?= traces/agentic-default.jsonl
+TOKEN_SCALE ?= 16
+POLICIES ?= same-dc,cross-dc
+RUN_ARGS ?=
 
-.PHONY: setup debs test lint bench-net clean distclean
+.PHONY: setup debs test lint run-trace bench-net clean distclean
 
 setup: debs $(STAMP)
 
@@ -30,6 +35,13 @@ $(STAMP): pyproject.toml
 
 test: setup
 	$(PY) -m pytest -q
+
+# Replays the default agentic trace under each policy, prints the side-by-side table and
+# saves requests.csv/.parquet, summary.json and latency.png under runs/<timestamp>/.
+run-trace: setup
+	$(VENV)/bin/testbed clean
+	$(VENV)/bin/testbed run --scenario $(SCENARIO) --trace $(TRACE) --token-scale $(TOKEN_SCALE) \
+	  --policies $(POLICIES) $(RUN_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check testbed workers tests

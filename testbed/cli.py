@@ -1,4 +1,4 @@
-"""Command-line interface: ``testbed net up|down|check``, ``testbed clean``, ``testbed bench``."""
+"""Command-line interface: ``testbed net|clean|run|trace|verify|bench``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 from testbed import netns, runstate
 from testbed.errors import InputError, TestbedError
 from testbed.scenario import Scenario, load_scenario
+from testbed.traces.formats import FORMATS
 
 
 class Terminated(BaseException):
@@ -167,77 +168,161 @@ def cmd_bench_net(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------- inference
-def _progress(n: int, total: int, failed: int) -> None:
-    print(f"\r  {n}/{total} requests finished ({failed} failed)", end="", file=sys.stderr, flush=True)
+class _Progress:
+    """Progress of one replay on stderr: a live line on a terminal, a line every 15 s otherwise."""
+
+    def __init__(self, label: str) -> None:
+        self.label, self.tty, self.last = label, sys.stderr.isatty(), 0.0
+
+    def __call__(self, n: int, total: int, failed: int) -> None:
+        msg = f"  {self.label}: {n}/{total} requests finished ({failed} failed)"
+        if self.tty:
+            print("\r" + msg, end="", file=sys.stderr, flush=True)
+        elif time.monotonic() - self.last >= 15 or n == total:
+            self.last = time.monotonic()
+            print(msg, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print(file=sys.stderr)
 
 
 def _run_policy(sc: Scenario, impairment: str, policy: str, specs: list, dtype: str | None = None,
-                faults: dict | None = None) -> tuple[dict, dict, dict]:
+                faults: dict | None = None, timeout_s: float = 1800.0) -> tuple[dict, dict, dict]:
     """Build network + cluster for one policy, replay ``specs``, tear down. Returns records."""
     from testbed.cluster import Cluster
 
     with network_session(sc, impairment) as net:
         cl = Cluster.start(net, policy, faults=faults, dtype=dtype)  # type: ignore[arg-type]
+        progress = _Progress(policy)
         try:
-            recs = cl.replay(specs, progress=_progress if sys.stderr.isatty() else None)
+            recs = cl.replay(specs, timeout_s=timeout_s, progress=progress)
         except Exception:
             for name in ["router", *cl.workers]:
                 tail = cl.log_tail(name if name == "router" else f"worker-{name}", 1500)
                 if tail:
                     print(f"--- {name} log ---\n{tail}", file=sys.stderr)
             raise
-        if sys.stderr.isatty():
-            print(file=sys.stderr)
+        finally:
+            progress.close()
         return recs, cl.router_records(), cl.worker_stats()
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    _require_root()
-    from testbed.metrics import format_summary, itls, request_rows, summarize
+def _policy_list(spec: str, option: str) -> list[str]:
+    """Split ``a,b:k=v,k2=v2,c`` into policies (options use commas too) and validate each."""
     from testbed.policies import make_policy
-    from testbed.requests import load_requests
 
-    sc = load_scenario(args.scenario)
-    specs = load_requests(args.requests)
-    try:
-        make_policy(args.policy)
-    except (ValueError, TypeError) as e:
-        raise InputError(f"--policy: {e}") from e
-    recs, router, workers = _run_policy(sc, args.impairment, args.policy, specs)
-    df = request_rows(recs, router)
-    summary = summarize(df, itls(recs))
-    out = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    df.to_csv(out / f"requests-{args.policy.split(':')[0]}.csv", index=False)
-    (out / "summary.json").write_text(json.dumps({args.policy: summary, "workers": workers}, indent=2, default=str))
-    cols = ["rid", "pipeline", "prompt_tokens", "prefill_hit_tokens", "output_tokens", "ttft_s", "tpot_s",
-            "e2e_s", "kv_bytes", "error"]
-    print(df[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    print(format_summary(args.policy, summary))
-    print(f"records saved under {out}/")
-    return 0 if summary["failed"] == 0 else 1
-
-
-def cmd_verify(args: argparse.Namespace) -> int:
-    _require_root()
-    from testbed.policies import make_policy
-    from testbed.verify import compare, verification_prompts
-    from workers.model import ModelRunner, ensure_default_model
-
-    sc = load_scenario(args.scenario)
-    policies = [p for p in args.policies.split(",") if p]
-    # Policy options use commas too (pdd:handoff=x,threshold=y): re-join "k=v" pieces.
     merged: list[str] = []
-    for p in policies:
+    for p in filter(None, (x.strip() for x in spec.split(","))):
         if "=" in p and ":" not in p and merged:
             merged[-1] += "," + p
         else:
             merged.append(p)
+    if not merged:
+        raise InputError(f"{option}: no policy given")
     for p in merged:
         try:
             make_policy(p)
         except (ValueError, TypeError) as e:
-            raise InputError(f"--policies: {p}: {e}") from e
+            raise InputError(f"{option}: {p}: {e}") from e
+    return merged
+
+
+def _window(text: str | None) -> tuple[float, float] | None:
+    if text is None:
+        return None
+    lo, sep, hi = text.partition(":")
+    try:
+        w = (float(lo or 0), float(hi) if hi else float("inf"))
+    except ValueError as e:
+        raise InputError(f"--window: expected START:END in seconds, got {text!r}") from e
+    if not sep or w[0] < 0 or w[1] <= w[0]:
+        raise InputError(f"--window: expected START:END in seconds with 0 <= START < END, got {text!r}")
+    return w
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    _require_root()
+    from testbed import report
+    from testbed.metrics import Slo, format_summary, itls, request_rows, summarize
+    from testbed.traces import load_trace
+
+    # Everything the user gave is validated before anything is built or started.
+    sc = load_scenario(args.scenario)
+    policies = _policy_list(args.policies, "--policies")
+    if args.speed <= 0:
+        raise InputError(f"--speed: must be positive, got {args.speed}")
+    if args.limit is not None and args.limit < 1:
+        raise InputError(f"--limit: must be at least 1, got {args.limit}")
+    wl = load_trace(args.trace, args.format, args.token_scale).select(args.limit, _window(args.window))
+    if not wl.requests:
+        raise InputError(f"{args.trace}: --window/--limit leave no request")
+    slo = Slo(args.slo_ttft, args.slo_tpot)
+    specs = wl.specs(args.speed)
+    out = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    info = wl.describe()
+    print(f"trace {info['trace']}: {len(specs)} requests ({info['format']}, token scale {wl.token_scale}, "
+          f"speed {args.speed:g}); scenario {sc.name}; policies {', '.join(policies)}", flush=True)
+    frames, summaries, workers = {}, {}, {}
+    for policy in policies:
+        t0 = time.monotonic()
+        recs, router, wstats = _run_policy(sc, args.impairment, policy, specs, timeout_s=args.timeout)
+        df = request_rows(recs, router, specs)
+        frames[policy] = df
+        summaries[policy] = summarize(df, itls(recs), slo, recs)
+        workers[policy] = wstats
+        print(format_summary(policy, summaries[policy]) + f"  [{time.monotonic() - t0:.0f} s]", flush=True)
+        for rid, why in list(summaries[policy]["failures"].items())[:5]:
+            print(f"    failed {rid}: {why}")
+    summary = {"trace": info, "speed": args.speed, "limit": args.limit, "window": args.window,
+               "scenario": sc.model_dump(mode="json"), "policies": summaries, "workers": workers}
+    paths = report.save(out, frames, summary)
+    print()
+    print(report.comparison_table(summaries))
+    print(f"\nsaved: {', '.join(str(p) for p in paths)}")
+    return 0 if all(s["failed"] == 0 for s in summaries.values()) else 1
+
+
+def cmd_trace_stats(args: argparse.Namespace) -> int:
+    from testbed.traces import load_trace
+    from testbed.traces.stats import format_stats, trace_stats
+
+    wl = load_trace(args.file, args.format, args.token_scale)
+    st = trace_stats(wl, args.block)
+    print(json.dumps(st, indent=2) if args.json else format_stats(st))
+    return 0
+
+
+def cmd_trace_gen(args: argparse.Namespace) -> int:
+    from testbed.traces import load_trace
+    from testbed.traces.formats import sessions_workload
+    from testbed.traces.generate import GenConfig, generate, mooncake_lines, write_jsonl
+    from testbed.traces.stats import format_stats, trace_stats
+
+    cfg = GenConfig(sessions=args.sessions, seed=args.seed, duration_s=args.duration, above_95=args.above_95,
+                    anomalous_share=args.anomalous, context_max=args.context_max,
+                    think_mean_s=args.think, calibrate_scale=args.calibrate_scale)
+    if not (0 <= cfg.above_95 <= 1 and 0 <= cfg.anomalous_share < 0.5 and cfg.sessions >= 1):
+        raise InputError("trace gen: --above-95 must be in [0, 1], --anomalous in [0, 0.5), --sessions >= 1")
+    sessions, header = generate(cfg)
+    if args.as_format == "mooncake":
+        # Mooncake has no sessions: closed-loop turns are placed at their estimated send time.
+        wl = sessions_workload(args.output, enumerate(sessions, 2))
+        write_jsonl(args.output, mooncake_lines(wl))
+    else:
+        write_jsonl(args.output, sessions, header)
+    print(f"wrote {args.output} ({args.as_format}, seed {cfg.seed})")
+    print(format_stats(trace_stats(load_trace(args.output, args.as_format))))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    _require_root()
+    from testbed.verify import compare, verification_prompts
+    from workers.model import ModelRunner, ensure_default_model
+
+    sc = load_scenario(args.scenario)
+    merged = _policy_list(args.policies, "--policies")
     specs = verification_prompts(args.prompts, args.seed)
     model = str(sc.workers.model) if sc.workers.model else str(ensure_default_model())
     ref_runner = ModelRunner(model, args.dtype)
@@ -289,12 +374,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="also tear down runs that are still alive")
     p.set_defaults(func=cmd_clean)
 
-    p = sub.add_parser("run", help="serve a request list under one policy and print per-request metrics")
+    def trace_opts(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--format", default="auto", help=f"auto | {' | '.join(FORMATS)} (default: auto)")
+        p.add_argument("--token-scale", type=int, default=1, metavar="N",
+                       help="divide every length (and the prefix block size) by N")
+
+    p = sub.add_parser("run", help="replay a trace under one or more policies; save, plot and compare")
     scenario_opts(p)
-    p.add_argument("--policy", default="cross-dc", help="same-dc | cross-dc")
-    p.add_argument("--requests", type=Path, required=True, help="JSONL request list")
+    p.add_argument("--trace", type=Path, required=True, help="trace file (formats: traces/README.md)")
+    trace_opts(p)
+    p.add_argument("--policies", "--policy", dest="policies", default="same-dc,cross-dc",
+                   help="comma-separated, each name[:key=value,...] (default same-dc,cross-dc)")
+    p.add_argument("--speed", type=float, default=1.0, help="time compression: 2 = arrivals/delays twice as fast")
+    p.add_argument("--limit", type=int, help="replay only the first N requests")
+    p.add_argument("--window", help="replay only requests sent in START:END seconds of the trace")
+    p.add_argument("--slo-ttft", type=float, default=5.0, help="SLO for goodput: TTFT seconds (default 5)")
+    p.add_argument("--slo-tpot", type=float, default=0.25, help="SLO for goodput: TPOT seconds (default 0.25)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="give up on the replay after this many seconds")
     p.add_argument("--out", help="results folder (default runs/<timestamp>)")
     p.set_defaults(func=cmd_run)
+
+    trace = sub.add_parser("trace", help="trace statistics and generation")
+    tsub = trace.add_subparsers(dest="trace_cmd", required=True)
+    p = tsub.add_parser("stats", help="lengths, arrival rate, prefix-hit distribution of a trace")
+    p.add_argument("file", type=Path)
+    trace_opts(p)
+    p.add_argument("--block", type=int, help="block size for hit rates (default: 512 / token scale)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_trace_stats)
+    p = tsub.add_parser("gen", help="generate agentic sessions that follow a prefix-hit target")
+    p.add_argument("--sessions", type=int, default=60)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--duration", type=float, default=120.0, help="sessions start within this many seconds")
+    p.add_argument("--above-95", type=float, default=0.75, help="target share of requests with hit > 95%%")
+    p.add_argument("--anomalous", type=float, default=0.035,
+                   help="share of long-input, low-hit, short-output requests")
+    p.add_argument("--context-max", type=int, default=65536)
+    p.add_argument("--think", type=float, default=2.0, help="mean delay between turns, seconds")
+    p.add_argument("--calibrate-scale", type=int, default=1,
+                   help="calibrate hit shares as replayed with this --token-scale")
+    p.add_argument("--as", dest="as_format", choices=["sessions", "mooncake"], default="sessions",
+                   help="write agentic sessions (default) or Mooncake records (no sessions: open loop)")
+    p.add_argument("-o", "--output", type=Path, required=True)
+    p.set_defaults(func=cmd_trace_gen)
 
     p = sub.add_parser("verify", help="compare every policy's greedy tokens with a single-process reference")
     scenario_opts(p)

@@ -30,8 +30,10 @@ class RequestSpec:
     rid: str
     prompt: list[int]
     max_new: int
-    at: float = 0.0  # seconds after the replay starts
+    at: float = 0.0  # seconds after the replay starts (open loop)
     meta: dict[str, object] = field(default_factory=dict)
+    after: str | None = None  # closed loop: sent ``delay`` s after request ``after`` completes
+    delay: float = 0.0
 
 
 @dataclass
@@ -62,8 +64,16 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
         concurrent.futures.ThreadPoolExecutor(2, initializer=netns.join, initargs=(ns,))
     )
     recs = {s.rid: ClientRecord(s.rid, len(s.prompt), s.max_new) for s in specs}
+    by_rid = {s.rid: s for s in specs}
+    followers: dict[str, list[RequestSpec]] = {}
+    for s in specs:
+        if s.after is not None:
+            if s.after not in by_rid:
+                raise ProtocolError(f"request {s.rid} follows unknown request {s.after}")
+            followers.setdefault(s.after, []).append(s)
     finished = asyncio.Event()
     n_done = 0
+    pending: set[asyncio.Task[None]] = set()
     async with aiomqtt.Client(broker.host, broker.port, username=broker.username, password=broker.password,
                               identifier=f"{topics.root}-client", keepalive=10) as client:
         await client.subscribe(topics.all_tokens, qos=QOS)
@@ -71,7 +81,6 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
         ready = asyncio.Event()
 
         async def read() -> None:
-            nonlocal n_done
             async for msg in client.messages:
                 now = time.time()
                 payload = msg.payload
@@ -97,9 +106,30 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
                             rec.workers.append(t.worker)
                         rec.done = t.done
                 if rec.done:
-                    n_done += 1
-                    if n_done == len(recs):
-                        finished.set()
+                    complete(rec)
+
+        def complete(rec: ClientRecord) -> None:
+            nonlocal n_done
+            n_done += 1
+            if n_done == len(recs):
+                finished.set()
+            for nxt in followers.get(rec.rid, []):
+                if rec.ok:
+                    task = asyncio.create_task(send(nxt, nxt.delay))
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
+                else:
+                    # An agent cannot take its next turn without this turn's answer.
+                    f = recs[nxt.rid]
+                    f.error, f.done = f"not sent: previous turn {rec.rid} failed", True
+                    complete(f)
+
+        async def send(spec: RequestSpec, delay: float) -> None:
+            if delay > 0:
+                await asyncio.sleep(delay)
+            recs[spec.rid].sent = time.time()
+            req = Request(rid=spec.rid, prompt=spec.prompt, max_new=spec.max_new, meta=dict(spec.meta))
+            await client.publish(topics.requests, req.dump(), qos=QOS)
 
         reader = asyncio.create_task(read())
         try:
@@ -117,21 +147,19 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
                     progress(n_done, len(recs), failed)
 
         tick = asyncio.create_task(ticker())
-        for spec in sorted(specs, key=lambda s: s.at):
-            delay = t0 + spec.at - time.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            recs[spec.rid].sent = time.time()
-            req = Request(rid=spec.rid, prompt=spec.prompt, max_new=spec.max_new, meta=dict(spec.meta))
-            await client.publish(topics.requests, req.dump(), qos=QOS)
+        for spec in sorted((s for s in specs if s.after is None), key=lambda s: s.at):
+            await send(spec, t0 + spec.at - time.time())
         try:
             await asyncio.wait_for(finished.wait(), timeout=timeout_s)
         except TimeoutError:
             for r in recs.values():
                 if not r.done:
-                    r.error, r.done = f"no completion within the client timeout ({timeout_s} s)", True
+                    what = "no completion" if r.sent else "not sent (waiting for its previous turn)"
+                    r.error, r.done = f"{what} within the client timeout ({timeout_s} s)", True
         tick.cancel()
         reader.cancel()
+        for task in list(pending):
+            task.cancel()
     return recs
 
 

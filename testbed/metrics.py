@@ -3,20 +3,32 @@
 Measured at the client: TTFT = send -> first token received; TPOT = (E2E - TTFT) /
 (output tokens - 1), only when output > 1; ITL = every gap between consecutive tokens,
 pooled over requests; E2E = send -> last token. Failed requests are counted and listed
-with their reasons and excluded from latency statistics.
+with their reasons and excluded from latency statistics; in goodput they count as not
+meeting the SLO. Goodput = requests that completed within the SLO (TTFT and TPOT) per
+second of the run (first send to last token).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from testbed.client import ClientRecord
+from testbed.client import ClientRecord, RequestSpec
 
 
-def request_rows(recs: dict[str, ClientRecord], router: dict[str, dict[str, Any]]) -> pd.DataFrame:
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float = 5.0
+    tpot_s: float = 0.25
+
+
+def request_rows(recs: dict[str, ClientRecord], router: dict[str, dict[str, Any]],
+                 specs: list[RequestSpec] | None = None) -> pd.DataFrame:
+    meta = {s.rid: s.meta for s in specs or []}
+    t0 = min((r.sent for r in recs.values() if r.sent), default=0.0)
     rows = []
     for rid, r in recs.items():
         rr = router.get(rid, {})
@@ -27,7 +39,10 @@ def request_rows(recs: dict[str, ClientRecord], router: dict[str, dict[str, Any]
         row: dict[str, Any] = {
             "rid": rid, "ok": r.ok, "error": r.error, "pipeline": rr.get("pipeline"),
             "prompt_tokens": r.prompt_len, "output_tokens": len(r.tokens), "max_new": r.max_new,
-            "sent": r.sent, "ttft_s": np.nan, "tpot_s": np.nan, "e2e_s": np.nan,
+            "session": meta.get(rid, {}).get("session"), "turn": meta.get(rid, {}).get("turn"),
+            "short_output": bool(meta.get(rid, {}).get("short_output", False)),
+            "sent": r.sent, "sent_offset_s": r.sent - t0 if r.sent else np.nan,
+            "ttft_s": np.nan, "tpot_s": np.nan, "e2e_s": np.nan,
             "prefill_hit_tokens": prefill.get("hit_tokens"), "prefill_computed": prefill.get("computed"),
             "kv_bytes": sum(e.get("bytes", 0) for e in kv_sent),
             "kv_tokens_sent": sum(e.get("tokens", 0) for e in kv_sent),
@@ -52,11 +67,23 @@ def _pct(s: pd.Series, q: float) -> float | None:
     return float(np.percentile(s, q)) if len(s) else None
 
 
-def summarize(df: pd.DataFrame, itl: list[float]) -> dict[str, Any]:
+def summarize(df: pd.DataFrame, itl: list[float], slo: Slo | None = None,
+              recs: dict[str, ClientRecord] | None = None) -> dict[str, Any]:
+    slo = slo or Slo()
     ok = df[df.ok]
     failed = df[~df.ok]
     itl_s = pd.Series(itl, dtype=float)
+    met = ok[(ok.ttft_s <= slo.ttft_s) & (ok.tpot_s.fillna(0) <= slo.tpot_s)]
+    span = None
+    if recs:
+        sends = [r.sent for r in recs.values() if r.sent]
+        ends = [r.token_times[-1] for r in recs.values() if r.token_times]
+        if sends and ends:
+            span = max(ends) - min(sends)
     return {
+        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}, "slo_met": int(len(met)),
+        "slo_attainment": len(met) / len(df) if len(df) else None,
+        "duration_s": span, "goodput_rps": len(met) / span if span else None,
         "requests": len(df), "completed": int(len(ok)), "failed": int(len(failed)),
         "failures": {r.rid: r.error for r in failed.itertuples()},
         "ttft_p50_s": _pct(ok.ttft_s, 50), "ttft_p90_s": _pct(ok.ttft_s, 90), "ttft_p99_s": _pct(ok.ttft_s, 99),
@@ -77,4 +104,5 @@ def format_summary(name: str, s: dict[str, Any]) -> str:
         f"TTFT ms p50 {ms(s['ttft_p50_s']):>6} p90 {ms(s['ttft_p90_s']):>6} p99 {ms(s['ttft_p99_s']):>6} | "
         f"TPOT ms p50 {ms(s['tpot_p50_s']):>5} p99 {ms(s['tpot_p99_s']):>5} | "
         f"E2E ms p50 {ms(s['e2e_p50_s']):>6} p99 {ms(s['e2e_p99_s']):>6} | WAN KV {s['wan_kv_bytes'] / 1e6:.1f} MB"
+        + (f" | SLO met {100 * s['slo_attainment']:.0f}%" if s.get("slo_attainment") is not None else "")
     )

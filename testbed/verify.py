@@ -12,7 +12,7 @@ import random
 from typing import Any
 
 from testbed.client import ClientRecord, RequestSpec
-from testbed.requests import synth_tokens
+from testbed.traces.workload import synth_tokens
 
 
 def verification_prompts(n: int = 24, seed: int = 7, max_len: int = 2048) -> list[RequestSpec]:

@@ -10,7 +10,7 @@ from testbed.cli import network_session
 from testbed.client import RequestSpec
 from testbed.cluster import Cluster
 from testbed.metrics import request_rows
-from testbed.requests import synth_tokens
+from testbed.traces.workload import synth_tokens
 from testbed.verify import compare, verification_prompts
 from workers.model import ModelRunner, ensure_default_model
 

@@ -1,0 +1,159 @@
+"""The one workload shape every trace format is loaded into, and how it becomes requests.
+
+A ``Workload`` is a list of ``TraceRequest`` in file order. A request's prompt is not
+stored as token IDs but as a recipe: a list of ``Segment`` (a deterministic token stream
+named by a key, cut to a length). Requests that share leading segments share their leading
+tokens exactly, so prefix reuse in the trace becomes prefix reuse in the workers' caches,
+and statistics (block hit rates) are computed from recipes without materialising millions
+of tokens. Token IDs are made only for the requests that are replayed.
+
+A request is sent either at an offset from the replay's start (``at``, open loop) or a
+delay after another request of its session completes (``after`` + ``delay``, closed loop).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from testbed.client import RequestSpec
+
+VOCAB_LOW, VOCAB_HIGH = 3, 32000  # ids 0..2 are pad/bos/eos in the default model
+
+
+def synth_tokens(key: str, n: int) -> list[int]:
+    """``n`` token IDs determined by ``key``; a shorter cut is a prefix of a longer one."""
+    rng = random.Random(key)
+    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
+
+
+@functools.lru_cache(maxsize=512)
+def _segment_tokens(key: str, n: int) -> tuple[int, ...]:
+    return tuple(synth_tokens(key, n))
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``n`` tokens of the stream named ``key`` (or the literal token IDs given)."""
+
+    key: str
+    n: int
+    literal: tuple[int, ...] | None = None
+
+    def tokens(self) -> tuple[int, ...]:
+        return self.literal if self.literal is not None else _segment_tokens(self.key, self.n)
+
+
+@dataclass
+class TraceRequest:
+    rid: str
+    segments: list[Segment]
+    output_len: int
+    at: float | None = None  # open loop: seconds after the replay starts
+    after: str | None = None  # closed loop: sent ``delay`` s after this request completes
+    delay: float = 0.0
+    session: str | None = None
+    turn: int = 0
+    line: int = 0  # where it came from, for messages
+    hints: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def input_len(self) -> int:
+        return sum(s.n for s in self.segments)
+
+    def prompt(self) -> list[int]:
+        out: list[int] = []
+        for s in self.segments:
+            out.extend(s.tokens())
+        return out
+
+
+@dataclass
+class Workload:
+    source: Path
+    format: str
+    requests: list[TraceRequest]
+    token_scale: int = 1
+    block_size: int = 512  # the trace's prefix block (Mooncake: 512 tokens), after scaling
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def first_sent(self) -> dict[str, float]:
+        """Estimated send offset of each request (closed-loop turns: predecessor's + delay)."""
+        est: dict[str, float] = {}
+        for r in self.requests:
+            if r.at is not None:
+                est[r.rid] = r.at
+            else:
+                est[r.rid] = est.get(r.after or "", 0.0) + r.delay
+        return est
+
+    def select(self, limit: int | None = None, window: tuple[float, float] | None = None) -> Workload:
+        """A slice: requests whose (estimated) send time lies in ``window`` (shifted to start at
+        0), then the first ``limit`` of them. A closed-loop turn whose predecessor was cut
+        away is sent at the predecessor's estimated time instead."""
+        est = self.first_sent()
+        keep = self.requests
+        shift = 0.0
+        if window is not None:
+            lo, hi = window
+            keep = [r for r in keep if lo <= est[r.rid] < hi]
+            shift = lo
+        keep = sorted(keep, key=lambda r: est[r.rid])  # stable: file order among equals
+        if limit is not None:
+            keep = keep[:limit]
+        kept = {r.rid for r in keep}
+        out = []
+        for r in keep:
+            r2 = dataclasses.replace(r)
+            if r2.at is not None:
+                r2.at = r2.at - shift
+            elif r2.after not in kept:
+                r2.at, r2.after, r2.delay = max(0.0, est[r.rid] - shift), None, 0.0
+            out.append(r2)
+        return dataclasses.replace(self, requests=out)
+
+    def specs(self, speed: float = 1.0) -> list[RequestSpec]:
+        """Materialise prompts and timing (``speed`` 2 = twice as fast) for the client."""
+        out = []
+        for r in self.requests:
+            meta: dict[str, object] = {"session": r.session, "turn": r.turn, **r.hints}
+            out.append(RequestSpec(r.rid, r.prompt(), r.output_len,
+                                   at=(r.at or 0.0) / speed if r.at is not None else 0.0,
+                                   meta=meta, after=r.after, delay=r.delay / speed))
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        return {"trace": str(self.source), "format": self.format, "requests": len(self.requests),
+                "token_scale": self.token_scale, "block_size": self.block_size, **self.meta}
+
+
+def scale_len(n: int, scale: int) -> int:
+    """A length divided by the token scale, never below 1 token."""
+    return max(1, math.ceil(n / scale))
+
+
+def block_hashes(segments: list[Segment], block: int) -> list[bytes]:
+    """Chained content hashes of each *full* block of a prompt (as a prefix cache keys them)."""
+    out: list[bytes] = []
+    h = hashlib.blake2b(digest_size=16)
+    filled = 0
+    for s in segments:
+        pos = 0
+        while pos < s.n:
+            take = min(block - filled, s.n - pos)
+            piece = s.literal[pos : pos + take] if s.literal is not None else (s.key, pos, take)
+            h.update(repr(piece).encode())
+            filled += take
+            pos += take
+            if filled == block:
+                digest = h.digest()
+                out.append(digest)
+                h = hashlib.blake2b(digest, digest_size=16)
+                filled = 0
+    return out

@@ -1,0 +1,95 @@
+"""Trace replay end to end (root): closed-loop sessions, saved results, strict validation."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from testbed import netns, runstate
+from testbed.cli import network_session
+from testbed.cluster import Cluster
+from testbed.traces import load_trace
+
+from .conftest import ROOT, needs_root, scenario_with
+
+pytestmark = needs_root
+
+
+def _testbed(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "testbed", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+
+
+def _sessions(path: Path, n: int, turns: int, out_tokens: int = 6, delay: float = 0.4) -> Path:
+    lines = []
+    for s in range(n):
+        ts = [{"new_tokens": 40 + 10 * s, "output_tokens": out_tokens}]
+        ts += [{"new_tokens": 12, "output_tokens": out_tokens, "delay_s": delay} for _ in range(turns - 1)]
+        lines.append({"session": f"t{s}", "start_s": 0.2 * s, "shared_prefix": {"id": "sys", "tokens": 96},
+                      "turns": ts})
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def test_bad_trace_exits_2_naming_line_and_field_and_starts_nothing(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [1, 2]}\n'
+                   '{"timestamp": 5, "input_length": 2000, "output_length": 3, "hash_ids": [1, 2]}\n')
+    before_ns = set(netns.list_namespaces())
+    before_runs = set(os.listdir(runstate.STATE_ROOT)) if runstate.STATE_ROOT.exists() else set()
+    res = _testbed("run", "--trace", str(bad), "--policies", "same-dc")
+    assert res.returncode == 2, res.stderr
+    assert f"{bad}:2: hash_ids:" in res.stderr
+    assert set(netns.list_namespaces()) == before_ns
+    after_runs = set(os.listdir(runstate.STATE_ROOT)) if runstate.STATE_ROOT.exists() else set()
+    assert after_runs == before_runs
+    res = _testbed("run", "--trace", str(ROOT / "traces" / "agentic-default.jsonl"), "--policies", "nope")
+    assert res.returncode == 2 and "--policies: nope: unknown policy" in res.stderr
+
+
+def test_closed_loop_sessions_replay_and_results_are_saved(tmp_path: Path) -> None:
+    trace = _sessions(tmp_path / "s.jsonl", n=3, turns=3)
+    out = tmp_path / "out"
+    res = _testbed("run", "--trace", str(trace), "--policies", "same-dc", "--token-scale", "2", "--out", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "same-dc" in res.stdout and "TTFT p50 ms" in res.stdout
+    for name in ("requests.csv", "requests.parquet", "summary.json", "latency.png"):
+        assert (out / name).stat().st_size > 0, name
+    df = pd.read_parquet(out / "requests.parquet").set_index("rid")
+    assert len(df) == 9 and df.ok.all()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["trace"]["token_scale"] == 2 and summary["policies"]["same-dc"]["completed"] == 9
+    for s in range(3):
+        for k in (1, 2):
+            prev, cur = df.loc[f"t{s}.{k - 1}"], df.loc[f"t{s}.{k}"]
+            # Sent only after the previous turn's last token, plus its delay (0.4 s).
+            assert cur.sent >= prev.sent + prev.e2e_s + 0.4 - 0.01
+            # The previous turn's prompt is a prefix of this one's and is reused for real.
+            assert cur.prefill_hit_tokens >= 16 * ((prev.prompt_tokens - 1) // 16)
+    assert (df.output_tokens == 3).all()
+
+
+def test_a_failed_turn_ends_the_rest_of_its_session_with_a_reason(tmp_path: Path) -> None:
+    trace = _sessions(tmp_path / "s.jsonl", n=2, turns=3, out_tokens=30, delay=0.1)
+    specs = load_trace(trace).specs()
+    sc = scenario_with()
+    with network_session(sc, "auto") as net:
+        cl = Cluster.start(net, "same-dc", faults={"decode-a": {"die_after_tokens": 40}})  # type: ignore[arg-type]
+        recs = cl.replay(specs, timeout_s=60)
+    errors = {rid: r.error for rid, r in recs.items()}
+    assert all(r.done for r in recs.values()), errors
+    failed = [rid for rid, e in errors.items() if e]
+    assert failed, errors
+    for rid in failed:
+        session, turn = rid.split(".")
+        if int(turn) < 2:
+            nxt = f"{session}.{int(turn) + 1}"
+            if errors[rid] and "not sent" not in errors[rid]:
+                assert "decode-a died" in errors[rid]
+                assert errors[nxt] == f"not sent: previous turn {rid} failed"
+                assert not recs[nxt].sent

@@ -1,0 +1,195 @@
+"""Trace formats, validation, slicing, statistics and the generator (no root needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from testbed.errors import InputError
+from testbed.traces import load_trace
+from testbed.traces.generate import GenConfig, generate, mooncake_lines, write_jsonl
+from testbed.traces.stats import hit_rates, trace_stats
+
+from .conftest import ROOT
+
+
+def _write(tmp_path: Path, name: str, lines: list[object]) -> Path:
+    p = tmp_path / name
+    p.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return p
+
+
+def mc(ts: int, n_in: int, n_out: int, ids: list[int]) -> dict[str, object]:
+    return {"timestamp": ts, "input_length": n_in, "output_length": n_out, "hash_ids": ids}
+
+
+# ------------------------------------------------------------------------- Mooncake
+def test_mooncake_identical_hash_ids_give_identical_blocks(tmp_path: Path) -> None:
+    p = _write(tmp_path, "m.jsonl", [mc(0, 1200, 10, [7, 8, 9]), mc(500, 1100, 5, [7, 8, 4]), mc(900, 40, 3, [5])])
+    wl = load_trace(p)
+    assert wl.format == "mooncake" and wl.block_size == 512
+    a, b, c = (r.prompt() for r in wl.requests)
+    assert (len(a), len(b), len(c)) == (1200, 1100, 40)  # the last block is cut to input_length
+    assert a[:1024] == b[:1024] and a[1024:1100] != b[1024:1100]
+    assert [r.at for r in wl.requests] == [0.0, 0.5, 0.9]
+    assert [r.output_len for r in wl.requests] == [10, 5, 3]
+
+
+def test_mooncake_token_scale_divides_lengths_and_block(tmp_path: Path) -> None:
+    p = _write(tmp_path, "m.jsonl", [mc(0, 1200, 100, [7, 8, 9]), mc(1, 1100, 33, [7, 8, 4])])
+    wl = load_trace(p, token_scale=16)
+    assert wl.block_size == 32 and wl.token_scale == 16
+    a, b = (r.prompt() for r in wl.requests)
+    assert (len(a), len(b)) == (75, 69) and [r.output_len for r in wl.requests] == [7, 3]
+    assert a[:64] == b[:64] and a[64:69] != b[64:69]
+
+
+@pytest.mark.parametrize(("lines", "where"), [
+    (['{"timestamp": 0, "input_length": 10'], "m.jsonl:1: (line): not valid JSON"),
+    ([mc(0, 10, 1, [1]), {"timestamp": 5, "output_length": 3, "hash_ids": [1]}], "m.jsonl:2: input_length: missing"),
+    ([{"timestamp": 0, "input_length": "10", "output_length": 1, "hash_ids": [1]}], "m.jsonl:1: input_length:"),
+    ([mc(0, 10, -4, [1])], "m.jsonl:1: output_length: Input should be greater than or equal to 1"),
+    ([mc(10, 10, 1, [1]), mc(5, 10, 1, [1])], "m.jsonl:2: timestamp: goes backwards"),
+    ([mc(0, 10, 1, [1]), "", mc(1, 1500, 1, [1, 2])], "m.jsonl:3: hash_ids: 2 blocks of 512 tokens cannot cover"),
+    ([mc(0, 100, 1, [1, 2])], "m.jsonl:1: hash_ids: 2 blocks for input_length 100"),
+    ([mc(0, 10, 1, [])], "m.jsonl:1: hash_ids:"),
+])  # fmt: skip
+def test_mooncake_errors_name_file_line_field(tmp_path: Path, lines: list[object], where: str) -> None:
+    p = _write(tmp_path, "m.jsonl", lines)
+    with pytest.raises(InputError) as e:
+        load_trace(p, "mooncake")
+    assert where in str(e.value) and e.value.exit_code == 2
+
+
+# ------------------------------------------------------------------------- Azure
+def test_azure_csv(tmp_path: Path) -> None:
+    p = tmp_path / "a.csv"
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                 "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:50.9951690,396,109\n")
+    wl = load_trace(p)
+    assert wl.format == "azure" and [r.input_len for r in wl.requests] == [374, 396]
+    assert wl.requests[1].at == pytest.approx(4.314579, abs=1e-5)
+    a, b = (r.prompt() for r in wl.requests)
+    assert a[:10] != b[:10]  # no prefix information: unique prompts
+
+
+@pytest.mark.parametrize(("body", "where"), [
+    ("TIMESTAMP,ContextTokens\n1,2\n", "a.csv:1: header: missing column(s) GeneratedTokens"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n1,2,3\n2,x,3\n", "a.csv:3: ContextTokens: expected an integer"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n1,2,-3\n", "a.csv:2: GeneratedTokens: must be at least 1"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n5,2,3\n1,2,3\n", "a.csv:3: TIMESTAMP: goes backwards"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,2,3\n", "a.csv:2: TIMESTAMP: not a time"),
+])  # fmt: skip
+def test_azure_errors(tmp_path: Path, body: str, where: str) -> None:
+    p = tmp_path / "a.csv"
+    p.write_text(body)
+    with pytest.raises(InputError, match=None) as e:
+        load_trace(p)
+    assert where in str(e.value)
+
+
+# ------------------------------------------------------------------------- sessions
+def _session(sid: str, start: float, turns: list[dict[str, object]], shared: int = 0) -> dict[str, object]:
+    s: dict[str, object] = {"session": sid, "start_s": start, "turns": turns}
+    if shared:
+        s["shared_prefix"] = {"id": "sys", "tokens": shared}
+    return s
+
+
+def test_sessions_prompts_grow_by_previous_output_and_new_input(tmp_path: Path) -> None:
+    p = _write(tmp_path, "s.jsonl", [
+        {"format": "pdd-sessions", "version": 1, "seed": 3},
+        _session("a", 0.0, [{"new_tokens": 100, "output_tokens": 20},
+                            {"new_tokens": 30, "output_tokens": 5, "delay_s": 1.5},
+                            {"new_tokens": 10, "output_tokens": 5, "at_s": 9.0, "short_output": True}], shared=64),
+        _session("b", 2.0, [{"new_tokens": 50, "output_tokens": 4}], shared=64),
+    ])  # fmt: skip
+    wl = load_trace(p)
+    assert wl.format == "sessions" and wl.meta == {"seed": 3}
+    t0, t1, t2, b0 = wl.requests
+    assert (t0.input_len, t1.input_len, t2.input_len) == (164, 164 + 20 + 30, 214 + 5 + 10)
+    assert t1.prompt()[:164] == t0.prompt() and t2.prompt()[:214] == t1.prompt()
+    assert b0.prompt()[:64] == t0.prompt()[:64] and b0.prompt()[64:] != t0.prompt()[64:114]
+    assert (t1.after, t1.delay, t1.at) == ("a.0", 1.5, None)
+    assert (t2.at, t2.after, t2.hints) == (9.0, None, {"short_output": True})
+    specs = wl.specs(speed=2.0)
+    assert specs[1].after == "a.0" and specs[1].delay == 0.75 and specs[2].at == 4.5
+
+
+@pytest.mark.parametrize(("line", "where"), [
+    (_session("a", 0, []), "s.jsonl:1: turns: List should have at least 1 item"),
+    (_session("a", 0, [{"new_tokens": 5}]), "s.jsonl:1: turns.0.output_tokens: missing field"),
+    (_session("a", 0, [{"new_tokens": 5, "output_tokens": 1, "delay_s": 1}]), "s.jsonl:1: turns.0.delay_s"),
+    (_session("a", 0, [{"new_tokens": 5, "output_tokens": 1},
+                       {"new_tokens": 5, "output_tokens": 1, "delay_s": -1}]), "s.jsonl:1: turns.1.delay_s"),
+    (_session("a", 0, [{"new_tokens": 5, "output_tokens": 1, "bogus": 1}]), "s.jsonl:1: turns.0.bogus"),
+])  # fmt: skip
+def test_sessions_errors(tmp_path: Path, line: dict[str, object], where: str) -> None:
+    p = _write(tmp_path, "s.jsonl", [line])
+    with pytest.raises(InputError) as e:
+        load_trace(p, "sessions")
+    assert where in str(e.value)
+
+
+def test_sessions_start_going_backwards(tmp_path: Path) -> None:
+    turn = [{"new_tokens": 5, "output_tokens": 1}]
+    p = _write(tmp_path, "s.jsonl", [_session("a", 5, turn), _session("b", 1, turn)])
+    with pytest.raises(InputError, match=r"s.jsonl:2: start_s: goes backwards"):
+        load_trace(p)
+
+
+def test_select_limit_and_window_keep_sessions_consistent(tmp_path: Path) -> None:
+    turns = [{"new_tokens": 5, "output_tokens": 1}, {"new_tokens": 5, "output_tokens": 1, "delay_s": 4.0}]
+    p = _write(tmp_path, "s.jsonl", [_session("a", 0, turns), _session("b", 10, turns), _session("c", 20, turns)])
+    wl = load_trace(p)
+    assert [r.rid for r in wl.select(limit=3).requests] == ["a.0", "a.1", "b.0"]
+    w = wl.select(window=(3.0, 21.0))
+    # a.1 (est. 4 s) loses its predecessor: it is sent at its estimated time, shifted by 3 s.
+    assert [(r.rid, r.at, r.after) for r in w.requests] == [
+        ("a.1", 1.0, None), ("b.0", 7.0, None), ("b.1", None, "b.0"), ("c.0", 17.0, None)]
+
+
+# ------------------------------------------------------------------------- statistics
+def test_hit_rates_block_granular_in_arrival_order(tmp_path: Path) -> None:
+    p = _write(tmp_path, "m.jsonl", [
+        mc(0, 1024, 1, [1, 2]),        # cold: 0
+        mc(1, 1536, 1, [1, 2, 3]),     # 1024 / 1536
+        mc(2, 1600, 1, [1, 2, 3, 4]),  # 1536 / 1600 = 96 %
+        mc(3, 1000, 1, [1, 9]),        # 512 / 1000; a partial block never hits
+        mc(4, 1000, 1, [1, 9]),        # same prompt: only its full block (512) hits
+    ])  # fmt: skip
+    rates = list(hit_rates(load_trace(p)).values())
+    assert rates == pytest.approx([0, 1024 / 1536, 0.96, 0.512, 0.512])
+    st = trace_stats(load_trace(p))
+    assert st["hit_buckets"]["0-90%"] == pytest.approx(0.8) and st["hit_buckets"]["95-97%"] == pytest.approx(0.2)
+    assert st["mean_hit_rate"] == pytest.approx(sum(rates) / 5)
+    assert st["arrival_rate_rps"] == pytest.approx(5 / 0.004)
+
+
+def test_generator_follows_the_default_target_and_is_deterministic(tmp_path: Path) -> None:
+    sessions, header = generate(GenConfig(sessions=40, duration_s=90, seed=5))
+    write_jsonl(tmp_path / "g.jsonl", sessions, header)
+    st = trace_stats(load_trace(tmp_path / "g.jsonl"))
+    assert 0.85 <= st["mean_hit_rate"] <= 0.95
+    assert 0.70 <= st["share_above_95"] <= 0.80
+    assert 0.02 <= st["low_hit_short_output_share"] <= 0.05
+    again, header2 = generate(GenConfig(sessions=40, duration_s=90, seed=5))
+    assert again == sessions and header2 == header
+    assert generate(GenConfig(sessions=40, duration_s=90, seed=6))[0] != sessions
+    # Exported as Mooncake records, the same prompts give the same hit distribution.
+    wl = load_trace(tmp_path / "g.jsonl")
+    write_jsonl(tmp_path / "m.jsonl", mooncake_lines(wl))
+    st_m = trace_stats(load_trace(tmp_path / "m.jsonl"))
+    assert st_m["requests"] == st["requests"]
+    assert st_m["mean_hit_rate"] == pytest.approx(st["mean_hit_rate"], abs=1e-9)
+
+
+def test_shipped_default_trace_is_reproducible_from_its_header() -> None:
+    path = ROOT / "traces" / "agentic-default.jsonl"
+    header = json.loads(path.read_text().splitlines()[0])
+    fields = {k: header[k] for k in GenConfig().as_dict()}
+    sessions, hdr = generate(GenConfig(**fields))
+    expected = [json.dumps(hdr)] + [json.dumps(s, separators=(",", ":")) for s in sessions]
+    assert path.read_text().splitlines() == expected
