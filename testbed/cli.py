@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -167,6 +168,19 @@ def cmd_bench_net(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_handoff(args: argparse.Namespace) -> int:
+    _require_root()
+    from testbed.bench_handoff import format_result, run_handoff_bench
+
+    sc = load_scenario(args.scenario)
+    if args.reps < 1 or args.tokens < 1 or args.prompt < 1 or args.load_streams < 0:
+        raise InputError("bench handoff: --reps, --tokens and --prompt must be >= 1, --load-streams >= 0")
+    with network_session(sc, args.impairment) as net:
+        result = run_handoff_bench(net, args.reps, args.tokens, args.prompt, args.load_streams)  # type: ignore[arg-type]
+    print(json.dumps(result, indent=2) if args.json else format_result(result))
+    return 0
+
+
 # ------------------------------------------------------------------------------- inference
 class _Progress:
     """Progress of one replay on stderr: a live line on a terminal, a line every 15 s otherwise."""
@@ -187,8 +201,16 @@ class _Progress:
             print(file=sys.stderr)
 
 
+@dataclasses.dataclass
+class PolicyRun:
+    recs: dict  # rid -> ClientRecord
+    router: dict  # rid -> router record (plan, events)
+    workers: dict  # worker -> statistics
+    policy: dict  # the policy's own counters
+
+
 def _run_policy(sc: Scenario, impairment: str, policy: str, specs: list, dtype: str | None = None,
-                faults: dict | None = None, timeout_s: float = 1800.0) -> tuple[dict, dict, dict]:
+                faults: dict | None = None, timeout_s: float = 1800.0) -> PolicyRun:
     """Build network + cluster for one policy, replay ``specs``, tear down. Returns records."""
     from testbed.cluster import Cluster
 
@@ -205,7 +227,8 @@ def _run_policy(sc: Scenario, impairment: str, policy: str, specs: list, dtype: 
             raise
         finally:
             progress.close()
-        return recs, cl.router_records(), cl.worker_stats()
+        router = cl.router_records()
+        return PolicyRun(recs, router, cl.worker_stats(), cl.policy_stats())
 
 
 def _policy_list(spec: str, option: str) -> list[str]:
@@ -266,19 +289,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     frames, summaries, workers = {}, {}, {}
     for policy in policies:
         t0 = time.monotonic()
-        recs, router, wstats = _run_policy(sc, args.impairment, policy, specs, timeout_s=args.timeout)
-        df = request_rows(recs, router, specs)
+        run = _run_policy(sc, args.impairment, policy, specs, timeout_s=args.timeout)
+        df = request_rows(run.recs, run.router, specs)
         frames[policy] = df
-        summaries[policy] = summarize(df, itls(recs), slo, recs)
-        workers[policy] = wstats
+        summaries[policy] = {**summarize(df, itls(run.recs), slo, run.recs), "policy_stats": run.policy}
+        workers[policy] = run.workers
         print(format_summary(policy, summaries[policy]) + f"  [{time.monotonic() - t0:.0f} s]", flush=True)
         for rid, why in list(summaries[policy]["failures"].items())[:5]:
             print(f"    failed {rid}: {why}")
     summary = {"trace": info, "speed": args.speed, "limit": args.limit, "window": args.window,
                "scenario": sc.model_dump(mode="json"), "policies": summaries, "workers": workers}
-    paths = report.save(out, frames, summary)
+    paths = report.save(out, frames, summary, workers)
     print()
     print(report.comparison_table(summaries))
+    print()
+    print(report.comparison_table(summaries, report.PDD_COLUMNS))
     print(f"\nsaved: {', '.join(str(p) for p in paths)}")
     return 0 if all(s["failed"] == 0 for s in summaries.values()) else 1
 
@@ -331,12 +356,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
     refs = {s.rid: ref_runner.reference(s.prompt, s.max_new) for s in specs}
     results = {}
     for p in merged:
-        recs, _, _ = _run_policy(sc, args.impairment, p, specs, dtype=args.dtype)
-        bad = compare(specs, refs, recs)
-        results[p] = {"requests": len(specs), "mismatches": bad, "tokens": sum(len(r) for r in refs.values())}
+        run = _run_policy(sc, args.impairment, p, specs, dtype=args.dtype)
+        bad = compare(specs, refs, run.recs)
+        pipelines = {}
+        for r in run.router.values():
+            pipelines[r["pipeline"]] = pipelines.get(r["pipeline"], 0) + 1
+        results[p] = {"requests": len(specs), "mismatches": bad, "tokens": sum(len(r) for r in refs.values()),
+                      "pipelines": pipelines,
+                      "eager_tokens": sum(run.recs[r].by_worker.get(v.get("relay") or "", 0)
+                                          for r, v in run.router.items() if r in run.recs)}
         if not args.json:
             verdict = "OK: identical to the reference" if not bad else f"FAIL: {len(bad)} requests differ"
-            print(f"{p}: {len(specs)} requests, {results[p]['tokens']} tokens: {verdict}")
+            shape = ", ".join(f"{k} {v}" for k, v in sorted(pipelines.items(), key=str))
+            eager = f", {results[p]['eager_tokens']} eager tokens" if results[p]["eager_tokens"] else ""
+            print(f"{p}: {len(specs)} requests, {results[p]['tokens']} tokens ({shape}{eager}): {verdict}")
             for b in bad:
                 print(f"  {b['rid']}: {b['problem']}")
     ok = all(not r["mismatches"] for r in results.values())
@@ -435,6 +468,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench_net)
+    p = bsub.add_parser("handoff", help="relay -> main decoder handoff: ship KV vs token IDs + recompute")
+    scenario_opts(p)
+    p.add_argument("--reps", type=int, default=50, help="repetitions of each method (default 50)")
+    p.add_argument("--tokens", type=int, default=100, help="generated tokens handed over (default 100)")
+    p.add_argument("--prompt", type=int, default=1024, help="prompt tokens the main decoder holds (default 1024)")
+    p.add_argument("--load-streams", type=int, default=2, help="bulk TCP streams loading the WAN (default 2)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench_handoff)
     return ap
 
 

@@ -47,6 +47,7 @@ class ClientRecord:
     error: str | None = None
     done: bool = False
     workers: list[str] = field(default_factory=list)
+    by_worker: dict[str, int] = field(default_factory=dict)  # tokens streamed by each worker
 
     @property
     def ok(self) -> bool:
@@ -104,6 +105,7 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
                         rec.token_times.extend([now] * len(t.tokens))
                         if t.worker not in rec.workers:
                             rec.workers.append(t.worker)
+                        rec.by_worker[t.worker] = rec.by_worker.get(t.worker, 0) + len(t.tokens)
                         rec.done = t.done
                 if rec.done:
                     complete(rec)

@@ -2,7 +2,8 @@
 
 ``Cluster`` turns the scenario's hosts into processes: mosquitto and the router on the
 ``router`` host, a prefill worker on each ``prefill`` host, a decode worker on each
-``decode`` host. Every process is started inside its namespace and recorded in the run, so
+``decode`` and each ``relay-decode`` host (the same worker; a relay's part in PDD is set
+per request by the router). Every process is started inside its namespace and recorded in the run, so
 teardown (and ``testbed clean`` after a crash) ends them by PID.
 """
 
@@ -24,10 +25,10 @@ from testbed.errors import InputError
 from testbed.net.build import Network
 from testbed.scenario import Role
 from workers.control import Topics
-from workers.model import ensure_default_model
+from workers.model import ensure_default_model, kv_bytes_per_token
 
 KV_PORT = 7070
-WORKER_ROLES = {Role.PREFILL: "prefill", Role.DECODE: "decode"}
+WORKER_ROLES = {Role.PREFILL: "prefill", Role.DECODE: "decode", Role.RELAY_DECODE: "relay-decode"}
 
 
 @dataclass
@@ -82,11 +83,17 @@ class Cluster:
                 net.spawn(host, [sys.executable, "-m", "workers", str(path)], name=f"worker-{host}",
                           log=net.run.dir / f"worker-{host}.log")
                 cl.workers[host] = {"role": role, "dc": dc_name, "host": net.ip_of(host), "kv_port": KV_PORT}
+        fwd = sc.wan.forward
+        context = {
+            "wan_rate_bps": fwd.rate_mbit * 1e6 if fwd.rate_mbit else None, "wan_rtt_s": 2 * fwd.delay_ms / 1000,
+            "kv_bytes_per_token": kv_bytes_per_token(model, dtype or ws.dtype), "block_size": ws.block_size,
+            "decode_cache_tokens": ws.decode_cache_tokens,
+        }
         rcfg = {
             "run_id": net.run.run_id, "broker_host": broker.host, "broker_port": broker.port,
             "broker_user": broker.username, "broker_password": broker.password, "policy": policy,
             "workers": cl.workers, "request_timeout_s": ws.request_timeout_s,
-            "records_path": str(cl.records_path),
+            "records_path": str(cl.records_path), "context": context,
         }  # fmt: skip
         rpath = net.run.dir / "router.cfg.json"
         rpath.write_text(json.dumps(rcfg))
@@ -111,12 +118,17 @@ class Cluster:
                 self.router.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.router.kill()
-        out = {}
+        out: dict[str, dict[str, Any]] = {}
         if self.records_path.exists():
             for line in self.records_path.read_text().splitlines():
                 rec = json.loads(line)
                 out[rec["rid"]] = rec
         return out
+
+    def policy_stats(self) -> dict[str, Any]:
+        """The policy's own counters (written by the router on exit)."""
+        p = Path(str(self.records_path) + ".policy.json")
+        return json.loads(p.read_text()) if p.exists() else {}
 
     def worker_stats(self) -> dict[str, Any]:
         out = {}

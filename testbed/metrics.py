@@ -36,6 +36,13 @@ def request_rows(recs: dict[str, ClientRecord], router: dict[str, dict[str, Any]
         kv_sent = [e for e in events if e["kind"] == "kv_sent"]
         prefill = next((e for e in events if e["kind"] == "prefill_done"), {})
         cross = rr.get("prefill_dc") is not None and rr.get("prefill_dc") != rr.get("decode_dc")
+        # KV to the (main) decoder crosses the WAN when it sits in the other datacenter; KV to
+        # a relay never does.
+        wan = [e for e in kv_sent if cross and e.get("to", rr.get("decode")) == rr.get("decode")]
+        handoffs = [e for e in events if e["kind"] == "handoff"]
+        final_extend = next((e for e in events if e["kind"] == "extended" and e.get("final")), {})
+        relay = rr.get("relay") or (rr.get("decode") if rr.get("pipeline") == "P-RLD" else None)
+        eager = r.by_worker.get(relay, 0) if relay else 0
         row: dict[str, Any] = {
             "rid": rid, "ok": r.ok, "error": r.error, "pipeline": rr.get("pipeline"),
             "prompt_tokens": r.prompt_len, "output_tokens": len(r.tokens), "max_new": r.max_new,
@@ -46,8 +53,16 @@ def request_rows(recs: dict[str, ClientRecord], router: dict[str, dict[str, Any]
             "prefill_hit_tokens": prefill.get("hit_tokens"), "prefill_computed": prefill.get("computed"),
             "kv_bytes": sum(e.get("bytes", 0) for e in kv_sent),
             "kv_tokens_sent": sum(e.get("tokens", 0) for e in kv_sent),
-            "wan_kv_bytes": sum(e.get("bytes", 0) for e in kv_sent) if cross else 0,
-            "kv_transfer_s": sum(e["end"] - e["start"] for e in kv_sent) if kv_sent else np.nan,
+            "wan_kv_bytes": sum(e.get("bytes", 0) for e in wan),
+            "wan_kv_cancelled_bytes": sum(max(0, e.get("planned_payload", 0) - e.get("payload", 0))
+                                          for e in wan if e.get("cancelled")),
+            "wan_cut_off": any(e.get("cancelled") for e in wan),
+            "kv_transfer_s": max(e["end"] - e["start"] for e in kv_sent) if kv_sent else np.nan,
+            "relay": relay, "eager_tokens": eager, "rld_share": eager / len(r.tokens) if r.tokens else np.nan,
+            "handoffs": len(handoffs), "handoff_sizes": "+".join(str(e.get("tokens", 0)) for e in handoffs),
+            "md_kv_to_handoff_s": final_extend.get("since_kv_s", np.nan),
+            "handoff_mismatches": final_extend.get("mismatches", 0), "md_failed": rr.get("md_failed"),
+            **{f"plan_{k}": v for k, v in (rr.get("plan_info") or {}).items()},
         }  # fmt: skip
         if r.ok and r.token_times:
             row["ttft_s"] = r.token_times[0] - r.sent
@@ -91,7 +106,14 @@ def summarize(df: pd.DataFrame, itl: list[float], slo: Slo | None = None,
         "itl_p50_s": _pct(itl_s, 50), "itl_p99_s": _pct(itl_s, 99),
         "e2e_p50_s": _pct(ok.e2e_s, 50), "e2e_p99_s": _pct(ok.e2e_s, 99),
         "wan_kv_bytes": int(df.wan_kv_bytes.sum()), "kv_bytes": int(df.kv_bytes.sum()),
+        "wan_kv_cancelled_bytes": int(df.wan_kv_cancelled_bytes.sum()), "wan_cut_offs": int(df.wan_cut_off.sum()),
         "output_tokens": int(ok.output_tokens.sum()),
+        "pipelines": {str(k): int(v) for k, v in df.pipeline.value_counts().items()},
+        "eager_tokens": int(ok.eager_tokens.sum()), "handoffs": int(df.handoffs.sum()),
+        "rld_share": float(ok.eager_tokens.sum() / ok.output_tokens.sum()) if ok.output_tokens.sum() else None,
+        "relayed": int((df.pipeline == "P-RLD-MD").sum()),
+        "handoff_p50_s": _pct(ok.md_kv_to_handoff_s, 50), "handoff_p99_s": _pct(ok.md_kv_to_handoff_s, 99),
+        "handoff_mismatches": int(df.handoff_mismatches.sum()),
     }  # fmt: skip
 
 

@@ -30,9 +30,18 @@ TABLE_COLUMNS: list[tuple[str, str, float, str]] = [
 ]  # fmt: skip
 
 
-def comparison_table(summaries: dict[str, dict[str, Any]], extra: list[tuple[str, str, float, str]] | None = None
+# Second table: how requests were routed and handed over (PDD; zeros for classic policies).
+PDD_COLUMNS: list[tuple[str, str, float, str]] = [
+    ("relayed", "P-RLD-MD", 1, "{:.0f}"), ("eager_tokens", "eager tok", 1, "{:.0f}"),
+    ("handoffs", "handoffs", 1, "{:.0f}"), ("rld_share", "RLD share %", 100, "{:.1f}"),
+    ("handoff_p50_s", "KV->handoff p50 ms", 1000, "{:.0f}"), ("wan_cut_offs", "cut-offs", 1, "{:.0f}"),
+    ("wan_kv_cancelled_bytes", "WAN MB saved", 1e-6, "{:.1f}"), ("handoff_mismatches", "mismatches", 1, "{:.0f}"),
+]  # fmt: skip
+
+
+def comparison_table(summaries: dict[str, dict[str, Any]], columns: list[tuple[str, str, float, str]] | None = None
                      ) -> str:
-    cols = TABLE_COLUMNS + (extra or [])
+    cols = columns or TABLE_COLUMNS
     header = ["policy"] + [c[1] for c in cols]
     rows = []
     for name, s in summaries.items():
@@ -49,7 +58,8 @@ def comparison_table(summaries: dict[str, dict[str, Any]], extra: list[tuple[str
     return "\n".join(lines)
 
 
-def save(out: Path, frames: dict[str, pd.DataFrame], summary: dict[str, Any]) -> list[Path]:
+def save(out: Path, frames: dict[str, pd.DataFrame], summary: dict[str, Any],
+         workers: dict[str, dict[str, Any]] | None = None) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     df = pd.concat([f.assign(policy=name) for name, f in frames.items()], ignore_index=True)
     first = ["policy"] + [c for c in df.columns if c != "policy"]
@@ -59,7 +69,44 @@ def save(out: Path, frames: dict[str, pd.DataFrame], summary: dict[str, Any]) ->
     df.to_parquet(paths[1], index=False)
     paths[2].write_text(json.dumps(summary, indent=2, default=str))
     plot(df, paths[3])
+    if workers and plot_hit_rates(workers, out / "hit_rates.png"):
+        paths.append(out / "hit_rates.png")
     return paths
+
+
+def plot_hit_rates(workers: dict[str, dict[str, Any]], path: Path, window_s: float = 5.0) -> bool:
+    """Prefix-cache hit rate over time of every prefill and decode worker, per policy
+    (hit tokens / looked-up tokens in each ``window_s`` window)."""
+    policies = [p for p, ws in workers.items() if any(w.get("cache", {}).get("series") for w in ws.values())]
+    if not policies:
+        return False
+    fig, axes = plt.subplots(len(policies), 1, figsize=(10, 3 * len(policies)), squeeze=False)
+    for ax, p in zip(axes[:, 0], policies, strict=True):
+        starts = [w["cache"]["series"][0][0] for w in workers[p].values() if w.get("cache", {}).get("series")]
+        t0 = min(starts)
+        for name, w in sorted(workers[p].items()):
+            series = w.get("cache", {}).get("series") or []
+            if len(series) < 2:
+                continue
+            a = np.asarray(series, dtype=float)
+            bins = np.floor((a[:, 0] - t0) / window_s)
+            xs, ys = [], []
+            prev_hit, prev_look = 0.0, 0.0
+            for b in np.unique(bins):
+                last = a[bins == b][-1]
+                if last[2] > prev_look:
+                    xs.append((b + 1) * window_s)
+                    ys.append(100 * (last[1] - prev_hit) / (last[2] - prev_look))
+                prev_hit, prev_look = last[1], last[2]
+            ax.plot(xs, ys, marker=".", label=f"{name} (overall {100 * w['cache'].get('hit_rate', 0):.0f}%)")
+        ax.set(title=f"{p}: prefix-cache hit rate per {window_s:g} s", xlabel="s into the run", ylabel="hit %",
+               ylim=(0, 100))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
 
 
 def _cdf(ax: Any, values: pd.Series, label: str) -> None:

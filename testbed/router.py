@@ -21,7 +21,7 @@ import aiomqtt
 from pydantic import BaseModel
 
 from testbed.policies import ClusterView, Policy, RequestState, make_policy
-from testbed.policies.base import WorkerView
+from testbed.policies.base import PolicyContext, WorkerView
 from workers.control import QOS, Command, Event, KVTarget, Request, RouterStatus, Status, Tokens, Topics
 
 
@@ -35,6 +35,7 @@ class RouterConfig(BaseModel):
     workers: dict[str, dict[str, Any]]  # name -> {role, dc, host, kv_port}
     request_timeout_s: float = 600.0
     records_path: str
+    context: dict[str, Any] = {}  # PolicyContext fields
 
 
 class Router:
@@ -42,6 +43,7 @@ class Router:
         self.cfg = cfg
         self.topics = Topics(cfg.run_id)
         self.policy: Policy = make_policy(cfg.policy)
+        self.policy.bind(PolicyContext(**cfg.context))
         self.view = ClusterView({n: WorkerView(n, w["role"], w["dc"], w["host"], w["kv_port"])
                                  for n, w in cfg.workers.items()})
         self.inflight: dict[str, RequestState] = {}
@@ -76,6 +78,7 @@ class Router:
         tmp = Path(self.cfg.records_path + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in self.finished.values()))
         tmp.replace(self.cfg.records_path)
+        Path(self.cfg.records_path + ".policy.json").write_text(json.dumps(self.policy.stats()))
 
     async def _read(self, client: aiomqtt.Client) -> None:
         async for msg in client.messages:
@@ -99,7 +102,7 @@ class Router:
         was_up, w.up, w.active, w.queued = w.up, st.state == "up", st.active, st.queued
         if was_up and not w.up:
             for rid, req in list(self.inflight.items()):
-                if req.plan and st.worker in (req.plan.prefill, req.plan.decode):
+                if req.plan and st.worker in req.plan.workers:
                     await self._fail(rid, f"worker {st.worker} died")
         if not self.ready and all(x.up for x in self.view.workers.values()):
             self.ready = True
@@ -109,7 +112,7 @@ class Router:
                                retain=True)
 
     async def _admit(self, r: Request) -> None:
-        req = RequestState(r.rid, len(r.prompt), r.max_new, time.time(), dict(r.meta))
+        req = RequestState(r.rid, len(r.prompt), r.max_new, time.time(), dict(r.meta), prompt=r.prompt)
         self.inflight[r.rid] = req
         try:
             plan = self.policy.plan(req, self.view)
@@ -117,28 +120,55 @@ class Router:
             await self._fail(r.rid, f"no plan: {e}")
             return
         req.plan = plan
-        for w in {plan.prefill, plan.decode}:
+        for w in plan.workers:
             self.view.workers[w].assigned += 1
-        d = self.view.workers[plan.decode]
-        # Decode first: it must know the request before the KV arrives.
-        await self.publish(self.topics.cmd(plan.decode),
-                           Command(op="decode", rid=r.rid, prompt=r.prompt, max_new=r.max_new).dump())
-        target = KVTarget(worker=d.name, host=d.host, port=d.kv_port)
+        # Decoders first: they must know the request before its KV arrives.
+        targets = []
+        for w in filter(None, (plan.relay, plan.decode)):
+            opts = self.policy.decode_options(req, plan, w)
+            await self.publish(self.topics.cmd(w), Command(op="decode", rid=r.rid, prompt=r.prompt, max_new=r.max_new,
+                                                           options=opts).dump())
+            d = self.view.workers[w]
+            targets.append(KVTarget(worker=d.name, host=d.host, port=d.kv_port))
         await self.publish(self.topics.cmd(plan.prefill),
-                           Command(op="prefill", rid=r.rid, prompt=r.prompt, max_new=r.max_new,
-                                   kv_to=[target]).dump())
+                           Command(op="prefill", rid=r.rid, prompt=r.prompt, max_new=r.max_new, kv_to=targets).dump())
 
     async def _on_event(self, ev: Event) -> None:
         req = self.inflight.get(ev.rid)
+        record = {"kind": ev.kind, "worker": ev.worker, "t": ev.t, **ev.data}
         if req is None:
             if ev.rid in self.finished:  # e.g. the sender's kv_sent after the decoder's done
-                self.finished[ev.rid]["events"].append({"kind": ev.kind, "worker": ev.worker, "t": ev.t, **ev.data})
+                self.finished[ev.rid]["events"].append(record)
             return
         req.events.append((ev.kind, ev.worker, ev.t))
-        req.meta.setdefault("events", []).append({"kind": ev.kind, "worker": ev.worker, "t": ev.t, **ev.data})
-        self.policy.on_event(req, ev.kind, ev.data)
+        req.meta.setdefault("events", []).append(record)
+        self.policy.on_event(req, ev.kind, ev.worker, ev.data)
+        plan = req.plan
+        relay = plan.relay if plan else None
         if ev.kind == "failed":
+            md_lost = (plan is not None and relay is not None and not req.handed_off
+                       and (ev.data.get("before_handoff") or ev.data.get("target") == plan.decode))
+            if md_lost:
+                # The main decoder cannot take over: the relay finishes the request alone.
+                req.meta["md_failed"] = ev.data.get("reason")
+                await self.publish(self.topics.cmd(relay), Command(op="handoff", rid=ev.rid,  # type: ignore[arg-type]
+                                                                   options={"mode": "local"}).dump())
+                return
             await self._fail(ev.rid, ev.data.get("reason", f"failed on {ev.worker}"))
+        elif ev.kind == "kv_received" and plan is not None and relay and ev.worker == plan.decode:
+            opts = self.policy.handoff_options(req, self.view)
+            await self.publish(self.topics.cmd(relay), Command(op="handoff", rid=ev.rid, options=opts).dump())
+        elif ev.kind == "done" and relay and ev.worker == relay:
+            if ev.data.get("handed_off"):
+                req.handed_off = True  # the relay released it; the main decoder streams on
+            else:
+                # The relay finished the request before the main decoder took over: cut the
+                # WAN transfer off and free the main decoder's reservation.
+                assert plan is not None
+                await self.publish(self.topics.cmd(plan.prefill),
+                                   Command(op="cancel", rid=ev.rid, options={"target": plan.decode}).dump())
+                await self.publish(self.topics.cmd(plan.decode), Command(op="cancel", rid=ev.rid).dump())
+                self._finish(req, None)
         elif ev.kind == "done":
             self._finish(req, None)
 
@@ -147,7 +177,7 @@ class Router:
         if req is None:
             return
         if req.plan:
-            for w in {req.plan.prefill, req.plan.decode}:
+            for w in req.plan.workers:
                 await self.publish(self.topics.cmd(w), Command(op="cancel", rid=rid).dump())
         await self.publish(self.topics.tokens(rid), Tokens(rid=rid, start=0, tokens=[], worker="router",
                                                            t=time.time(), done=True, error=reason).dump())
@@ -157,12 +187,14 @@ class Router:
         self.inflight.pop(req.rid, None)
         plan = req.plan
         if plan:
-            for w in {plan.prefill, plan.decode}:
+            for w in plan.workers:
                 self.view.workers[w].assigned -= 1
+        w = self.view.workers
         rec = {"rid": req.rid, "pipeline": plan.pipeline if plan else None,
                "prefill": plan.prefill if plan else None, "decode": plan.decode if plan else None,
-               "decode_dc": self.view.workers[plan.decode].dc if plan else None,
-               "prefill_dc": self.view.workers[plan.prefill].dc if plan else None,
+               "relay": plan.relay if plan else None,
+               "decode_dc": w[plan.decode].dc if plan else None, "prefill_dc": w[plan.prefill].dc if plan else None,
+               "plan_info": plan.info if plan else {}, "md_failed": req.meta.get("md_failed"),
                "error": error, "events": req.meta.get("events", [])}
         self.finished[req.rid] = rec
 

@@ -90,6 +90,7 @@ def test_a_failed_turn_ends_the_rest_of_its_session_with_a_reason(tmp_path: Path
         if int(turn) < 2:
             nxt = f"{session}.{int(turn) + 1}"
             if errors[rid] and "not sent" not in errors[rid]:
-                assert "decode-a died" in errors[rid]
+                # Either it was on decode-a when it died, or it arrived after and found no decoder.
+                assert "decode-a died" in errors[rid] or "no live decode worker" in errors[rid], errors[rid]
                 assert errors[nxt] == f"not sent: previous turn {rid} failed"
                 assert not recs[nxt].sent

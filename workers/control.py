@@ -5,9 +5,11 @@ tokens; MQTT keeps per-topic order for one publisher, so a request's token strea
 topic, one publisher at a time) arrives in order.
 
     client/requests            client  -> router   Request
-    worker/<name>/cmd          router  -> worker   Command (prefill | decode | cancel)
+    worker/<name>/cmd          router  -> worker   Command (prefill | decode | cancel | handoff)
+                               RLD     -> MD       Command (extend: eager token IDs)
+                               MD      -> RLD      Command (handoff: ack of a catch-up batch)
     worker/<name>/status       worker  -> router   Status (retained; last will = dead)
-    events                     worker  -> router   Event (kv_sent, done, failed)
+    events                     worker  -> router   Event (kv_sent, handoff, extended, done, failed, ...)
     tokens/<rid>               worker  -> client   Tokens (and router -> client on failure)
     router/status              router  -> client   RouterStatus (retained)
 """
@@ -76,12 +78,18 @@ class KVTarget(Msg):
 
 
 class Command(Msg):
-    op: Literal["prefill", "decode", "cancel"]
+    """``op``: prefill | decode | cancel (``options.target``: only the KV transfer to that
+    worker) | handoff (to a relay decoder: the main decoder holds the KV; ``options.mode``
+    one-shot | catch-up | local, ``options.batch``; or ``options.ack``: tokens the main
+    decoder has extended so far) | extend (to a main decoder: eager token IDs ``tokens``
+    starting at output index ``options.start``; ``options.final`` hands the stream over)."""
+
+    op: Literal["prefill", "decode", "cancel", "handoff", "extend"]
     rid: str
     prompt: list[int] = []
     max_new: int = 1
     kv_to: list[KVTarget] = []  # prefill: where the KV goes
-    stream: bool = True  # decode: stream tokens to the client
+    tokens: list[int] = []  # extend: eager token IDs
     options: dict[str, Any] = {}
 
 
@@ -97,7 +105,7 @@ class Status(Msg):
 
 
 class Event(Msg):
-    kind: Literal["prefill_done", "kv_sent", "kv_received", "done", "failed"]
+    kind: Literal["prefill_done", "kv_sent", "kv_received", "handoff", "extended", "done", "failed"]
     rid: str
     worker: str
     t: float

@@ -26,6 +26,7 @@ import torch
 
 from workers import kv_wire
 from workers.control import Command
+from workers.handoff import HandoffMixin, MainState, RelayState
 from workers.radix_cache import Node, RadixCache
 from workers.runtime import Worker, WorkerConfig
 
@@ -42,6 +43,11 @@ class Seq:
     path: list[Node] = field(default_factory=list)
     kv_arrived: float = 0.0
     kv_bytes: int = 0
+    drc: bool = True  # use and fill this worker's radix cache
+    streamed: int = 0  # tokens this worker has streamed to the client
+    paused: bool = False  # left out of decode steps (a relay holding at its eager budget)
+    relay: RelayState | None = None  # this worker relays the request (PDD's RLD)
+    main: MainState | None = None  # this worker takes the request over from a relay (PDD's MD)
 
     @property
     def kv(self) -> torch.Tensor:
@@ -49,12 +55,13 @@ class Seq:
         return self.buf[:, :, :, : self.n]
 
 
-class DecodeWorker(Worker):
+class DecodeWorker(HandoffMixin, Worker):
     def __init__(self, cfg: WorkerConfig) -> None:
         super().__init__(cfg)
         self.cache = RadixCache(cfg.block_size, cfg.cache_tokens)
         self.waiting: dict[str, Seq] = {}
         self.running: dict[str, Seq] = {}
+        self.held: dict[str, Seq] = {}  # main decoder: KV here, stream still on the relay
         self.registered: dict[str, asyncio.Event] = {}
         self.wake = asyncio.Event()
         self.step_log: list[tuple[int, float]] = []  # (batch size, real seconds)
@@ -70,25 +77,30 @@ class DecodeWorker(Worker):
         return len(self.running)
 
     def queued(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.held)
 
     def info(self) -> dict[str, Any]:
         by_batch: dict[int, list[float]] = {}
         for b, s in self.step_log[-2000:]:
             by_batch.setdefault(b, []).append(s)
-        return {**super().info(),
-                "cache": {"hit_rate": self.cache.hit_rate, "blocks": self.cache.blocks},
-                "step_ms_by_batch": {b: 1000 * sum(v) / len(v) for b, v in sorted(by_batch.items())}}
+        return {**super().info(), "cache": self.cache_info(),
+                "step_ms_by_batch": {b: 1000 * sum(v) / len(v) for b, v in sorted(by_batch.items())},
+                "tokens_out": self.tokens_out, **self.handoff_info()}
 
     # ----------------------------------------------------------------- commands
     async def handle(self, cmd: Command) -> None:
         if cmd.op == "decode":
-            seq = Seq(cmd.rid, cmd.prompt, cmd.max_new, time.time())
+            seq = Seq(cmd.rid, cmd.prompt, cmd.max_new, time.time(), drc=cmd.options.get("drc", True))
+            self.setup_handoff(seq, cmd.options)
             self.waiting[cmd.rid] = seq
             self.registered.setdefault(cmd.rid, asyncio.Event()).set()
             self.spawn(self._kv_deadline(seq))
         elif cmd.op == "cancel":
             await self._drop(cmd.rid)
+        elif cmd.op == "handoff":
+            await self.on_handoff(cmd)
+        elif cmd.op == "extend":
+            await self.on_extend(cmd)
 
     async def _kv_deadline(self, seq: Seq) -> None:
         await asyncio.sleep(self.cfg.kv_timeout_s)
@@ -105,6 +117,8 @@ class DecodeWorker(Worker):
         seq = self.waiting.get(rid)
         if seq is None:
             raise kv_wire.KVTransferError(f"{rid} is no longer waiting for KV on {self.cfg.name}")
+        if not seq.drc:
+            return 0
         path = self.cache.match_prefix(tokens)
         self.cache.lock(path)
         seq.path = path
@@ -118,7 +132,8 @@ class DecodeWorker(Worker):
         kv = inc.kv if cached is None else torch.cat([cached, inc.kv], dim=3)
         self.cache.unlock(seq.path)
         seq.path = []
-        self.cache.insert(seq.prompt, kv)
+        if seq.drc:
+            self.cache.insert(seq.prompt, kv)
         s = kv.shape
         seq.buf = torch.empty((s[0], s[1], s[2], s[3] + seq.max_new, s[4]), dtype=kv.dtype)
         seq.buf[:, :, :, : s[3]] = kv
@@ -128,12 +143,22 @@ class DecodeWorker(Worker):
         seq.kv_bytes = inc.bytes_received
         await self.event("kv_received", seq.rid, bytes=inc.bytes_received, had=inc.have,
                          start=inc.start, end=inc.end)
-        await self.stream(seq.rid, 0, [inc.first_token], done=self._finished(seq))
-        if self._finished(seq):
-            await self._complete(seq)
+        if seq.main is not None:  # the relay streams; wait for its eager tokens
+            seq.main.pred, seq.out = inc.first_token, []
+            self.held[seq.rid] = seq
+            return
+        if seq.relay is not None and seq.relay.eager_budget == 0:
+            seq.paused = True  # hand over before streaming anything
         else:
-            self.running[seq.rid] = seq
-            self.wake.set()
+            await self.stream(seq.rid, 0, [inc.first_token], done=self._finished(seq))
+            seq.streamed = 1
+            if self._finished(seq):
+                await self._complete(seq)
+                return
+        self.running[seq.rid] = seq
+        self.wake.set()
+        if seq.relay is not None:
+            await self.maybe_hand_off(seq)
 
     async def _transfer_failed(self, rid: str, msg: str) -> None:
         if rid in self.waiting:
@@ -149,7 +174,11 @@ class DecodeWorker(Worker):
                 self.wake.clear()
                 await self.wake.wait()
                 continue
-            batch = list(self.running.values())[: self.cfg.max_batch]
+            batch = [s for s in self.running.values() if not s.paused][: self.cfg.max_batch]
+            if not batch:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
             inputs = [(s.kv, s.out[-1]) for s in batch]
             contexts = [s.n for s in batch]
             results, real = await self.run_compute(self.runner.decode_step, inputs)
@@ -167,25 +196,38 @@ class DecodeWorker(Worker):
                 # Not awaited: a QoS-1 publish waits for the broker's ack (a WAN round trip from
                 # datacenter b). Publishes are issued in order, so each stream stays ordered.
                 self.spawn(self.stream(seq.rid, len(seq.out) - 1, [tok], done=done))
+                seq.streamed += 1
                 self.tokens_out += 1
                 if self.tokens_out == self.cfg.faults.get("die_after_tokens"):
                     os._exit(9)  # fault injection (tests): die abruptly, like kill -9
                 if done:
                     del self.running[seq.rid]
                     await self._complete(seq)
+                elif seq.relay is not None:
+                    await self.maybe_hand_off(seq)
 
     async def _complete(self, seq: Seq) -> None:
         self.registered.pop(seq.rid, None)
-        await self.event("done", seq.rid, output_tokens=len(seq.out), kv_bytes=seq.kv_bytes)
+        extra: dict[str, Any] = {}
+        if seq.relay is not None:
+            extra = {"handed_off": False, "eager": seq.streamed}  # finished here: no handoff
+        elif seq.main is not None:
+            extra = {"taken_over_at": seq.main.extended}
+        await self.event("done", seq.rid, output_tokens=len(seq.out), kv_bytes=seq.kv_bytes, **extra)
 
-    async def _drop(self, rid: str) -> None:
-        seq = self.waiting.pop(rid, None) or self.running.pop(rid, None)
+    async def _drop(self, rid: str) -> Seq | None:
+        seq = self.waiting.pop(rid, None) or self.running.pop(rid, None) or self.held.pop(rid, None)
         self.registered.pop(rid, None)
         if seq is not None and seq.path:
             self.cache.unlock(seq.path)
             seq.path = []
+        return seq
 
     async def _fail(self, rid: str, reason: str) -> None:
-        await self._drop(rid)
+        seq = await self._drop(rid)
+        if seq is not None and seq.main is not None and not seq.main.final:
+            # The client's stream is on the relay: report, do not end the stream here.
+            await self.event("failed", rid, reason=reason, before_handoff=True)
+            return
         await self.stream(rid, 0, [], done=True, error=reason)
         await self.event("failed", rid, reason=reason)

@@ -15,8 +15,11 @@ type, reserved, payload length. A transfer is one TCP connection from sender to 
 5. ``ACK`` (receiver -> sender, JSON): ``{"ok": true}`` or ``{"error": ...}``.
 
 The receiver verifies every block (checksum, shape, dtype, contiguity) before using it; a
-bad block ends the transfer with an error on both sides. ``cancel`` stops a sender between
-blocks (bytes stop flowing; PDD cuts off useless WAN transfers this way).
+bad block ends the transfer with an error on both sides. ``cancel`` cuts a transfer off at
+once, even mid-block: the connection is reset (SO_LINGER 0), so bytes still queued in the
+sender's socket buffer are discarded instead of crossing the link; ``bytes_acked`` (from
+the kernel's ``tcp_info``) says how much the receiver really got. PDD cuts off useless WAN
+transfers this way.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import struct
 import time
 import zlib
@@ -57,6 +61,8 @@ class TransferStats:
     tokens_sent: int = 0
     receiver_had: int = 0
     cancelled: bool = False
+    bytes_acked: int = 0  # what the receiver's TCP acknowledged (all of bytes_sent unless cut off)
+    planned_payload: int = 0  # payload bytes the receiver lacked (what a full transfer sends)
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -92,6 +98,17 @@ async def send_kv(
         reader, writer = await asyncio.open_connection(host, port)
     except OSError as e:
         raise KVTransferError(f"connect to {host}:{port}: {e}") from e
+    sock = writer.get_extra_info("socket")
+
+    async def cut_off() -> None:
+        assert cancel is not None
+        await cancel.wait()
+        st.cancelled = True
+        st.bytes_acked = _bytes_acked(sock)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # RST: queued bytes are dropped, not sent
+
+    watcher = asyncio.create_task(cut_off()) if cancel is not None else None
     try:
         hello = {"rid": request_id, "tokens": tokens, "dtype": str(kv.dtype), "layers": layers,
                  "kv_heads": heads, "head_dim": head_dim, "block_size": block_size}
@@ -102,10 +119,10 @@ async def send_kv(
             raise KVTransferError(f"receiver refused: {offer.get('error', offer)}")
         have = int(offer["have"])
         st.receiver_had = have
+        st.planned_payload = (n - have) * kv[:, :, :, :1].numel() * kv.element_size()
         code = DTYPE_CODES[kv.dtype]
         for idx, start in enumerate(range(have, n, block_size)):
-            if cancel is not None and cancel.is_set():
-                st.cancelled = True
+            if st.cancelled:
                 break
             part = kv[:, :, :, start : start + block_size]
             data = _tensor_bytes(part)
@@ -124,14 +141,27 @@ async def send_kv(
             ack = json.loads(payload)
             if ftype != ACK or not ack.get("ok"):
                 raise KVTransferError(f"receiver rejected the transfer: {ack.get('error', ack)}")
+            st.bytes_acked = st.bytes_sent
     except (OSError, asyncio.IncompleteReadError) as e:
-        raise KVTransferError(f"transfer to {host}:{port} broke: {e}") from e
+        if not st.cancelled:
+            raise KVTransferError(f"transfer to {host}:{port} broke: {e}") from e
     finally:
         st.end = time.time()
+        if watcher is not None:
+            watcher.cancel()
         writer.close()
         with contextlib.suppress(OSError):
             await writer.wait_closed()
     return st
+
+
+def _bytes_acked(sock: socket.socket) -> int:
+    """tcp_info.tcpi_bytes_acked (Linux >= 4.1): bytes the peer acknowledged."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    except OSError:
+        return 0
+    return int(struct.unpack_from("Q", info, 120)[0])
 
 
 @dataclass

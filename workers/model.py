@@ -77,6 +77,15 @@ class ModelShape:
         return self.layers * 2 * self.kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
 
 
+def kv_bytes_per_token(path: Path | str, dtype: str) -> int:
+    """KV bytes per token of a model directory, from its config alone (no weights loaded)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(path)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return ModelShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, DTYPES[dtype]).kv_bytes_per_token
+
+
 class ModelRunner:
     """One model instance. Not thread-safe: one worker drives it from one thread."""
 

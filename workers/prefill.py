@@ -26,7 +26,8 @@ class PrefillWorker(Worker):
         self.computed_tokens = 0
         self.reused_tokens = 0
         self.transfers: list[dict[str, Any]] = []
-        self.cancels: dict[str, asyncio.Event] = {}
+        # Per request: one cancel event per KV target ("" = the request as a whole).
+        self.cancels: dict[str, dict[str, asyncio.Event]] = {}
         self.busy = 0
 
     async def start(self) -> None:
@@ -34,10 +35,14 @@ class PrefillWorker(Worker):
 
     async def handle(self, cmd: Command) -> None:
         if cmd.op == "prefill":
-            self.cancels[cmd.rid] = asyncio.Event()
+            self.cancels[cmd.rid] = {"": asyncio.Event(), **{t.worker: asyncio.Event() for t in cmd.kv_to}}
             await self.queue.put(cmd)
         elif cmd.op == "cancel" and cmd.rid in self.cancels:
-            self.cancels[cmd.rid].set()
+            # options.target: cut off only the transfer to that worker (PDD's filter).
+            target = cmd.options.get("target")
+            for name, ev in self.cancels[cmd.rid].items():
+                if target is None or name == target:
+                    ev.set()
 
     def active(self) -> int:
         return self.busy
@@ -46,9 +51,7 @@ class PrefillWorker(Worker):
         return self.queue.qsize()
 
     def info(self) -> dict[str, Any]:
-        return {**super().info(), "cache": {"hit_rate": self.cache.hit_rate, "blocks": self.cache.blocks,
-                                            "hit_tokens": self.cache.hit_tokens,
-                                            "lookup_tokens": self.cache.lookup_tokens},
+        return {**super().info(), "cache": self.cache_info(),
                 "computed_tokens": self.computed_tokens, "reused_tokens": self.reused_tokens}
 
     async def _loop(self) -> None:
@@ -63,8 +66,7 @@ class PrefillWorker(Worker):
                 self.busy = 0
 
     async def _prefill(self, cmd: Command) -> None:
-        cancel = self.cancels[cmd.rid]
-        if cancel.is_set():
+        if self.cancels[cmd.rid][""].is_set():
             return
         tokens = cmd.prompt
         path = self.cache.match_prefix(tokens)
@@ -87,18 +89,31 @@ class PrefillWorker(Worker):
         await self.event("prefill_done", cmd.rid, hit_tokens=hit, computed=len(tokens) - hit,
                          first_token=first, start=t0, end=time.time(), real_s=real, modeled_s=modeled)
         for target in cmd.kv_to:
-            self.spawn(self._ship(cmd, target, kv, first, cancel))
+            self.spawn(self._ship(cmd, target, kv, first))
 
-    async def _ship(self, cmd: Command, target: Any, kv: Any, first: int, cancel: asyncio.Event) -> None:
+    async def _ship(self, cmd: Command, target: Any, kv: Any, first: int) -> None:
         corrupt = self.cfg.faults.get("corrupt_block")
+        events = self.cancels[cmd.rid]
+        cancel = asyncio.Event()
+
+        async def relay_cancel() -> None:  # either the whole request or this target
+            waits = [asyncio.ensure_future(events[k].wait()) for k in ("", target.worker)]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+            cancel.set()
+
+        watcher = asyncio.ensure_future(relay_cancel())
         try:
             st = await kv_wire.send_kv(target.host, target.port, cmd.rid, cmd.prompt, kv, first,
                                        self.cfg.block_size, cancel=cancel, corrupt_block=corrupt)
         except kv_wire.KVTransferError as e:
             await self.event("failed", cmd.rid, reason=f"KV transfer to {target.worker}: {e}", target=target.worker)
             return
-        rec = {"to": target.worker, "bytes": st.bytes_sent, "payload": st.payload_bytes,
-               "tokens": st.tokens_sent, "had": st.receiver_had, "start": st.start, "end": st.end,
-               "cancelled": st.cancelled}
+        finally:
+            watcher.cancel()
+        rec = {"to": target.worker, "bytes": st.bytes_acked, "written": st.bytes_sent, "payload": st.payload_bytes,
+               "planned_payload": st.planned_payload, "tokens": st.tokens_sent, "had": st.receiver_had,
+               "start": st.start, "end": st.end, "cancelled": st.cancelled}
         self.transfers.append({"rid": cmd.rid, **rec})
         await self.event("kv_sent", cmd.rid, **rec)

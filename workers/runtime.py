@@ -75,6 +75,7 @@ class Worker:
         self.client: aiomqtt.Client | None = None
         self.stopping = asyncio.Event()
         self.tasks: set[asyncio.Task[Any]] = set()
+        self.cache_series: list[tuple[float, int, int]] = []  # (t, hit tokens, lookup tokens)
 
     # ----------------------------------------------------------------- helpers for roles
     async def run_compute(self, fn: Callable[..., T], *args: Any) -> tuple[T, float]:
@@ -117,7 +118,7 @@ class Worker:
     async def publish_status(self) -> None:
         st = Status(worker=self.cfg.name, role=self.cfg.role, state="up", active=self.active(),
                     queued=self.queued(), host=self.cfg.host_ip, kv_port=self.cfg.kv_port,
-                    info=self.info())
+                    info={"cache_hit_rate": self.cache_info().get("hit_rate")})
         await self.publish(self.topics.status(self.cfg.name), st.dump(), retain=True)
 
     # ----------------------------------------------------------------- role interface
@@ -135,6 +136,21 @@ class Worker:
 
     def info(self) -> dict[str, Any]:
         return {"device": self.pacer.report()}
+
+    def cache_info(self) -> dict[str, Any]:
+        """Prefix-cache counters and their history (sampled each second when they change)."""
+        c = getattr(self, "cache", None)
+        if c is None:
+            return {}
+        return {"hit_rate": c.hit_rate, "blocks": c.blocks, "hit_tokens": c.hit_tokens,
+                "lookup_tokens": c.lookup_tokens, "series": self.cache_series}
+
+    def _sample_cache(self) -> None:
+        c = getattr(self, "cache", None)
+        if c is None or len(self.cache_series) >= 7200:
+            return
+        if not self.cache_series or self.cache_series[-1][2] != c.lookup_tokens:
+            self.cache_series.append((round(time.time(), 3), c.hit_tokens, c.lookup_tokens))
 
     # ----------------------------------------------------------------- main loop
     async def main(self) -> None:
@@ -156,6 +172,7 @@ class Worker:
             reader = asyncio.create_task(self._read(client))
             await self.stopping.wait()
             reader.cancel()
+            self._sample_cache()
             self.write_stats()
             await self.publish(self.topics.status(self.cfg.name), dead, retain=True)
 
@@ -169,8 +186,12 @@ class Worker:
             self.spawn(self.handle(cmd))
 
     async def _status_loop(self) -> None:
+        n = 0
         while True:
             await asyncio.sleep(0.5)
+            n += 1
+            if n % 2 == 0:
+                self._sample_cache()
             await self.publish_status()
             self.write_stats()
 

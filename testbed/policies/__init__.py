@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from testbed.policies.base import ClusterView, Plan, Policy, RequestState
 from testbed.policies.classic import CrossDc, SameDc
+from testbed.policies.pdd import Pdd
 
-POLICIES: dict[str, type[Policy]] = {"same-dc": SameDc, "cross-dc": CrossDc}
+POLICIES: dict[str, type[Policy]] = {"same-dc": SameDc, "cross-dc": CrossDc, "pdd": Pdd}
 
 
 def make_policy(spec: str) -> Policy:
@@ -24,7 +25,10 @@ def make_policy(spec: str) -> Policy:
         if not sep:
             raise ValueError(f"policy option {part!r} must be key=value")
         options[k.strip()] = v.strip()
-    return POLICIES[name](**options)
+    try:
+        return POLICIES[name](**options)
+    except TypeError as e:  # an option the policy does not have
+        raise ValueError(f"{name}: unknown option among {', '.join(options)}") from e
 
 
 __all__ = ["ClusterView", "Plan", "Policy", "RequestState", "make_policy", "POLICIES"]

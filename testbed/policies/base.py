@@ -44,24 +44,64 @@ class RequestState:
     meta: dict[str, Any] = field(default_factory=dict)
     plan: Plan | None = None
     events: list[tuple[str, str, float]] = field(default_factory=list)
+    prompt: list[int] = field(default_factory=list)
+    handed_off: bool = False  # a relay handed the stream to the main decoder
 
 
 @dataclass(frozen=True)
 class Plan:
-    pipeline: str  # label recorded with the request, e.g. "P-D(a)" or "P-D(b)"
+    """Which workers serve a request. ``decode`` streams to the end; with ``relay`` set, the
+    relay decoder streams first (eager tokens) and hands over to ``decode`` (PDD's
+    P-RLD-MD). KV goes from ``prefill`` to the decoder(s) that need it."""
+
+    pipeline: str  # label recorded with the request, e.g. "P-D(a)", "P-MD", "P-RLD-MD"
     prefill: str
     decode: str
+    relay: str | None = None
+    info: dict[str, Any] = field(default_factory=dict, compare=False)  # why (recorded)
+
+    @property
+    def workers(self) -> set[str]:
+        return {w for w in (self.prefill, self.decode, self.relay) if w}
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """Facts about the deployment a policy may need (from the scenario and the model)."""
+
+    wan_rate_bps: float | None = None  # forward direction (prefill side -> other side)
+    wan_rtt_s: float = 0.0
+    kv_bytes_per_token: int = 0
+    block_size: int = 16
+    decode_cache_tokens: int = 0
 
 
 class Policy(ABC):
     name: str = "policy"
+    ctx: PolicyContext = PolicyContext()
+
+    def bind(self, ctx: PolicyContext) -> None:
+        """Called once by the router before the first request."""
+        self.ctx = ctx
 
     @abstractmethod
     def plan(self, req: RequestState, cluster: ClusterView) -> Plan:
         """Choose workers for a new request. Raise LookupError if none can serve it."""
 
-    def on_event(self, req: RequestState, kind: str, data: dict[str, Any]) -> None:  # noqa: B027
+    def decode_options(self, req: RequestState, plan: Plan, worker: str) -> dict[str, Any]:
+        """Extra options of the decode command sent to ``worker`` (default: none)."""
+        return {}
+
+    def handoff_options(self, req: RequestState, cluster: ClusterView) -> dict[str, Any]:
+        """How the relay hands over once the main decoder holds the KV (relay plans only)."""
+        return {"mode": "one-shot"}
+
+    def on_event(self, req: RequestState, kind: str, worker: str, data: dict[str, Any]) -> None:  # noqa: B027
         """React to a worker event for ``req`` (default: nothing)."""
+
+    def stats(self) -> dict[str, Any]:
+        """Policy-level counters for the run's summary."""
+        return {}
 
     def describe(self) -> str:
         return self.name

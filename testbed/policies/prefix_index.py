@@ -1,0 +1,47 @@
+"""What a decoder's prefix cache (probably) holds, as the router sees it.
+
+The router cannot look into a main decoder's radix cache, so it keeps a shadow index of
+the prompts it sent there: chained hashes of full token blocks, least-recently-used
+eviction at the decoder's capacity. ``match(tokens)`` is the number of leading tokens the
+decoder is expected to have; it errs only where the decoder's own eviction order differs
+(the decoder never evicts blocks in use, the index does not know which are).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+
+class PrefixIndex:
+    def __init__(self, block_size: int, capacity_tokens: int) -> None:
+        self.block_size = block_size
+        self.capacity_blocks = capacity_tokens // block_size
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+
+    def _hashes(self, tokens: list[int]) -> list[bytes]:
+        out, h = [], b""
+        bs = self.block_size
+        for i in range(0, len(tokens) - bs + 1, bs):
+            h = hashlib.blake2b(h + repr(tokens[i : i + bs]).encode(), digest_size=16).digest()
+            out.append(h)
+        return out
+
+    def match(self, tokens: list[int]) -> int:
+        n = 0
+        for h in self._hashes(tokens):
+            if h not in self._blocks:
+                break
+            self._blocks.move_to_end(h)
+            n += 1
+        return n * self.block_size
+
+    def insert(self, tokens: list[int]) -> None:
+        for h in self._hashes(tokens):
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        while len(self._blocks) > self.capacity_blocks:
+            self._blocks.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._blocks)

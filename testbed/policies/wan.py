@@ -1,0 +1,57 @@
+"""The router's estimate of how long new KV would wait to cross the WAN.
+
+``wait_s(delta)`` = (bytes still to cross for transfers in flight + ``delta``) / rate,
+where rate = configured WAN rate x an efficiency factor learned from finished transfers
+(an EWMA of predicted / observed duration, so it tracks TCP's real share of the line,
+slow start over a long RTT and competing traffic). Transfers in flight are drained from
+the backlog at the estimated rate as time passes, so a stale backlog does not linger.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Transfer:
+    nbytes: int
+    started: float
+    predicted_s: float
+
+
+@dataclass
+class WanEstimator:
+    rate_bps: float  # configured line rate, bits/s
+    rtt_s: float = 0.0
+    efficiency: float = 1.0
+    alpha: float = 0.3
+    inflight: dict[str, _Transfer] = field(default_factory=dict)
+    samples: int = 0
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.rate_bps / 8 * self.efficiency
+
+    def backlog_bytes(self, now: float | None = None) -> float:
+        now = time.time() if now is None else now
+        total = sum(t.nbytes for t in self.inflight.values())
+        oldest = min((t.started for t in self.inflight.values()), default=now)
+        return max(0.0, total - (now - oldest) * self.bytes_per_s)
+
+    def wait_s(self, delta_bytes: int, now: float | None = None) -> float:
+        if delta_bytes <= 0:
+            return 0.0
+        return self.rtt_s + (self.backlog_bytes(now) + delta_bytes) / self.bytes_per_s
+
+    def started(self, rid: str, nbytes: int, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        self.inflight[rid] = _Transfer(nbytes, now, self.wait_s(nbytes, now))
+
+    def finished(self, rid: str, observed_s: float | None, cancelled: bool = False) -> None:
+        t = self.inflight.pop(rid, None)
+        if t is None or cancelled or not observed_s or observed_s <= 0 or t.nbytes < 65536:
+            return  # tiny transfers say more about RTT than about the rate
+        ratio = min(4.0, max(0.05, t.predicted_s / observed_s))
+        self.efficiency = min(1.0, max(0.02, self.efficiency * ((1 - self.alpha) + self.alpha * ratio)))
+        self.samples += 1
