@@ -9,10 +9,10 @@ SCENARIO ?= topologies/two-dc.yaml
 # The default trace is written at production lengths; TOKEN_SCALE shrinks it for a CPU model.
 TRACE ?= traces/agentic-default.jsonl
 TOKEN_SCALE ?= 16
-POLICIES ?= same-dc,cross-dc
+POLICIES ?= same-dc,cross-dc,pdd
 RUN_ARGS ?=
 
-.PHONY: setup debs test lint run-trace bench-net clean distclean
+.PHONY: setup debs test lint run-trace bench-net bench-handoff clean distclean
 
 setup: debs $(STAMP)
 
@@ -48,6 +48,9 @@ lint: setup
 
 bench-net: setup
 	$(VENV)/bin/testbed bench net --scenario topologies/bench-net.yaml
+
+bench-handoff: setup
+	$(VENV)/bin/testbed bench handoff --scenario $(SCENARIO)
 
 # Removes every namespace, link and process left by earlier (crashed) runs.
 clean:

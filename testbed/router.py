@@ -48,6 +48,7 @@ class Router:
                                  for n, w in cfg.workers.items()})
         self.inflight: dict[str, RequestState] = {}
         self.finished: dict[str, dict[str, Any]] = {}  # rid -> record (late events still land)
+        self.ended: dict[str, RequestState] = {}  # finished requests, for the policy's late events
         self.client: aiomqtt.Client | None = None
         self.ready = False
 
@@ -139,6 +140,7 @@ class Router:
         if req is None:
             if ev.rid in self.finished:  # e.g. the sender's kv_sent after the decoder's done
                 self.finished[ev.rid]["events"].append(record)
+                self.policy.on_event(self.ended[ev.rid], ev.kind, ev.worker, ev.data)
             return
         req.events.append((ev.kind, ev.worker, ev.t))
         req.meta.setdefault("events", []).append(record)
@@ -162,12 +164,18 @@ class Router:
             if ev.data.get("handed_off"):
                 req.handed_off = True  # the relay released it; the main decoder streams on
             else:
-                # The relay finished the request before the main decoder took over: cut the
-                # WAN transfer off and free the main decoder's reservation.
+                # The relay finished the request before the main decoder took over. Either cut
+                # the WAN transfer off and free the main decoder's reservation, or let the KV
+                # land in the main decoder's cache only (history for the session's next turn).
                 assert plan is not None
-                await self.publish(self.topics.cmd(plan.prefill),
-                                   Command(op="cancel", rid=ev.rid, options={"target": plan.decode}).dump())
-                await self.publish(self.topics.cmd(plan.decode), Command(op="cancel", rid=ev.rid).dump())
+                if self.policy.cut_off(req):
+                    req.meta["cut_off"] = True
+                    await self.publish(self.topics.cmd(plan.prefill),
+                                       Command(op="cancel", rid=ev.rid, options={"target": plan.decode}).dump())
+                    await self.publish(self.topics.cmd(plan.decode), Command(op="cancel", rid=ev.rid).dump())
+                else:
+                    await self.publish(self.topics.cmd(plan.decode),
+                                       Command(op="cancel", rid=ev.rid, options={"keep_kv": True}).dump())
                 self._finish(req, None)
         elif ev.kind == "done":
             self._finish(req, None)
@@ -195,8 +203,10 @@ class Router:
                "relay": plan.relay if plan else None,
                "decode_dc": w[plan.decode].dc if plan else None, "prefill_dc": w[plan.prefill].dc if plan else None,
                "plan_info": plan.info if plan else {}, "md_failed": req.meta.get("md_failed"),
+               "cut_off": req.meta.get("cut_off", False),
                "error": error, "events": req.meta.get("events", [])}
         self.finished[req.rid] = rec
+        self.ended[req.rid] = req
 
     async def _sweep(self) -> None:
         while True:

@@ -3,7 +3,9 @@
 Continuous batching: every step is *one* batched forward pass over all active requests
 (up to ``max_batch``); requests join as soon as their KV has arrived and leave at EOS or
 their output length, between steps. Each request's KV lives in a buffer preallocated for
-prompt + output, so a step appends in place instead of copying the context.
+prompt + output, so a step appends in place instead of copying the context; the batch's KV
+is kept in one left-padded buffer across steps (``DecodeBatch``) and rebuilt only when its
+members change.
 
 The decode-side radix cache (DRC) keeps prompts' KV so a later request that shares a prefix
 needs only the missing part from the network: the receiver states its cached prefix before
@@ -27,6 +29,7 @@ import torch
 from workers import kv_wire
 from workers.control import Command
 from workers.handoff import HandoffMixin, MainState, RelayState
+from workers.model import DecodeBatch
 from workers.radix_cache import Node, RadixCache
 from workers.runtime import Worker, WorkerConfig
 
@@ -46,6 +49,7 @@ class Seq:
     drc: bool = True  # use and fill this worker's radix cache
     streamed: int = 0  # tokens this worker has streamed to the client
     paused: bool = False  # left out of decode steps (a relay holding at its eager budget)
+    cache_only: bool = False  # KV still welcome for the radix cache, nothing to decode
     relay: RelayState | None = None  # this worker relays the request (PDD's RLD)
     main: MainState | None = None  # this worker takes the request over from a relay (PDD's MD)
 
@@ -67,6 +71,9 @@ class DecodeWorker(HandoffMixin, Worker):
         self.step_log: list[tuple[int, float]] = []  # (batch size, real seconds)
         self.server: asyncio.Server | None = None
         self.tokens_out = 0
+        self.dbatch: DecodeBatch | None = None  # the running batch's KV, kept across steps
+        self.dbatch_rows: list[Seq] = []
+        self.batch_builds = 0
 
     async def start(self) -> None:
         self.server = await kv_wire.serve_kv(self.cfg.host_ip, self.cfg.kv_port, self._offer, self._arrived,
@@ -85,7 +92,7 @@ class DecodeWorker(HandoffMixin, Worker):
             by_batch.setdefault(b, []).append(s)
         return {**super().info(), "cache": self.cache_info(),
                 "step_ms_by_batch": {b: 1000 * sum(v) / len(v) for b, v in sorted(by_batch.items())},
-                "tokens_out": self.tokens_out, **self.handoff_info()}
+                "tokens_out": self.tokens_out, "batch_builds": self.batch_builds, **self.handoff_info()}
 
     # ----------------------------------------------------------------- commands
     async def handle(self, cmd: Command) -> None:
@@ -96,7 +103,11 @@ class DecodeWorker(HandoffMixin, Worker):
             self.registered.setdefault(cmd.rid, asyncio.Event()).set()
             self.spawn(self._kv_deadline(seq))
         elif cmd.op == "cancel":
-            await self._drop(cmd.rid)
+            seq = self.waiting.get(cmd.rid)
+            if cmd.options.get("keep_kv") and seq is not None:
+                seq.cache_only = True  # the stream ended elsewhere; only cache the KV when it lands
+            else:
+                await self._drop(cmd.rid)
         elif cmd.op == "handoff":
             await self.on_handoff(cmd)
         elif cmd.op == "extend":
@@ -142,7 +153,10 @@ class DecodeWorker(HandoffMixin, Worker):
         seq.kv_arrived = time.time()
         seq.kv_bytes = inc.bytes_received
         await self.event("kv_received", seq.rid, bytes=inc.bytes_received, had=inc.have,
-                         start=inc.start, end=inc.end)
+                         start=inc.start, end=inc.end, cache_only=seq.cache_only)
+        if seq.cache_only:
+            self.registered.pop(seq.rid, None)
+            return
         if seq.main is not None:  # the relay streams; wait for its eager tokens
             seq.main.pred, seq.out = inc.first_token, []
             self.held[seq.rid] = seq
@@ -179,9 +193,15 @@ class DecodeWorker(HandoffMixin, Worker):
                 self.wake.clear()
                 await self.wake.wait()
                 continue
-            inputs = [(s.kv, s.out[-1]) for s in batch]
             contexts = [s.n for s in batch]
-            results, real = await self.run_compute(self.runner.decode_step, inputs)
+            build = 0.0
+            if self.dbatch is None or self.dbatch_rows != batch or self.dbatch.full:
+                # Members changed: copy their KV into a new batch buffer (once, not every step).
+                self.dbatch, build = await self.run_compute(DecodeBatch, self.runner, [s.kv for s in batch])
+                self.dbatch_rows = batch
+                self.batch_builds += 1
+            results, real = await self.run_compute(self.dbatch.step, [s.out[-1] for s in batch])
+            real += build
             modeled = None if self.pacer.native else self.pacer.decode_time(self.cost, contexts)
             self.step_log.append((len(batch), real))
             await self.pace("decode", real, modeled)

@@ -19,7 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 DEFAULT_MODEL_NAME = "pdd-tiny-llama-v1"
 DEFAULT_CONFIG = {
@@ -62,6 +65,28 @@ def ensure_default_model(path: Path | None = None) -> Path:
     return path
 
 
+def _grouped_query_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                        is_causal: bool | None = None, **kwargs: object) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, except for one-token decode steps with grouped KV heads:
+    there the query heads that share a KV head are folded into the query-length dimension,
+    so the KV is read in place instead of being repeated (copied) per query head, which
+    dominated a batched decode step on the CPU. Same arithmetic per query row."""
+    b, heads, q_len, d = query.shape
+    kv_heads = key.shape[1]
+    if q_len != 1 or heads == kv_heads or dropout or kwargs.get("output_attentions"):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    q = query.reshape(b, kv_heads, heads // kv_heads, d)  # head h uses KV head h // (heads / kv_heads)
+    mask = attention_mask[:, :, :, : key.shape[-2]] if attention_mask is not None else None
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(b, heads, 1, d).transpose(1, 2).contiguous(), None
+
+
+ATTN_IMPLEMENTATION = "pdd_grouped_sdpa"
+AttentionInterface.register(ATTN_IMPLEMENTATION, _grouped_query_sdpa)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
@@ -93,6 +118,8 @@ class ModelRunner:
         torch.set_num_threads(threads)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
         self.model.eval()
+        if self.model.config._attn_implementation == "sdpa":
+            self.model.config._attn_implementation = ATTN_IMPLEMENTATION
         cfg = self.model.config
         self.eos_token_id: int | None = cfg.eos_token_id
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -148,38 +175,12 @@ class ModelRunner:
         out = self.model(input_ids=torch.tensor([tokens]), position_ids=pos, past_key_values=cache, use_cache=True)
         return self._from_cache(out.past_key_values, start=n), out.logits[0].argmax(-1).tolist()
 
-    @torch.inference_mode()
     def decode_step(self, batch: list[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, int]]:
         """One batched forward pass: for each (kv, last_token) return (new-token KV, next token).
 
-        Requests of different lengths are left-padded; the padding is masked out and each
-        request keeps its own position ids.
+        A one-off ``DecodeBatch``; a decode worker keeps its batch across steps instead.
         """
-        lens = [kv.shape[3] for kv, _ in batch]
-        tmax = max(lens)
-        s = self.shape
-        bsz = len(batch)
-        layers = []
-        for layer in range(s.layers):
-            k = torch.zeros((bsz, s.kv_heads, tmax, s.head_dim), dtype=s.dtype)
-            v = torch.zeros_like(k)
-            for row, (kv, _) in enumerate(batch):
-                k[row, :, tmax - lens[row] :] = kv[layer, 0]
-                v[row, :, tmax - lens[row] :] = kv[layer, 1]
-            layers.append((k, v))
-        cache = DynamicCache.from_legacy_cache(tuple(layers))
-        mask = torch.zeros((bsz, tmax + 1), dtype=torch.long)
-        for row, n in enumerate(lens):
-            mask[row, tmax - n :] = 1
-        ids = torch.tensor([[tok] for _, tok in batch])
-        pos = torch.tensor([[n] for n in lens])
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
-        nxt = out.logits[:, -1].argmax(-1).tolist()
-        new = out.past_key_values
-        return [
-            (torch.stack([torch.stack((lay.keys[r, :, -1:], lay.values[r, :, -1:])) for lay in new.layers]), nxt[r])
-            for r in range(bsz)
-        ]
+        return DecodeBatch(self, [kv for kv, _ in batch], headroom=1).step([tok for _, tok in batch])
 
     @torch.inference_mode()
     def reference(self, tokens: list[int], max_new: int) -> list[int]:
@@ -190,3 +191,84 @@ class ModelRunner:
             pad_token_id=self.eos_token_id,
         )  # fmt: skip
         return out[0, len(tokens) :].tolist()
+
+
+class _PreallocatedLayer(DynamicLayer):
+    """A cache layer whose keys/values are views into a preallocated buffer: a step writes
+    its new column in place instead of concatenating (which would copy the whole batch)."""
+
+    def __init__(self, buf_k: torch.Tensor, buf_v: torch.Tensor, end: int) -> None:
+        super().__init__()
+        self.buf_k, self.buf_v, self.end = buf_k, buf_v, end
+        self.dtype, self.device = buf_k.dtype, buf_k.device
+        self.is_initialized = True
+        self._views()
+
+    def _views(self) -> None:
+        self.keys = self.buf_k[:, :, : self.end]
+        self.values = self.buf_v[:, :, : self.end]
+
+    def lazy_initialization(self, key_states: torch.Tensor) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
+               cache_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        q = key_states.shape[-2]
+        if self.end + q > self.buf_k.shape[2]:
+            raise RuntimeError("decode batch buffer full")
+        self.buf_k[:, :, self.end : self.end + q] = key_states
+        self.buf_v[:, :, self.end : self.end + q] = value_states
+        self.end += q
+        self._views()
+        return self.keys, self.values
+
+
+class DecodeBatch:
+    """The KV of a decode batch, left-padded into one preallocated buffer per layer and kept
+    across steps: every step appends one column for all rows (left padding keeps rows
+    aligned at the right), so the context is copied once when the batch is formed, not at
+    every step. A batch is rebuilt when its members change or its headroom is used up.
+    Padding is masked out and each row keeps its own position ids, so results equal
+    decoding each request alone (exactly, in float64)."""
+
+    def __init__(self, runner: ModelRunner, kvs: list[torch.Tensor], headroom: int = 64) -> None:
+        self.runner = runner
+        self.lens = [kv.shape[3] for kv in kvs]
+        self.end = max(self.lens)
+        s = runner.shape
+        bsz, cap = len(kvs), self.end + max(1, headroom)
+        self.starts = [self.end - n for n in self.lens]
+        self.bufs = []
+        for layer in range(s.layers):
+            k = torch.zeros((bsz, s.kv_heads, cap, s.head_dim), dtype=s.dtype)
+            v = torch.zeros_like(k)
+            for row, kv in enumerate(kvs):
+                k[row, :, self.starts[row] : self.end] = kv[layer, 0]
+                v[row, :, self.starts[row] : self.end] = kv[layer, 1]
+            self.bufs.append((k, v))
+        self.cap = cap
+
+    @property
+    def full(self) -> bool:
+        return self.end >= self.cap
+
+    @torch.inference_mode()
+    def step(self, tokens: list[int]) -> list[tuple[torch.Tensor, int]]:
+        """Feed each row's last token; returns each row's (new-token KV, next greedy token)."""
+        bsz = len(tokens)
+        cache = Cache(layers=[_PreallocatedLayer(k, v, self.end) for k, v in self.bufs])
+        mask = torch.zeros((bsz, self.end + 1), dtype=torch.long)
+        for row, start in enumerate(self.starts):
+            mask[row, start:] = 1
+        ids = torch.tensor([[t] for t in tokens])
+        pos = torch.tensor([[n] for n in self.lens])
+        out = self.runner.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                                use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1).tolist()
+        e = self.end
+        self.end += 1
+        self.lens = [n + 1 for n in self.lens]
+        return [
+            (torch.stack([torch.stack((k[r, :, e : e + 1], v[r, :, e : e + 1])) for k, v in self.bufs]), nxt[r])
+            for r in range(bsz)
+        ]

@@ -96,6 +96,11 @@ class Policy(ABC):
         """How the relay hands over once the main decoder holds the KV (relay plans only)."""
         return {"mode": "one-shot"}
 
+    def cut_off(self, req: RequestState) -> bool:
+        """A relay finished ``req`` before the main decoder held its KV: cut the WAN transfer
+        off (True) or let it complete into the main decoder's cache (False)?"""
+        return True
+
     def on_event(self, req: RequestState, kind: str, worker: str, data: dict[str, Any]) -> None:  # noqa: B027
         """React to a worker event for ``req`` (default: nothing)."""
 

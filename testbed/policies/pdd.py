@@ -16,15 +16,21 @@ Routing, per request, from what the MD lacks and what the WAN is doing:
   occupy the line for nothing. Counted in ``stats()``: doing this for every low-hit
   request would overload the RLD.
 
-Whatever the route, a relay that finishes a request before the MD holds its KV makes the
-router cut the WAN transfer off (bytes stop) and free the MD's reservation.
+When the RLD finishes a request before the MD holds its KV, the WAN transfer is cut off
+(bytes stop) and the MD's reservation freed (``cutoff=all``); with ``cutoff=anomalous`` (the
+default) only if the request is the anomalous kind: low hit at P (it computed at least
+``low_hit`` of the prompt: fresh content) or flagged ``short_output``. Otherwise the KV
+still lands in the MD's cache, as the history a session's next turn will extend; cutting
+those off would keep the MD's cache cold and push every later turn onto the RLD.
+``cutoff=off`` never cuts.
 
 Options (``pdd:key=value,...``): ``handoff`` one-shot | catch-up | adaptive (one-shot while
 the RLD has at least ``load`` requests in flight, catch-up otherwise); ``threshold`` (catch-up
 batch, tokens, default 64); ``load`` (default 4); ``relay_s`` (default 0.2); ``drc`` on | off;
-``filter`` off | predict; ``low_hit`` (default 0.5); ``eager`` (start the handoff after exactly
-this many eager tokens, the relay holding there until the MD is ready; for experiments and
-tests; a request's ``eager`` meta field overrides it).
+``filter`` off | predict; ``low_hit`` (default 0.5); ``cutoff`` all | anomalous | off;
+``eager`` (start the handoff after exactly this many eager tokens, the relay holding there
+until the MD is ready; for experiments and tests; a request's ``eager`` meta field
+overrides it).
 """
 
 from __future__ import annotations
@@ -60,7 +66,8 @@ class Pdd(Policy):
     name = "pdd"
 
     def __init__(self, handoff: str = "adaptive", threshold: str = "64", load: str = "4", relay_s: str = "0.2",
-                 drc: str = "on", filter: str = "off", low_hit: str = "0.5", eager: str | None = None) -> None:
+                 drc: str = "on", filter: str = "off", low_hit: str = "0.5", cutoff: str = "anomalous",
+                 eager: str | None = None) -> None:
         self.handoff = _choice("handoff", handoff, HANDOFF_MODES)
         self.threshold = _num("threshold", threshold, 1, int)
         self.load = _num("load", load, 1, int)
@@ -68,9 +75,12 @@ class Pdd(Policy):
         self.drc = _choice("drc", drc, ("on", "off")) == "on"
         self.filter = _choice("filter", filter, ("off", "predict"))
         self.low_hit = _num("low_hit", low_hit, 0.0)
+        self.cutoff = _choice("cutoff", cutoff, ("all", "anomalous", "off"))
         self.eager = None if eager is None else _num("eager", eager, 0, int)
         self.options = {"handoff": handoff, "threshold": threshold, "load": load, "relay_s": relay_s, "drc": drc,
-                        "filter": filter, "low_hit": low_hit, **({"eager": eager} if eager is not None else {})}
+                        "filter": filter, "low_hit": low_hit, "cutoff": cutoff}
+        if eager is not None:
+            self.options["eager"] = eager
         self.indexes: dict[str, PrefixIndex] = {}
         self.wan = WanEstimator(UNSHAPED_RATE_BPS)
         self.counts: Counter[str] = Counter()
@@ -129,6 +139,15 @@ class Pdd(Policy):
             mode = "one-shot" if busy >= self.load else "catch-up"
         self.counts[f"handoff {mode}"] += 1
         return {"mode": mode, "batch": self.threshold}
+
+    def cut_off(self, req: RequestState) -> bool:
+        if self.cutoff != "anomalous":
+            return self.cutoff == "all"
+        prefill = next((e for e in req.meta.get("events", []) if e["kind"] == "prefill_done"), {})
+        fresh = prefill.get("computed", req.prompt_len) >= self.low_hit * req.prompt_len
+        cut = bool(fresh or req.meta.get("short_output"))
+        self.counts["cut off" if cut else "kept for the MD cache"] += 1
+        return cut
 
     def on_event(self, req: RequestState, kind: str, worker: str, data: dict[str, Any]) -> None:
         plan = req.plan

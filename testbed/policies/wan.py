@@ -1,10 +1,12 @@
 """The router's estimate of how long new KV would wait to cross the WAN.
 
-``wait_s(delta)`` = (bytes still to cross for transfers in flight + ``delta``) / rate,
-where rate = configured WAN rate x an efficiency factor learned from finished transfers
-(an EWMA of predicted / observed duration, so it tracks TCP's real share of the line,
-slow start over a long RTT and competing traffic). Transfers in flight are drained from
-the backlog at the estimated rate as time passes, so a stale backlog does not linger.
+``wait_s(delta)`` = ``SETUP_RTTS`` round trips (connect, the receiver's offer, the final
+acknowledgement) + (bytes still to cross for transfers in flight + ``delta``) / rate, where
+rate = configured WAN rate x an efficiency factor learned from finished transfers: an EWMA
+of how the byte-time part of each prediction compared with what was observed (the round
+trips taken out), so it tracks TCP's real share of the line and competing traffic without
+mistaking round trips for a slow line. Transfers in flight are drained from the backlog at
+the estimated rate as time passes, so a stale backlog does not linger.
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+SETUP_RTTS = 3
+MIN_SAMPLE_BYTES = 256 * 1024  # smaller transfers say more about round trips than about the rate
+
 
 @dataclass
 class _Transfer:
     nbytes: int
     started: float
-    predicted_s: float
+    predicted_s: float  # byte-time part only
 
 
 @dataclass
@@ -39,19 +44,23 @@ class WanEstimator:
         oldest = min((t.started for t in self.inflight.values()), default=now)
         return max(0.0, total - (now - oldest) * self.bytes_per_s)
 
+    def _byte_time(self, delta_bytes: int, now: float | None) -> float:
+        return (self.backlog_bytes(now) + delta_bytes) / self.bytes_per_s
+
     def wait_s(self, delta_bytes: int, now: float | None = None) -> float:
         if delta_bytes <= 0:
             return 0.0
-        return self.rtt_s + (self.backlog_bytes(now) + delta_bytes) / self.bytes_per_s
+        return SETUP_RTTS * self.rtt_s + self._byte_time(delta_bytes, now)
 
     def started(self, rid: str, nbytes: int, now: float | None = None) -> None:
         now = time.time() if now is None else now
-        self.inflight[rid] = _Transfer(nbytes, now, self.wait_s(nbytes, now))
+        self.inflight[rid] = _Transfer(nbytes, now, self._byte_time(nbytes, now))
 
     def finished(self, rid: str, observed_s: float | None, cancelled: bool = False) -> None:
         t = self.inflight.pop(rid, None)
-        if t is None or cancelled or not observed_s or observed_s <= 0 or t.nbytes < 65536:
-            return  # tiny transfers say more about RTT than about the rate
-        ratio = min(4.0, max(0.05, t.predicted_s / observed_s))
+        if t is None or cancelled or not observed_s or t.nbytes < MIN_SAMPLE_BYTES:
+            return
+        observed = max(observed_s - SETUP_RTTS * self.rtt_s, 1e-3)
+        ratio = min(4.0, max(0.05, t.predicted_s / observed))
         self.efficiency = min(1.0, max(0.02, self.efficiency * ((1 - self.alpha) + self.alpha * ratio)))
         self.samples += 1

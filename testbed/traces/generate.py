@@ -48,6 +48,9 @@ class GenConfig:
     turns_max: int = 14
     shared_prompts: int = 4
     think_mean_s: float = 2.0  # tool / user delay between turns (exponential)
+    first_output_median: int = 800  # output tokens (lognormal); PDD's measurements use ~1K outputs
+    output_median: int = 500
+    shared_median: int = 24000  # system / tool prompt shared by sessions (tokens)
     block: int = MOONCAKE_BLOCK
     calibrate_scale: int = 1  # hit shares are calibrated as replayed with this --token-scale
 
@@ -104,7 +107,8 @@ def generate(cfg: GenConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 
 def _generate_once(cfg: GenConfig, p_high: float | None) -> tuple[list[dict[str, Any]], dict[str, Any], float]:
     rng = random.Random(cfg.seed)
-    shared = [(f"tools-{k}", _lognormal_int(rng, 12000, 0.35, 4000, 24000)) for k in range(cfg.shared_prompts)]
+    shared = [(f"tools-{k}", _lognormal_int(rng, cfg.shared_median, 0.35, 4000, 48000))
+              for k in range(cfg.shared_prompts)]
     # Plan session shapes first so the share of follow-ups above 95 % can be solved for.
     starts = sorted(rng.uniform(0, cfg.duration_s) for _ in range(cfg.sessions))
     mean_turns = (cfg.turns_max + 3) / 2
@@ -121,7 +125,7 @@ def _generate_once(cfg: GenConfig, p_high: float | None) -> tuple[list[dict[str,
         task = _lognormal_int(rng, 2500, 0.6, 200, 16000)
         turns: list[dict[str, Any]] = []
         ctx = plen + task
-        first_out = _lognormal_int(rng, 300, 0.7, 16, 2048)
+        first_out = _lognormal_int(rng, cfg.first_output_median, 0.5, 64, 4096)
         turns.append({"new_tokens": task, "output_tokens": first_out})
         out_prev = first_out
         n_turns = rng.randint(3, cfg.turns_max)
@@ -130,7 +134,7 @@ def _generate_once(cfg: GenConfig, p_high: float | None) -> tuple[list[dict[str,
             if ctx + out_prev + new > cfg.context_max:
                 break
             ctx += out_prev + new
-            out_prev = _lognormal_int(rng, 180, 0.6, 16, 2048)  # tool calls: short
+            out_prev = _lognormal_int(rng, cfg.output_median, 0.6, 32, 4096)
             turns.append({"new_tokens": new, "output_tokens": out_prev,
                           "delay_s": round(rng.expovariate(1 / cfg.think_mean_s), 3)})
         out.append({"session": sid, "start_s": round(start, 3), "shared_prefix": {"id": pid, "tokens": plen},
