@@ -204,7 +204,7 @@ def load_scenario(path: str | Path, overrides: dict[str, Any] | None = None) -> 
     if not isinstance(data, dict):
         raise InputError(f"{path}:1: scenario must be a mapping at the top level")
     if overrides:
-        data = _deep_merge(data, overrides)
+        data = deep_merge(data, overrides)
     try:
         return Scenario.model_validate({**data, "source": path})
     except ValidationError as e:
@@ -218,8 +218,8 @@ def load_scenario(path: str | Path, overrides: dict[str, Any] | None = None) -> 
         raise InputError("\n".join(msgs)) from e
 
 
-def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in extra.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out

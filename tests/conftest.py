@@ -14,7 +14,7 @@ import pytest
 from testbed import netns
 from testbed.cli import network_session
 from testbed.net.build import Network
-from testbed.scenario import Scenario, load_scenario
+from testbed.scenario import Scenario, deep_merge, load_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPOLOGIES = ROOT / "topologies"
@@ -22,8 +22,13 @@ TOPOLOGIES = ROOT / "topologies"
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces")
 
 
+# Tests that are not about the WAN's rate run over a fast one, whatever the default scenario's
+# calibration, so they take the same time if the default changes.
+FAST_WAN = {"wan": {"forward": {"rate_mbit": 1000}, "reverse": {"rate_mbit": 1000}}}
+
+
 def scenario_with(overrides: dict[str, Any] | None = None, base: str = "two-dc.yaml") -> Scenario:
-    return load_scenario(TOPOLOGIES / base, overrides)
+    return load_scenario(TOPOLOGIES / base, deep_merge(FAST_WAN, overrides or {}))
 
 
 def small_wan(delay_ms: float, rate_mbit: float | None, jitter_ms: float = 0.0,

@@ -98,6 +98,20 @@ def test_adaptive_handoff_follows_relay_load() -> None:
     assert pol.handoff_options(req, cl) == {"mode": "one-shot", "batch": 32}
 
 
+def test_cut_off_only_anomalous_requests_by_default() -> None:
+    def finished_on_rld(pol: Any, computed: int, **meta: Any) -> bool:
+        req = _req("r", synth_tokens("p", 1000), **meta)
+        req.meta["events"] = [{"kind": "prefill_done", "computed": computed, "hit_tokens": 1000 - computed}]
+        return pol.cut_off(req)
+
+    pol = _pdd("pdd")
+    assert finished_on_rld(pol, computed=900)  # fresh content: its KV would cross for nothing
+    assert finished_on_rld(pol, computed=50, short_output=True)  # flagged by the trace
+    assert not finished_on_rld(pol, computed=50)  # a session's history: let it land in the MD cache
+    assert finished_on_rld(_pdd("pdd:cutoff=all"), computed=50)
+    assert not finished_on_rld(_pdd("pdd:cutoff=off"), computed=900)
+
+
 def test_bad_policy_options_are_rejected() -> None:
     for spec, msg in [("pdd:handoff=sideways", "handoff"), ("pdd:threshold=0", "threshold"),
                       ("pdd:drc=maybe", "drc"), ("pdd:bogus=1", "unknown option")]:
