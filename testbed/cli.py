@@ -364,11 +364,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
         results[p] = {"requests": len(specs), "mismatches": bad, "tokens": sum(len(r) for r in refs.values()),
                       "pipelines": pipelines,
                       "eager_tokens": sum(run.recs[r].by_worker.get(v.get("relay") or "", 0)
-                                          for r, v in run.router.items() if r in run.recs)}
+                                          for r, v in run.router.items() if r in run.recs),
+                      "handoffs": sum(1 for v in run.router.values()
+                                      if any(e["kind"] == "extended" and e.get("final") for e in v["events"]))}
         if not args.json:
             verdict = "OK: identical to the reference" if not bad else f"FAIL: {len(bad)} requests differ"
             shape = ", ".join(f"{k} {v}" for k, v in sorted(pipelines.items(), key=str))
-            eager = f", {results[p]['eager_tokens']} eager tokens" if results[p]["eager_tokens"] else ""
+            eager = (f", {results[p]['eager_tokens']} eager tokens, {results[p]['handoffs']} requests handed over"
+                     if any(r.get("relay") for r in run.router.values()) else "")
             print(f"{p}: {len(specs)} requests, {results[p]['tokens']} tokens ({shape}{eager}): {verdict}")
             for b in bad:
                 print(f"  {b['rid']}: {b['problem']}")

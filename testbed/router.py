@@ -24,6 +24,8 @@ from testbed.policies import ClusterView, Policy, RequestState, make_policy
 from testbed.policies.base import PolicyContext, WorkerView
 from workers.control import QOS, Command, Event, KVTarget, Request, RouterStatus, Status, Tokens, Topics
 
+ENDED_KEPT = 4096  # finished requests whose late events (cut-off transfers, cache-only KV) still count
+
 
 class RouterConfig(BaseModel):
     run_id: str
@@ -140,7 +142,8 @@ class Router:
         if req is None:
             if ev.rid in self.finished:  # e.g. the sender's kv_sent after the decoder's done
                 self.finished[ev.rid]["events"].append(record)
-                self.policy.on_event(self.ended[ev.rid], ev.kind, ev.worker, ev.data)
+                if ev.rid in self.ended:
+                    self.policy.on_event(self.ended[ev.rid], ev.kind, ev.worker, ev.data)
             return
         req.events.append((ev.kind, ev.worker, ev.t))
         req.meta.setdefault("events", []).append(record)
@@ -207,6 +210,8 @@ class Router:
                "error": error, "events": req.meta.get("events", [])}
         self.finished[req.rid] = rec
         self.ended[req.rid] = req
+        while len(self.ended) > ENDED_KEPT:  # late events come within seconds; bound the memory
+            self.ended.pop(next(iter(self.ended)))
 
     async def _sweep(self) -> None:
         while True:

@@ -145,6 +145,11 @@ class DecodeWorker(HandoffMixin, Worker):
         seq.path = []
         if seq.drc:
             self.cache.insert(seq.prompt, kv)
+        if seq.cache_only:  # the request ended on a relay; its KV was only wanted for the cache
+            self.registered.pop(seq.rid, None)
+            await self.event("kv_received", seq.rid, bytes=inc.bytes_received, had=inc.have,
+                             start=inc.start, end=inc.end, cache_only=True)
+            return
         s = kv.shape
         seq.buf = torch.empty((s[0], s[1], s[2], s[3] + seq.max_new, s[4]), dtype=kv.dtype)
         seq.buf[:, :, :, : s[3]] = kv
@@ -153,10 +158,7 @@ class DecodeWorker(HandoffMixin, Worker):
         seq.kv_arrived = time.time()
         seq.kv_bytes = inc.bytes_received
         await self.event("kv_received", seq.rid, bytes=inc.bytes_received, had=inc.have,
-                         start=inc.start, end=inc.end, cache_only=seq.cache_only)
-        if seq.cache_only:
-            self.registered.pop(seq.rid, None)
-            return
+                         start=inc.start, end=inc.end)
         if seq.main is not None:  # the relay streams; wait for its eager tokens
             seq.main.pred, seq.out = inc.first_token, []
             self.held[seq.rid] = seq
