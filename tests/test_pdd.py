@@ -110,6 +110,7 @@ def test_cut_off_only_anomalous_requests_by_default() -> None:
     assert not finished_on_rld(pol, computed=50)  # a session's history: let it land in the MD cache
     assert finished_on_rld(_pdd("pdd:cutoff=all"), computed=50)
     assert not finished_on_rld(_pdd("pdd:cutoff=off"), computed=900)
+    assert finished_on_rld(_pdd("pdd:drc=off"), computed=50)  # no MD cache to keep it in
 
 
 def test_bad_policy_options_are_rejected() -> None:

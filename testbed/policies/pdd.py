@@ -143,6 +143,8 @@ class Pdd(Policy):
     def cut_off(self, req: RequestState) -> bool:
         if self.cutoff != "anomalous":
             return self.cutoff == "all"
+        if not self.drc:
+            return True  # no cache on the MD to keep the KV in
         prefill = next((e for e in req.meta.get("events", []) if e["kind"] == "prefill_done"), {})
         fresh = prefill.get("computed", req.prompt_len) >= self.low_hit * req.prompt_len
         cut = bool(fresh or req.meta.get("short_output"))
