@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +69,7 @@ class DecodeWorker(HandoffMixin, Worker):
         self.held: dict[str, Seq] = {}  # main decoder: KV here, stream still on the relay
         self.registered: dict[str, asyncio.Event] = {}
         self.wake = asyncio.Event()
-        self.step_log: list[tuple[int, float]] = []  # (batch size, real seconds)
+        self.step_log: deque[tuple[int, float]] = deque(maxlen=2000)  # (batch size, real seconds), recent
         self.server: asyncio.Server | None = None
         self.tokens_out = 0
         self.dbatch: DecodeBatch | None = None  # the running batch's KV, kept across steps
@@ -88,7 +89,7 @@ class DecodeWorker(HandoffMixin, Worker):
 
     def info(self) -> dict[str, Any]:
         by_batch: dict[int, list[float]] = {}
-        for b, s in self.step_log[-2000:]:
+        for b, s in self.step_log:
             by_batch.setdefault(b, []).append(s)
         return {**super().info(), "cache": self.cache_info(),
                 "step_ms_by_batch": {b: 1000 * sum(v) / len(v) for b, v in sorted(by_batch.items())},

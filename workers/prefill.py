@@ -25,9 +25,10 @@ class PrefillWorker(Worker):
         self.queue: asyncio.Queue[Command] = asyncio.Queue()
         self.computed_tokens = 0
         self.reused_tokens = 0
-        self.transfers: list[dict[str, Any]] = []
+        self.transfers = {"count": 0, "bytes": 0, "cancelled": 0}
         # Per request: one cancel event per KV target ("" = the request as a whole).
         self.cancels: dict[str, dict[str, asyncio.Event]] = {}
+        self.pending_ships: dict[str, int] = {}  # transfers of a request still running
         self.busy = 0
 
     async def start(self) -> None:
@@ -52,7 +53,8 @@ class PrefillWorker(Worker):
 
     def info(self) -> dict[str, Any]:
         return {**super().info(), "cache": self.cache_info(),
-                "computed_tokens": self.computed_tokens, "reused_tokens": self.reused_tokens}
+                "computed_tokens": self.computed_tokens, "reused_tokens": self.reused_tokens,
+                "transfers": self.transfers}
 
     async def _loop(self) -> None:
         while True:
@@ -61,12 +63,21 @@ class PrefillWorker(Worker):
             try:
                 await self._prefill(cmd)
             except Exception as e:  # noqa: BLE001 - the request fails, the worker goes on
+                self.cancels.pop(cmd.rid, None)
                 await self.event("failed", cmd.rid, reason=f"prefill on {self.cfg.name}: {e}")
             finally:
                 self.busy = 0
 
+    def _shipped(self, rid: str) -> None:
+        """One transfer of ``rid`` ended; forget its cancel events after the last one."""
+        self.pending_ships[rid] = self.pending_ships.get(rid, 1) - 1
+        if self.pending_ships[rid] <= 0:
+            self.pending_ships.pop(rid, None)
+            self.cancels.pop(rid, None)
+
     async def _prefill(self, cmd: Command) -> None:
         if self.cancels[cmd.rid][""].is_set():
+            self.cancels.pop(cmd.rid, None)  # cancelled before it started: nothing will ship
             return
         tokens = cmd.prompt
         path = self.cache.match_prefix(tokens)
@@ -88,6 +99,9 @@ class PrefillWorker(Worker):
             self.cache.unlock(path)
         await self.event("prefill_done", cmd.rid, hit_tokens=hit, computed=len(tokens) - hit,
                          first_token=first, start=t0, end=time.time(), real_s=real, modeled_s=modeled)
+        self.pending_ships[cmd.rid] = len(cmd.kv_to)
+        if not cmd.kv_to:
+            self.cancels.pop(cmd.rid, None)
         for target in cmd.kv_to:
             self.spawn(self._ship(cmd, target, kv, first))
 
@@ -112,8 +126,11 @@ class PrefillWorker(Worker):
             return
         finally:
             watcher.cancel()
+            self._shipped(cmd.rid)
         rec = {"to": target.worker, "bytes": st.bytes_acked, "written": st.bytes_sent, "payload": st.payload_bytes,
                "planned_payload": st.planned_payload, "tokens": st.tokens_sent, "had": st.receiver_had,
                "start": st.start, "end": st.end, "cancelled": st.cancelled}
-        self.transfers.append({"rid": cmd.rid, **rec})
+        self.transfers["count"] += 1
+        self.transfers["bytes"] += st.bytes_acked
+        self.transfers["cancelled"] += int(st.cancelled)
         await self.event("kv_sent", cmd.rid, **rec)
