@@ -20,7 +20,6 @@ import socket
 import statistics
 import threading
 import time
-import zlib
 from typing import Any
 
 import torch
@@ -29,11 +28,10 @@ from testbed import netns
 from testbed.net.build import Network
 from testbed.scenario import Role
 from testbed.traces.workload import synth_tokens
-from workers.kv_wire import BLOCK, BLOCK_HDR, DTYPE_CODES, END, HDR, MAGIC, VERSION, _tensor_bytes
+from workers.kv_wire import ACK, BLOCK, END, HDR, MAGIC, VERSION, KVTransferError, decode_block, encode_block
 from workers.model import ModelRunner, ensure_default_model
 
 EXTEND = 6  # bench-only frame: token IDs to recompute
-ACK = 5
 PORT = 7171
 LOAD_PORT = 7172
 
@@ -98,13 +96,11 @@ class _MainDecoder(threading.Thread):
                     _send(conn, ACK, b"{}")
                 elif ftype == BLOCK:
                     pos = n0
+                    layers, _, heads, _, head_dim = self.buf.shape
                     while ftype == BLOCK:
-                        _, first, count, _, _, heads, hd, _, crc = BLOCK_HDR.unpack_from(payload)
-                        data = payload[BLOCK_HDR.size :]
-                        if zlib.crc32(data) != crc:
-                            raise ConnectionError("checksum mismatch")
-                        block = torch.frombuffer(bytearray(data), dtype=self.buf.dtype)
-                        self.buf[:, :, :, pos : pos + count] = block.view(self.buf.shape[0], 2, heads, count, hd)
+                        blk = decode_block(payload, layers, heads, head_dim, self.buf.dtype)
+                        count = blk.kv.shape[3]
+                        self.buf[:, :, :, pos : pos + count] = blk.kv
                         pos += count
                         ftype, payload = _recv(conn)
                     if ftype != END:
@@ -112,7 +108,7 @@ class _MainDecoder(threading.Thread):
                     _send(conn, ACK, b"{}")
                 else:
                     return
-        except (ConnectionError, OSError) as e:
+        except (ConnectionError, OSError, KVTransferError) as e:
             if str(e) != "peer closed":
                 self.errors.append(str(e))
         finally:
@@ -189,7 +185,6 @@ def run_handoff_bench(net: Network, reps: int = 50, n_tokens: int = 100, prompt_
     loaded = _background_load(net, prefill, main, load_streams, stop) if load_streams else []
     time.sleep(2.0 if load_streams else 0.0)  # let the load reach steady state
     bs = sc.workers.block_size
-    code = DTYPE_CODES[full_kv.dtype]
     times: dict[str, list[float]] = {"kv": [], "ids": []}
     payload: dict[str, int] = {}
     load_t0 = time.monotonic()
@@ -199,11 +194,8 @@ def run_handoff_bench(net: Network, reps: int = 50, n_tokens: int = 100, prompt_
         t0 = time.perf_counter()
         sent = 0
         for idx, start in enumerate(range(0, n_tokens, bs)):
-            part = full_kv[:, :, :, start : start + bs]
-            data = _tensor_bytes(part)
-            hdr = BLOCK_HDR.pack(idx, start, part.shape[3], 0, part.shape[0], part.shape[2], part.shape[4], code,
-                                 zlib.crc32(data))
-            sent += _send(kv_sock, BLOCK, hdr + data)
+            frame, _ = encode_block(idx, start, full_kv[:, :, :, start : start + bs])
+            sent += _send(kv_sock, BLOCK, frame)
         sent += _send(kv_sock, END, json.dumps({"n": n_tokens}).encode())
         _recv(kv_sock)
         times["kv"].append(time.perf_counter() - t0)

@@ -86,6 +86,35 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
+def encode_block(idx: int, start: int, part: torch.Tensor, corrupt: bool = False) -> tuple[bytes, int]:
+    """A BLOCK frame's payload for ``part`` = KV of tokens ``[start, start + n)``, and its
+    tensor byte count. ``corrupt`` flips a byte after the checksum (fault injection)."""
+    data = _tensor_bytes(part)
+    crc = zlib.crc32(data)
+    if corrupt:
+        data = bytes([data[0] ^ 0xFF]) + data[1:]
+    layers, _, heads, n, head_dim = part.shape
+    hdr = BLOCK_HDR.pack(idx, start, n, 0, layers, heads, head_dim, DTYPE_CODES[part.dtype], crc)
+    return hdr + data, len(data)
+
+
+@dataclass
+class Block:
+    first: int  # first token
+    kv: torch.Tensor  # (layers, 2, kv_heads, tokens, head_dim)
+
+
+def decode_block(payload: bytes, layers: int, heads: int, head_dim: int, dtype: torch.dtype) -> Block:
+    """Verify (checksum, shape, dtype) and decode a BLOCK payload. Raises KVTransferError."""
+    _, first, count, l0, l1, b_heads, hd, code, crc = BLOCK_HDR.unpack_from(payload)
+    data = payload[BLOCK_HDR.size :]
+    if zlib.crc32(data) != crc:
+        raise KVTransferError(f"block at token {first}: checksum mismatch")
+    if (l0, l1, b_heads, hd) != (0, layers, heads, head_dim) or CODE_DTYPES.get(code) != dtype:
+        raise KVTransferError(f"block at token {first}: unexpected shape/dtype")
+    return Block(first, torch.frombuffer(bytearray(data), dtype=dtype).view(layers, 2, heads, count, hd))
+
+
 async def send_kv(
     host: str, port: int, request_id: str, tokens: list[int], kv: torch.Tensor, first_token: int,
     block_size: int, cancel: asyncio.Event | None = None, corrupt_block: int | None = None,
@@ -120,18 +149,13 @@ async def send_kv(
         have = int(offer["have"])
         st.receiver_had = have
         st.planned_payload = (n - have) * kv[:, :, :, :1].numel() * kv.element_size()
-        code = DTYPE_CODES[kv.dtype]
         for idx, start in enumerate(range(have, n, block_size)):
             if st.cancelled:
                 break
             part = kv[:, :, :, start : start + block_size]
-            data = _tensor_bytes(part)
-            crc = zlib.crc32(data)
-            if corrupt_block == idx:  # fault injection for tests: flip one byte after the checksum
-                data = bytes([data[0] ^ 0xFF]) + data[1:]
-            hdr = BLOCK_HDR.pack(idx, start, part.shape[3], 0, layers, heads, head_dim, code, crc)
-            st.bytes_sent += await _write(writer, BLOCK, hdr + data)
-            st.payload_bytes += len(data)
+            frame, nbytes = encode_block(idx, start, part, corrupt=corrupt_block == idx)
+            st.bytes_sent += await _write(writer, BLOCK, frame)
+            st.payload_bytes += nbytes
             st.tokens_sent += part.shape[3]
             if on_progress:
                 on_progress(st)
@@ -220,15 +244,11 @@ async def serve_kv(host: str, port: int, offer: OfferFn, done: DoneFn, fail: Fai
                     return
                 if ftype != BLOCK:
                     raise KVTransferError(f"unexpected frame type {ftype}")
-                _, first, count, l0, l1, heads, hd, code, crc = BLOCK_HDR.unpack_from(payload)
-                data = payload[BLOCK_HDR.size :]
-                if zlib.crc32(data) != crc:
-                    raise KVTransferError(f"block at token {first}: checksum mismatch")
-                if (first != pos or first + count > n or (l0, l1, heads, hd) != (0, shape[0], shape[2], shape[4])
-                        or CODE_DTYPES.get(code) != dtype):
-                    raise KVTransferError(f"block at token {first}: unexpected shape/position/dtype")
-                block = torch.frombuffer(bytearray(data), dtype=dtype).view(shape[0], 2, heads, count, hd)
-                kv[:, :, :, first - have : first - have + count] = block
+                blk = decode_block(payload, shape[0], shape[2], shape[4], dtype)
+                count = blk.kv.shape[3]
+                if blk.first != pos or pos + count > n:
+                    raise KVTransferError(f"block at token {blk.first}: expected token {pos}")
+                kv[:, :, :, pos - have : pos - have + count] = blk.kv
                 pos += count
         except (KVTransferError, asyncio.IncompleteReadError, OSError, ValueError, KeyError) as e:
             msg = f"KV transfer for {rid} failed: {e}"

@@ -34,6 +34,13 @@ class ClusterView:
             raise LookupError(f"no live {role} worker{where}")
         return min(cands, key=lambda w: (w.assigned, w.active + w.queued, w.name))
 
+    def pick_outside(self, role: str, dc: str) -> WorkerView:
+        """The least-loaded live worker of a role in the first other datacenter that has one."""
+        remote = sorted({w.dc for w in self.workers.values() if w.role == role and w.dc != dc and w.up})
+        if not remote:
+            raise LookupError(f"no live {role} worker outside datacenter {dc}")
+        return self.pick(role, dc=remote[0])
+
 
 @dataclass
 class RequestState:

@@ -25,8 +25,5 @@ class CrossDc(Policy):
 
     def plan(self, req: RequestState, cluster: ClusterView) -> Plan:
         p = cluster.pick("prefill")
-        others = [w for w in cluster.workers.values() if w.role == "decode" and w.dc != p.dc and w.up]
-        if not others:
-            raise LookupError(f"no live decode worker outside datacenter {p.dc}")
-        d = cluster.pick("decode", dc=others[0].dc)
+        d = cluster.pick_outside("decode", p.dc)
         return Plan(f"P-D({d.dc})", p.name, d.name)

@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from testbed.policies.base import ClusterView, Plan, Policy, RequestState, WorkerView
+from testbed.policies.base import ClusterView, Plan, Policy, RequestState
 from testbed.policies.prefix_index import PrefixIndex
 from testbed.policies.wan import WanEstimator
 
@@ -93,15 +93,9 @@ class Pdd(Policy):
         self.wan = WanEstimator(ctx.wan_rate_bps or UNSHAPED_RATE_BPS, ctx.wan_rtt_s)
 
     # ----------------------------------------------------------------- routing
-    def _main_decoder(self, cluster: ClusterView, prefill_dc: str) -> WorkerView:
-        remote = sorted({w.dc for w in cluster.workers.values() if w.role == "decode" and w.dc != prefill_dc and w.up})
-        if not remote:
-            raise LookupError(f"no live decode worker outside datacenter {prefill_dc}")
-        return cluster.pick("decode", dc=remote[0])
-
     def plan(self, req: RequestState, cluster: ClusterView) -> Plan:
         p = cluster.pick("prefill")
-        md = self._main_decoder(cluster, p.dc)
+        md = cluster.pick_outside("decode", p.dc)
         index = self.indexes.setdefault(md.name, PrefixIndex(self.ctx.block_size, self.ctx.decode_cache_tokens))
         have = index.match(req.prompt) if self.drc else 0
         delta = max(0, req.prompt_len - have)
