@@ -11,23 +11,15 @@ import secrets
 import socket
 import subprocess
 import time
-from dataclasses import dataclass
 
 from testbed import netns
 from testbed.errors import BuildError
 from testbed.net.build import Network
+from workers.contracts import BrokerInfo
 
 MOSQUITTO = "/usr/sbin/mosquitto"
 MOSQUITTO_PASSWD = "/usr/bin/mosquitto_passwd"
 PORT = 1883
-
-
-@dataclass(frozen=True)
-class BrokerInfo:
-    host: str
-    port: int
-    username: str
-    password: str
 
 
 def start_broker(net: Network, router_host: str) -> tuple[subprocess.Popen[bytes], BrokerInfo]:
@@ -58,7 +50,7 @@ def start_broker(net: Network, router_host: str) -> tuple[subprocess.Popen[bytes
         ])
     )
     proc = net.spawn(router_host, [MOSQUITTO, "-c", str(conf)], name="mosquitto", log=d / "stdout.log")
-    info = BrokerInfo(ip, PORT, user, password)
+    info = BrokerInfo(host=ip, port=PORT, username=user, password=password)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if proc.poll() is not None:

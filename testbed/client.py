@@ -21,19 +21,9 @@ from dataclasses import dataclass, field
 import aiomqtt
 
 from testbed import netns
-from testbed.broker import BrokerInfo
+from testbed.traces.workload import RequestSpec
+from workers.contracts import BrokerInfo
 from workers.control import QOS, Request, RouterStatus, Tokens, Topics
-
-
-@dataclass
-class RequestSpec:
-    rid: str
-    prompt: list[int]
-    max_new: int
-    at: float = 0.0  # seconds after the replay starts (open loop)
-    meta: dict[str, object] = field(default_factory=dict)
-    after: str | None = None  # closed loop: sent ``delay`` s after request ``after`` completes
-    delay: float = 0.0
 
 
 @dataclass
@@ -130,7 +120,7 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
             if delay > 0:
                 await asyncio.sleep(delay)
             recs[spec.rid].sent = time.time()
-            req = Request(rid=spec.rid, prompt=spec.prompt, max_new=spec.max_new, meta=dict(spec.meta))
+            req = Request(rid=spec.rid, prompt=spec.prompt, max_new=spec.max_new, hints=spec.hints)
             await client.publish(topics.requests, req.dump(), qos=QOS)
 
         reader = asyncio.create_task(read())

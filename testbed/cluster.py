@@ -9,7 +9,6 @@ teardown (and ``testbed clean`` after a crash) ends them by PID.
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -17,27 +16,54 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from testbed.broker import BrokerInfo, start_broker
-from testbed.client import ClientRecord, RequestSpec, replay_in_namespace
+from testbed.broker import start_broker
+from testbed.client import ClientRecord, replay_in_namespace
+from testbed.contracts import PolicyContext, PolicyReport, RequestRecord, RouterConfig, WorkerEndpoint
 from testbed.errors import InputError
 from testbed.net.build import Network
-from testbed.scenario import Role
+from testbed.policies.spec import PolicySpec
+from testbed.scenario import Role, Scenario
+from testbed.traces.workload import RequestSpec
+from workers.contracts import BrokerInfo, DeviceSpec, WorkerConfig, WorkerFaults, WorkerRole, WorkerStats
 from workers.control import Topics
 from workers.model import ensure_default_model, kv_bytes_per_token
 
 KV_PORT = 7070
-WORKER_ROLES = {Role.PREFILL: "prefill", Role.DECODE: "decode", Role.RELAY_DECODE: "relay-decode"}
+WORKER_ROLES: dict[Role, WorkerRole] = {Role.PREFILL: "prefill", Role.DECODE: "decode",
+                                        Role.RELAY_DECODE: "relay-decode"}
+
+
+def worker_configs(sc: Scenario, net: Network, broker: BrokerInfo, model: str, dtype: str | None = None,
+                   faults: dict[str, WorkerFaults] | None = None) -> dict[str, WorkerConfig]:
+    """Every worker's configuration, from the scenario: the one place a WorkerConfig is built."""
+    ws = sc.workers
+    out = {}
+    for dc in sc.datacenters.values():
+        for host, spec in dc.hosts.items():
+            role = WORKER_ROLES.get(spec.role)
+            if role is None:
+                continue
+            dev = sc.devices.get(spec.device)
+            device = DeviceSpec(name=spec.device, **(dev.model_dump() if dev else {}))
+            out[host] = WorkerConfig(
+                name=host, role=role, run_id=net.run.run_id, host_ip=net.ip_of(host), kv_port=KV_PORT,
+                broker=broker, model_path=model, dtype=dtype or ws.dtype, threads=ws.threads,
+                block_size=ws.block_size, prefill_chunk=ws.prefill_chunk,
+                cache_tokens=ws.prefill_cache_tokens if role == "prefill" else ws.decode_cache_tokens,
+                max_batch=ws.max_batch, kv_timeout_s=ws.kv_timeout_s, device=device,
+                stats_path=str(net.run.dir / f"worker-{host}.json"),
+                faults=(faults or {}).get(host, WorkerFaults()),
+            )  # fmt: skip
+    return out
 
 
 @dataclass
 class Cluster:
     net: Network
-    policy: str
+    policy: PolicySpec
     broker: BrokerInfo
-    workers: dict[str, dict[str, Any]] = field(default_factory=dict)
-    faults: dict[str, dict[str, Any]] = field(default_factory=dict)
+    workers: dict[str, WorkerConfig] = field(default_factory=dict)
     router: subprocess.Popen[bytes] = field(init=False)
 
     @property
@@ -49,54 +75,37 @@ class Cluster:
         return self.net.run.dir / "router-records.jsonl"
 
     @classmethod
-    def start(cls, net: Network, policy: str, faults: dict[str, dict[str, Any]] | None = None,
+    def start(cls, net: Network, policy: PolicySpec, faults: dict[str, WorkerFaults] | None = None,
               dtype: str | None = None) -> Cluster:
         sc = net.scenario
         routers = sc.hosts_with_role(Role.ROUTER)
         if not routers:
             raise InputError(f"{sc.source}: scenario has no host with role router")
         _, broker = start_broker(net, routers[0])
-        cl = cls(net, policy, broker, faults=faults or {})
+        cl = cls(net, policy, broker)
         ws = sc.workers
         model = str(ws.model) if ws.model else str(ensure_default_model())
-        for dc_name, dc in sc.datacenters.items():
-            for host, spec in dc.hosts.items():
-                role = WORKER_ROLES.get(spec.role)
-                if role is None:
-                    continue
-                dev = sc.devices.get(spec.device)
-                cfg = {
-                    "name": host, "role": role, "run_id": net.run.run_id, "host_ip": net.ip_of(host),
-                    "kv_port": KV_PORT, "broker_host": broker.host, "broker_port": broker.port,
-                    "broker_user": broker.username, "broker_password": broker.password,
-                    "model_path": model, "dtype": dtype or ws.dtype, "threads": ws.threads,
-                    "block_size": ws.block_size, "prefill_chunk": ws.prefill_chunk,
-                    "cache_tokens": ws.prefill_cache_tokens if role == "prefill" else ws.decode_cache_tokens,
-                    "max_batch": ws.max_batch, "kv_timeout_s": ws.kv_timeout_s, "device": spec.device,
-                    "peak_tflops": dev.peak_tflops if dev else None, "mem_gbps": dev.mem_gbps if dev else None,
-                    "step_overhead_ms": dev.step_overhead_ms if dev else 0.0,
-                    "stats_path": str(net.run.dir / f"worker-{host}.json"),
-                    "faults": cl.faults.get(host, {}),
-                }  # fmt: skip
-                path = net.run.dir / f"worker-{host}.cfg.json"
-                path.write_text(json.dumps(cfg))
-                net.spawn(host, [sys.executable, "-m", "workers", str(path)], name=f"worker-{host}",
-                          log=net.run.dir / f"worker-{host}.log")
-                cl.workers[host] = {"role": role, "dc": dc_name, "host": net.ip_of(host), "kv_port": KV_PORT}
+        cl.workers = worker_configs(sc, net, broker, model, dtype, faults)
+        for host, cfg in cl.workers.items():
+            path = net.run.dir / f"worker-{host}.cfg.json"
+            path.write_text(cfg.model_dump_json())
+            path.chmod(0o600)  # holds the broker credential
+            net.spawn(host, [sys.executable, "-m", "workers", str(path)], name=f"worker-{host}",
+                      log=net.run.dir / f"worker-{host}.log")
         fwd = sc.wan.forward
-        context = {
-            "wan_rate_bps": fwd.rate_mbit * 1e6 if fwd.rate_mbit else None, "wan_rtt_s": 2 * fwd.delay_ms / 1000,
-            "kv_bytes_per_token": kv_bytes_per_token(model, dtype or ws.dtype), "block_size": ws.block_size,
-            "decode_cache_tokens": ws.decode_cache_tokens,
-        }
-        rcfg = {
-            "run_id": net.run.run_id, "broker_host": broker.host, "broker_port": broker.port,
-            "broker_user": broker.username, "broker_password": broker.password, "policy": policy,
-            "workers": cl.workers, "request_timeout_s": ws.request_timeout_s,
-            "records_path": str(cl.records_path), "context": context,
-        }  # fmt: skip
+        context = PolicyContext(
+            wan_rate_bps=fwd.rate_mbit * 1e6 if fwd.rate_mbit else None, wan_rtt_s=2 * fwd.delay_ms / 1000,
+            kv_bytes_per_token=kv_bytes_per_token(model, dtype or ws.dtype), block_size=ws.block_size,
+            decode_cache_tokens=ws.decode_cache_tokens,
+        )  # fmt: skip
+        endpoints = {h: WorkerEndpoint(role=c.role, dc=sc.datacenter_of(h), host=c.host_ip, kv_port=c.kv_port)
+                     for h, c in cl.workers.items()}
+        rcfg = RouterConfig(run_id=net.run.run_id, broker=broker, policy=policy, workers=endpoints,
+                            request_timeout_s=ws.request_timeout_s, records_path=str(cl.records_path),
+                            context=context)
         rpath = net.run.dir / "router.cfg.json"
-        rpath.write_text(json.dumps(rcfg))
+        rpath.write_text(rcfg.model_dump_json())
+        rpath.chmod(0o600)
         cl.router = net.spawn(routers[0], [sys.executable, "-m", "testbed.router", str(rpath)], name="router",
                               log=net.run.dir / "router.log")
         return cl
@@ -109,7 +118,7 @@ class Cluster:
         return replay_in_namespace(self.net.ns_of(clients[0]), self.broker, self.topics, specs, timeout_s,
                                    progress)
 
-    def router_records(self) -> dict[str, dict[str, Any]]:
+    def router_records(self) -> dict[str, RequestRecord]:
         """Stop the router (it writes its records on exit) and read them."""
         if self.router.poll() is None:
             time.sleep(0.3)  # let the last events (e.g. kv_sent after done) reach it
@@ -118,24 +127,24 @@ class Cluster:
                 self.router.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.router.kill()
-        out: dict[str, dict[str, Any]] = {}
+        out: dict[str, RequestRecord] = {}
         if self.records_path.exists():
             for line in self.records_path.read_text().splitlines():
-                rec = json.loads(line)
-                out[rec["rid"]] = rec
+                rec = RequestRecord.model_validate_json(line)
+                out[rec.rid] = rec
         return out
 
-    def policy_stats(self) -> dict[str, Any]:
+    def policy_stats(self) -> PolicyReport:
         """The policy's own counters (written by the router on exit)."""
         p = Path(str(self.records_path) + ".policy.json")
-        return json.loads(p.read_text()) if p.exists() else {}
+        return PolicyReport.model_validate_json(p.read_text()) if p.exists() else PolicyReport()
 
-    def worker_stats(self) -> dict[str, Any]:
+    def worker_stats(self) -> dict[str, WorkerStats]:
         out = {}
         for host in self.workers:
             p = self.net.run.dir / f"worker-{host}.json"
             if p.exists():
-                out[host] = json.loads(p.read_text())
+                out[host] = WorkerStats.model_validate_json(p.read_text())
         return out
 
     def log_tail(self, name: str, n: int = 3000) -> str:

@@ -16,7 +16,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from testbed.client import ClientRecord, RequestSpec
+from testbed.client import ClientRecord
+from testbed.contracts import RequestRecord
+from testbed.traces.workload import RequestSpec
+from workers.control import Extended, HandoffSent, KvSent, PrefillDone, RequestHints
 
 
 @dataclass(frozen=True)
@@ -25,44 +28,43 @@ class Slo:
     tpot_s: float = 0.25
 
 
-def request_rows(recs: dict[str, ClientRecord], router: dict[str, dict[str, Any]],
+def request_rows(recs: dict[str, ClientRecord], router: dict[str, RequestRecord],
                  specs: list[RequestSpec] | None = None) -> pd.DataFrame:
-    meta = {s.rid: s.meta for s in specs or []}
+    hints = {s.rid: s.hints for s in specs or []}
     t0 = min((r.sent for r in recs.values() if r.sent), default=0.0)
     rows = []
     for rid, r in recs.items():
-        rr = router.get(rid, {})
-        events = rr.get("events", [])
-        kv_sent = [e for e in events if e["kind"] == "kv_sent"]
-        prefill = next((e for e in events if e["kind"] == "prefill_done"), {})
-        cross = rr.get("prefill_dc") is not None and rr.get("prefill_dc") != rr.get("decode_dc")
+        rr = router.get(rid) or RequestRecord(rid=rid)
+        h = hints.get(rid) or RequestHints()
+        kv_sent = [e for e in rr.events if isinstance(e, KvSent)]
+        prefill = next((e for e in rr.events if isinstance(e, PrefillDone)), None)
+        cross = rr.prefill_dc is not None and rr.prefill_dc != rr.decode_dc
         # KV to the (main) decoder crosses the WAN when it sits in the other datacenter; KV to
         # a relay never does.
-        wan = [e for e in kv_sent if cross and e.get("to", rr.get("decode")) == rr.get("decode")]
-        handoffs = [e for e in events if e["kind"] == "handoff"]
-        final_extend = next((e for e in events if e["kind"] == "extended" and e.get("final")), {})
-        relay = rr.get("relay") or (rr.get("decode") if rr.get("pipeline") == "P-RLD" else None)
+        wan = [e for e in kv_sent if cross and e.to == rr.decode]
+        handoffs = [e for e in rr.events if isinstance(e, HandoffSent)]
+        final_extend = next((e for e in rr.events if isinstance(e, Extended) and e.final), None)
+        relay = rr.relay or (rr.decode if rr.pipeline == "P-RLD" else None)
         eager = r.by_worker.get(relay, 0) if relay else 0
         row: dict[str, Any] = {
-            "rid": rid, "ok": r.ok, "error": r.error, "pipeline": rr.get("pipeline"),
+            "rid": rid, "ok": r.ok, "error": r.error, "pipeline": rr.pipeline,
             "prompt_tokens": r.prompt_len, "output_tokens": len(r.tokens), "max_new": r.max_new,
-            "session": meta.get(rid, {}).get("session"), "turn": meta.get(rid, {}).get("turn"),
-            "short_output": bool(meta.get(rid, {}).get("short_output", False)),
+            "session": h.session, "turn": h.turn, "short_output": h.short_output,
             "sent": r.sent, "sent_offset_s": r.sent - t0 if r.sent else np.nan,
             "ttft_s": np.nan, "tpot_s": np.nan, "e2e_s": np.nan,
-            "prefill_hit_tokens": prefill.get("hit_tokens"), "prefill_computed": prefill.get("computed"),
-            "kv_bytes": sum(e.get("bytes", 0) for e in kv_sent),
-            "kv_tokens_sent": sum(e.get("tokens", 0) for e in kv_sent),
-            "wan_kv_bytes": sum(e.get("bytes", 0) for e in wan),
-            "wan_kv_cancelled_bytes": sum(max(0, e.get("planned_payload", 0) - e.get("payload", 0))
-                                          for e in wan if e.get("cancelled")),
-            "wan_cut_off": any(e.get("cancelled") for e in wan),
-            "kv_transfer_s": max(e["end"] - e["start"] for e in kv_sent) if kv_sent else np.nan,
+            "prefill_hit_tokens": prefill.hit_tokens if prefill else None,
+            "prefill_computed": prefill.computed if prefill else None,
+            "kv_bytes": sum(e.bytes for e in kv_sent),
+            "kv_tokens_sent": sum(e.tokens for e in kv_sent),
+            "wan_kv_bytes": sum(e.bytes for e in wan),
+            "wan_kv_cancelled_bytes": sum(max(0, e.planned_payload - e.payload) for e in wan if e.cancelled),
+            "wan_cut_off": any(e.cancelled for e in wan),
+            "kv_transfer_s": max(e.end - e.start for e in kv_sent) if kv_sent else np.nan,
             "relay": relay, "eager_tokens": eager, "rld_share": eager / len(r.tokens) if r.tokens else np.nan,
-            "handoffs": len(handoffs), "handoff_sizes": "+".join(str(e.get("tokens", 0)) for e in handoffs),
-            "md_kv_to_handoff_s": final_extend.get("since_kv_s", np.nan),
-            "handoff_mismatches": final_extend.get("mismatches", 0), "md_failed": rr.get("md_failed"),
-            **{f"plan_{k}": v for k, v in (rr.get("plan_info") or {}).items()},
+            "handoffs": len(handoffs), "handoff_sizes": "+".join(str(e.tokens) for e in handoffs),
+            "md_kv_to_handoff_s": final_extend.since_kv_s if final_extend else np.nan,
+            "handoff_mismatches": final_extend.mismatches if final_extend else 0, "md_failed": rr.md_failed,
+            **{f"plan_{k}": v for k, v in rr.plan_info.model_dump(exclude_none=True).items()},
         }  # fmt: skip
         if r.ok and r.token_times:
             row["ttft_s"] = r.token_times[0] - r.sent

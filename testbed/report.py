@@ -19,6 +19,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from workers.contracts import WorkerStats  # noqa: E402
+
 # Columns of the side-by-side table: (summary key, header, scale, format).
 TABLE_COLUMNS: list[tuple[str, str, float, str]] = [
     ("completed", "done", 1, "{:.0f}"), ("failed", "failed", 1, "{:.0f}"),
@@ -59,7 +61,7 @@ def comparison_table(summaries: dict[str, dict[str, Any]], columns: list[tuple[s
 
 
 def save(out: Path, frames: dict[str, pd.DataFrame], summary: dict[str, Any],
-         workers: dict[str, dict[str, Any]] | None = None) -> list[Path]:
+         workers: dict[str, dict[str, WorkerStats]] | None = None) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     df = pd.concat([f.assign(policy=name) for name, f in frames.items()], ignore_index=True)
     first = ["policy"] + [c for c in df.columns if c != "policy"]
@@ -74,21 +76,19 @@ def save(out: Path, frames: dict[str, pd.DataFrame], summary: dict[str, Any],
     return paths
 
 
-def plot_hit_rates(workers: dict[str, dict[str, Any]], path: Path, window_s: float = 5.0) -> bool:
+def plot_hit_rates(workers: dict[str, dict[str, WorkerStats]], path: Path, window_s: float = 5.0) -> bool:
     """Prefix-cache hit rate over time of every prefill and decode worker, per policy
     (hit tokens / looked-up tokens in each ``window_s`` window)."""
-    policies = [p for p, ws in workers.items() if any(w.get("cache", {}).get("series") for w in ws.values())]
+    policies = [p for p, ws in workers.items() if any(w.cache and w.cache.series for w in ws.values())]
     if not policies:
         return False
     fig, axes = plt.subplots(len(policies), 1, figsize=(10, 3 * len(policies)), squeeze=False)
     for ax, p in zip(axes[:, 0], policies, strict=True):
-        starts = [w["cache"]["series"][0][0] for w in workers[p].values() if w.get("cache", {}).get("series")]
-        t0 = min(starts)
+        t0 = min(w.cache.series[0][0] for w in workers[p].values() if w.cache and w.cache.series)
         for name, w in sorted(workers[p].items()):
-            series = w.get("cache", {}).get("series") or []
-            if len(series) < 2:
+            if w.cache is None or len(w.cache.series) < 2:
                 continue
-            a = np.asarray(series, dtype=float)
+            a = np.asarray(w.cache.series, dtype=float)
             bins = np.floor((a[:, 0] - t0) / window_s)
             xs, ys = [], []
             prev_hit, prev_look = 0.0, 0.0
@@ -98,7 +98,7 @@ def plot_hit_rates(workers: dict[str, dict[str, Any]], path: Path, window_s: flo
                     xs.append((b + 1) * window_s)
                     ys.append(100 * (last[1] - prev_hit) / (last[2] - prev_look))
                 prev_hit, prev_look = last[1], last[2]
-            ax.plot(xs, ys, marker=".", label=f"{name} (overall {100 * w['cache'].get('hit_rate', 0):.0f}%)")
+            ax.plot(xs, ys, marker=".", label=f"{name} (overall {100 * w.cache.hit_rate:.0f}%)")
         ax.set(title=f"{p}: prefix-cache hit rate per {window_s:g} s", xlabel="s into the run", ylabel="hit %",
                ylim=(0, 100))
         ax.grid(alpha=0.3)

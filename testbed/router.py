@@ -4,40 +4,45 @@ tracks every request in flight until it completes or fails with a reason.
 Run as ``python -m testbed.router CONFIG.json`` inside the router host's namespace. It
 learns worker liveness and load from their retained status messages (a worker that dies
 is announced by its MQTT last will) and ends every request that depended on a dead worker,
-or that exceeds the request timeout, with an explicit error to the client.
+or that exceeds the request timeout, with an explicit error to the client. A message that
+fails validation is logged and fails only the request it names.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import aiomqtt
-from pydantic import BaseModel
+from pydantic import ValidationError
 
+from testbed.contracts import RequestRecord, RouterConfig
 from testbed.policies import ClusterView, Policy, RequestState, make_policy
-from testbed.policies.base import PolicyContext, WorkerView
-from workers.control import QOS, Command, Event, KVTarget, Request, RouterStatus, Status, Tokens, Topics
+from testbed.policies.base import WorkerView
+from workers.control import (
+    QOS,
+    CancelCmd,
+    Done,
+    Event,
+    Failed,
+    HandoffCmd,
+    KvReceived,
+    KVTarget,
+    PrefillCmd,
+    Request,
+    RouterStatus,
+    Status,
+    Tokens,
+    Topics,
+    parse_event,
+    rid_of,
+    why_invalid,
+)
 
 ENDED_KEPT = 4096  # finished requests whose late events (cut-off transfers, cache-only KV) still count
-
-
-class RouterConfig(BaseModel):
-    run_id: str
-    broker_host: str
-    broker_port: int
-    broker_user: str
-    broker_password: str
-    policy: str
-    workers: dict[str, dict[str, Any]]  # name -> {role, dc, host, kv_port}
-    request_timeout_s: float = 600.0
-    records_path: str
-    context: dict[str, Any] = {}  # PolicyContext fields
 
 
 class Router:
@@ -45,11 +50,10 @@ class Router:
         self.cfg = cfg
         self.topics = Topics(cfg.run_id)
         self.policy: Policy = make_policy(cfg.policy)
-        self.policy.bind(PolicyContext(**cfg.context))
-        self.view = ClusterView({n: WorkerView(n, w["role"], w["dc"], w["host"], w["kv_port"])
-                                 for n, w in cfg.workers.items()})
+        self.policy.bind(cfg.context)
+        self.view = ClusterView({n: WorkerView(n, w.role, w.dc, w.host, w.kv_port) for n, w in cfg.workers.items()})
         self.inflight: dict[str, RequestState] = {}
-        self.finished: dict[str, dict[str, Any]] = {}  # rid -> record (late events still land)
+        self.finished: dict[str, RequestRecord] = {}  # rid -> record (late events still land)
         self.ended: dict[str, RequestState] = {}  # finished requests, for the policy's late events
         self.client: aiomqtt.Client | None = None
         self.ready = False
@@ -63,9 +67,9 @@ class Router:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        async with aiomqtt.Client(self.cfg.broker_host, self.cfg.broker_port, username=self.cfg.broker_user,
-                                  password=self.cfg.broker_password, identifier=f"{self.cfg.run_id}-router",
-                                  keepalive=5) as client:
+        b = self.cfg.broker
+        async with aiomqtt.Client(b.host, b.port, username=b.username, password=b.password,
+                                  identifier=f"{self.cfg.run_id}-router", keepalive=5) as client:
             self.client = client
             for t in (self.topics.requests, self.topics.all_status, self.topics.events):
                 await client.subscribe(t, qos=QOS)
@@ -77,11 +81,12 @@ class Router:
             for rid in list(self.inflight):
                 await self._fail(rid, "router stopped")
             await self.publish(self.topics.router_status,
-                               RouterStatus(state="stopped", workers={}, policy=self.cfg.policy).dump(), retain=True)
+                               RouterStatus(state="stopped", workers={}, policy=self.policy.describe()).dump(),
+                               retain=True)
         tmp = Path(self.cfg.records_path + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.finished.values()))
+        tmp.write_text("".join(r.model_dump_json() + "\n" for r in self.finished.values()))
         tmp.replace(self.cfg.records_path)
-        Path(self.cfg.records_path + ".policy.json").write_text(json.dumps(self.policy.stats()))
+        Path(self.cfg.records_path + ".policy.json").write_text(self.policy.stats().model_dump_json())
 
     async def _read(self, client: aiomqtt.Client) -> None:
         async for msg in client.messages:
@@ -92,11 +97,25 @@ class Router:
                 if topic == self.topics.requests:
                     await self._admit(Request.model_validate_json(payload))
                 elif topic == self.topics.events:
-                    await self._on_event(Event.model_validate_json(payload))
+                    await self._on_event(parse_event(payload))
                 elif topic.endswith("/status"):
                     await self._on_status(Status.model_validate_json(payload))
-            except ValueError as e:
-                print(f"router: bad message on {topic}: {e}", file=sys.stderr)
+            except ValidationError as e:
+                await self._reject(topic, payload, e)
+
+    async def _reject(self, topic: str, payload: bytes | bytearray, error: ValidationError) -> None:
+        """A message failed validation: log it; fail the request it names (if any), nothing else."""
+        why = why_invalid(error)
+        rid = rid_of(payload)
+        print(f"router: rejected a message on {topic} for {rid or 'no request'}: {why}", file=sys.stderr, flush=True)
+        if rid is None:
+            return
+        reason = f"router rejected a {'request' if topic == self.topics.requests else 'message'}: {why}"
+        if rid in self.inflight:
+            await self._fail(rid, reason)
+        elif topic == self.topics.requests:  # never admitted: the client still waits for an answer
+            await self.publish(self.topics.tokens(rid), Tokens(rid=rid, start=0, tokens=[], worker="router",
+                                                               t=time.time(), done=True, error=reason).dump())
 
     async def _on_status(self, st: Status) -> None:
         w = self.view.workers.get(st.worker)
@@ -111,11 +130,11 @@ class Router:
             self.ready = True
             workers = {n: x.role for n, x in self.view.workers.items()}
             await self.publish(self.topics.router_status,
-                               RouterStatus(state="ready", workers=workers, policy=self.policy.describe()).dump(),
-                               retain=True)
+                               RouterStatus(state="ready", workers=workers,  # type: ignore[arg-type]
+                                            policy=self.policy.describe()).dump(), retain=True)
 
     async def _admit(self, r: Request) -> None:
-        req = RequestState(r.rid, len(r.prompt), r.max_new, time.time(), dict(r.meta), prompt=r.prompt)
+        req = RequestState(r.rid, r.prompt, r.max_new, time.time(), r.hints)
         self.inflight[r.rid] = req
         try:
             plan = self.policy.plan(req, self.view)
@@ -128,43 +147,37 @@ class Router:
         # Decoders first: they must know the request before its KV arrives.
         targets = []
         for w in filter(None, (plan.relay, plan.decode)):
-            opts = self.policy.decode_options(req, plan, w)
-            await self.publish(self.topics.cmd(w), Command(op="decode", rid=r.rid, prompt=r.prompt, max_new=r.max_new,
-                                                           options=opts).dump())
+            await self.publish(self.topics.cmd(w), self.policy.decode_command(req, plan, w).dump())
             d = self.view.workers[w]
             targets.append(KVTarget(worker=d.name, host=d.host, port=d.kv_port))
-        await self.publish(self.topics.cmd(plan.prefill),
-                           Command(op="prefill", rid=r.rid, prompt=r.prompt, max_new=r.max_new, kv_to=targets).dump())
+        await self.publish(self.topics.cmd(plan.prefill), PrefillCmd(rid=r.rid, prompt=r.prompt, kv_to=targets).dump())
 
     async def _on_event(self, ev: Event) -> None:
         req = self.inflight.get(ev.rid)
-        record = {"kind": ev.kind, "worker": ev.worker, "t": ev.t, **ev.data}
         if req is None:
             if ev.rid in self.finished:  # e.g. the sender's kv_sent after the decoder's done
-                self.finished[ev.rid]["events"].append(record)
+                self.finished[ev.rid].events.append(ev)
                 if ev.rid in self.ended:
-                    self.policy.on_event(self.ended[ev.rid], ev.kind, ev.worker, ev.data)
+                    self.policy.on_event(self.ended[ev.rid], ev)
             return
-        req.events.append((ev.kind, ev.worker, ev.t))
-        req.meta.setdefault("events", []).append(record)
-        self.policy.on_event(req, ev.kind, ev.worker, ev.data)
+        req.events.append(ev)
+        self.policy.on_event(req, ev)
         plan = req.plan
         relay = plan.relay if plan else None
-        if ev.kind == "failed":
+        if isinstance(ev, Failed):
             md_lost = (plan is not None and relay is not None and not req.handed_off
-                       and (ev.data.get("before_handoff") or ev.data.get("target") == plan.decode))
+                       and (ev.before_handoff or ev.target == plan.decode))
             if md_lost:
                 # The main decoder cannot take over: the relay finishes the request alone.
-                req.meta["md_failed"] = ev.data.get("reason")
-                await self.publish(self.topics.cmd(relay), Command(op="handoff", rid=ev.rid,  # type: ignore[arg-type]
-                                                                   options={"mode": "local"}).dump())
+                assert relay is not None
+                req.md_failed = ev.reason
+                await self.publish(self.topics.cmd(relay), HandoffCmd(rid=ev.rid, mode="local").dump())
                 return
-            await self._fail(ev.rid, ev.data.get("reason", f"failed on {ev.worker}"))
-        elif ev.kind == "kv_received" and plan is not None and relay and ev.worker == plan.decode:
-            opts = self.policy.handoff_options(req, self.view)
-            await self.publish(self.topics.cmd(relay), Command(op="handoff", rid=ev.rid, options=opts).dump())
-        elif ev.kind == "done" and relay and ev.worker == relay:
-            if ev.data.get("handed_off"):
+            await self._fail(ev.rid, ev.reason)
+        elif isinstance(ev, KvReceived) and plan is not None and relay and ev.worker == plan.decode:
+            await self.publish(self.topics.cmd(relay), self.policy.handoff(req, self.view).dump())
+        elif isinstance(ev, Done) and relay and ev.worker == relay:
+            if ev.handed_off:
                 req.handed_off = True  # the relay released it; the main decoder streams on
             else:
                 # The relay finished the request before the main decoder took over. Either cut
@@ -172,15 +185,14 @@ class Router:
                 # land in the main decoder's cache only (history for the session's next turn).
                 assert plan is not None
                 if self.policy.cut_off(req):
-                    req.meta["cut_off"] = True
+                    req.cut_off = True
                     await self.publish(self.topics.cmd(plan.prefill),
-                                       Command(op="cancel", rid=ev.rid, options={"target": plan.decode}).dump())
-                    await self.publish(self.topics.cmd(plan.decode), Command(op="cancel", rid=ev.rid).dump())
+                                       CancelCmd(rid=ev.rid, target=plan.decode).dump())
+                    await self.publish(self.topics.cmd(plan.decode), CancelCmd(rid=ev.rid).dump())
                 else:
-                    await self.publish(self.topics.cmd(plan.decode),
-                                       Command(op="cancel", rid=ev.rid, options={"keep_kv": True}).dump())
+                    await self.publish(self.topics.cmd(plan.decode), CancelCmd(rid=ev.rid, keep_kv=True).dump())
                 self._finish(req, None)
-        elif ev.kind == "done":
+        elif isinstance(ev, Done):
             self._finish(req, None)
 
     async def _fail(self, rid: str, reason: str) -> None:
@@ -189,7 +201,7 @@ class Router:
             return
         if req.plan:
             for w in req.plan.workers:
-                await self.publish(self.topics.cmd(w), Command(op="cancel", rid=rid).dump())
+                await self.publish(self.topics.cmd(w), CancelCmd(rid=rid).dump())
         await self.publish(self.topics.tokens(rid), Tokens(rid=rid, start=0, tokens=[], worker="router",
                                                            t=time.time(), done=True, error=reason).dump())
         self._finish(req, reason)
@@ -201,13 +213,12 @@ class Router:
             for w in plan.workers:
                 self.view.workers[w].assigned -= 1
         w = self.view.workers
-        rec = {"rid": req.rid, "pipeline": plan.pipeline if plan else None,
-               "prefill": plan.prefill if plan else None, "decode": plan.decode if plan else None,
-               "relay": plan.relay if plan else None,
-               "decode_dc": w[plan.decode].dc if plan else None, "prefill_dc": w[plan.prefill].dc if plan else None,
-               "plan_info": plan.info if plan else {}, "md_failed": req.meta.get("md_failed"),
-               "cut_off": req.meta.get("cut_off", False),
-               "error": error, "events": req.meta.get("events", [])}
+        rec = RequestRecord(rid=req.rid, md_failed=req.md_failed, cut_off=req.cut_off, error=error,
+                            events=list(req.events))
+        if plan:
+            rec = rec.model_copy(update={
+                "pipeline": plan.pipeline, "prefill": plan.prefill, "decode": plan.decode, "relay": plan.relay,
+                "decode_dc": w[plan.decode].dc, "prefill_dc": w[plan.prefill].dc, "plan_info": plan.info})
         self.finished[req.rid] = rec
         self.ended[req.rid] = req
         while len(self.ended) > ENDED_KEPT:  # late events come within seconds; bound the memory

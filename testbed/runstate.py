@@ -16,6 +16,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -62,9 +63,6 @@ class Run:
         run.dir.mkdir(parents=True, exist_ok=False)
         run.save()
         return run
-
-    def ns_name(self, suffix: str) -> str:
-        return f"{self.prefix}-{suffix}"
 
     def add_namespace(self, name: str) -> None:
         self.namespaces.append(name)
@@ -149,3 +147,20 @@ def live_runs() -> list[Run]:
                 if run.owner_alive():
                     runs.append(run)
     return runs
+
+
+def stop_runs(run_id: str | None = None) -> list[str]:
+    """``testbed net down``: ask each live run's owner (or only ``run_id``'s) to stop, wait up
+    to 10 s, then remove whatever is left. Returns the run ids stopped."""
+    stopped = []
+    for run in live_runs():
+        if run_id and run.run_id != run_id:
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(run.owner_pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while run.owner_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        destroy(run.run_id, run.namespaces, run.processes)
+        stopped.append(run.run_id)
+    return stopped

@@ -12,11 +12,15 @@ default: batching and chunking then cannot flip a greedy choice).
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
-from testbed.client import ClientRecord, RequestSpec
-from testbed.traces.workload import synth_tokens
+from testbed.client import ClientRecord
+from testbed.policies.spec import PolicySpec
+from testbed.scenario import Scenario
+from testbed.traces.workload import RequestSpec, synth_tokens
+from workers.control import Extended, RequestHints
 
 # Eager-token budgets given to the requests in turn: a relaying policy (pdd) hands each
 # request over after exactly this many relay tokens, so every handoff count is exercised
@@ -36,7 +40,7 @@ def verification_prompts(n: int = 24, seed: int = 7, max_len: int = 2048) -> lis
         head = groups[i % len(groups)][: lengths[i] - 1]
         prompt = head + synth_tokens(f"verify-{seed}-tail-{i}", lengths[i] - len(head))
         specs.append(RequestSpec(f"v{i:03d}", prompt, outs[i], at=0.05 * i,
-                                 meta={"eager": EAGER_BUDGETS[i % len(EAGER_BUDGETS)]}))
+                                 hints=RequestHints(eager=EAGER_BUDGETS[i % len(EAGER_BUDGETS)])))
     return specs
 
 
@@ -54,3 +58,42 @@ def compare(specs: list[RequestSpec], refs: dict[str, list[int]], recs: dict[str
             bad.append({"rid": s.rid, "problem": f"token {at} differs (got {r.tokens[at:at + 3]}, "
                         f"reference {refs[s.rid][at:at + 3]}; lengths {len(r.tokens)}/{len(refs[s.rid])})"})
     return bad
+
+
+def run_verify(sc: Scenario, impairment: str, policies: list[PolicySpec], prompts: int = 24, seed: int = 7,
+               dtype: str = "float64", as_json: bool = False) -> int:
+    """``testbed verify``: every policy on a fresh network against the reference. Exit 0 when
+    every request of every policy equals it token for token, 1 otherwise."""
+    from testbed.experiment import run_policy
+    from workers.model import ModelRunner, ensure_default_model
+
+    specs = verification_prompts(prompts, seed)
+    model = str(sc.workers.model) if sc.workers.model else str(ensure_default_model())
+    ref_runner = ModelRunner(model, dtype)
+    if not as_json:
+        print(f"reference: generate(do_sample=False), {len(specs)} prompts, dtype {dtype}", flush=True)
+    refs = {s.rid: ref_runner.reference(s.prompt, s.max_new) for s in specs}
+    results: dict[str, dict[str, Any]] = {}
+    for spec in policies:
+        run = run_policy(sc, impairment, spec, specs, dtype=dtype)
+        bad = compare(specs, refs, run.recs)
+        pipelines: dict[str, int] = {}
+        for r in run.router.values():
+            pipelines[str(r.pipeline)] = pipelines.get(str(r.pipeline), 0) + 1
+        eager = sum(run.recs[rid].by_worker.get(r.relay or "", 0) for rid, r in run.router.items() if rid in run.recs)
+        handoffs = sum(1 for r in run.router.values() if any(isinstance(e, Extended) and e.final for e in r.events))
+        p = spec.label
+        results[p] = {"requests": len(specs), "mismatches": bad, "tokens": sum(len(r) for r in refs.values()),
+                      "pipelines": pipelines, "eager_tokens": eager, "handoffs": handoffs}
+        if not as_json:
+            verdict = "OK: identical to the reference" if not bad else f"FAIL: {len(bad)} requests differ"
+            shape = ", ".join(f"{k} {v}" for k, v in sorted(pipelines.items()))
+            relayed = any(r.relay for r in run.router.values())
+            extra = f", {eager} eager tokens, {handoffs} requests handed over" if relayed else ""
+            print(f"{p}: {len(specs)} requests, {results[p]['tokens']} tokens ({shape}{extra}): {verdict}")
+            for b in bad:
+                print(f"  {b['rid']}: {b['problem']}")
+    ok = all(not r["mismatches"] for r in results.values())
+    if as_json:
+        print(json.dumps({"passed": ok, "policies": results}, indent=2))
+    return 0 if ok else 1

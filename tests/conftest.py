@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from testbed import netns
-from testbed.cli import network_session
+from testbed.experiment import network_session
 from testbed.net.build import Network
 from testbed.scenario import Scenario, deep_merge, load_scenario
 

@@ -54,10 +54,10 @@ def test_loss_matches_configuration() -> None:
     with built(small_wan(2.0, None, loss_fwd=5.0)) as net:
         res = measure.ping(net.ns_of("ha"), net.ip_of("hc"), count=1200, interval_s=0.002)
         stats = net.delayline_stats()
-    d = stats["directions"]["a->b"] if stats else {}
+    d = stats.directions["a->b"] if stats else None
     assert 3.0 <= res.loss_pct <= 7.0, (res.loss_pct, res.sent, res.received, d)
-    assert stats is not None and stats["directions"]["a->b"]["drop_loss"] > 0
-    assert stats["directions"]["b->a"]["drop_loss"] == 0
+    assert stats is not None and stats.directions["a->b"].drop_loss > 0
+    assert stats.directions["b->a"].drop_loss == 0
 
 
 def _udp_flood(ns: str, dst_ip: str, seconds: float) -> int:
@@ -89,9 +89,9 @@ def test_delay_line_survives_flood_that_overflows_queue() -> None:
     assert sent > 100
     assert res.received == 20 and abs(res.median_ms - 10.0) < 1.0
     if stats is not None:
-        d = stats["directions"]["a->b"]
-        assert d["drop_queue_full"] + d["drop_overflow"] > 0
-        assert d["frames_out"] > 0
+        d = stats.directions["a->b"]
+        assert d.drop_queue_full + d.drop_overflow > 0
+        assert d.frames_out > 0
 
 
 def test_teardown_leaves_nothing() -> None:

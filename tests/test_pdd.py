@@ -10,16 +10,18 @@ import pytest
 import torch
 
 from testbed import netns
-from testbed.cli import network_session
-from testbed.client import ClientRecord, RequestSpec
+from testbed.client import ClientRecord
 from testbed.cluster import Cluster
+from testbed.errors import InputError
+from testbed.experiment import network_session
 from testbed.metrics import request_rows
-from testbed.policies import make_policy
+from testbed.policies import make_policy, parse_policy
 from testbed.policies.base import ClusterView, PolicyContext, RequestState, WorkerView
 from testbed.policies.prefix_index import PrefixIndex
 from testbed.policies.wan import WanEstimator
-from testbed.traces.workload import synth_tokens
+from testbed.traces.workload import RequestSpec, synth_tokens
 from testbed.verify import compare
+from workers.control import HandoffCmd, KvReceived, KvSent, PrefillDone, RequestHints
 from workers.model import ModelRunner, ensure_default_model
 
 from .conftest import needs_root, scenario_with
@@ -37,14 +39,23 @@ def _cluster() -> ClusterView:
 
 
 def _pdd(spec: str) -> Any:
-    p = make_policy(spec)
+    p = make_policy(parse_policy(spec))
     p.bind(PolicyContext(wan_rate_bps=100e6, wan_rtt_s=0.03, kv_bytes_per_token=4096, block_size=16,
                          decode_cache_tokens=100_000))
     return p
 
 
-def _req(rid: str, prompt: list[int], **meta: Any) -> RequestState:
-    return RequestState(rid, len(prompt), 16, time.time(), dict(meta), prompt=prompt)
+def _req(rid: str, prompt: list[int], **hints: Any) -> RequestState:
+    return RequestState(rid, prompt, 16, time.time(), RequestHints(**hints))
+
+
+def _kv_sent(rid: str, to: str, start: float, end: float) -> KvSent:
+    return KvSent(rid=rid, worker="prefill", t=end, to=to, bytes=0, written=0, payload=0, planned_payload=0,
+                  tokens=0, had=0, start=start, end=end)
+
+
+def _kv_received(rid: str, worker: str) -> KvReceived:
+    return KvReceived(rid=rid, worker=worker, t=time.time(), bytes=0, had=0, start=0.0, end=0.0)
 
 
 def test_routing_small_delta_goes_p_md_large_delta_goes_through_the_relay() -> None:
@@ -53,18 +64,18 @@ def test_routing_small_delta_goes_p_md_large_delta_goes_through_the_relay() -> N
     r1 = _req("r1", head + synth_tokens("a", 48))  # 8 MB to cross at 100 Mbit/s
     r1.plan = pol.plan(r1, cl)
     assert (r1.plan.pipeline, r1.plan.relay, r1.plan.decode) == ("P-RLD-MD", "relay", "decode-b")
-    pol.on_event(r1, "kv_sent", "prefill", {"to": "decode-b", "start": 0.0, "end": 0.7})
+    pol.on_event(r1, _kv_sent("r1", "decode-b", 0.0, 0.7))
     # Until the MD reports the KV in place, the router does not count on its cache.
     assert pol.plan(_req("r2", head + synth_tokens("b", 48)), cl).pipeline == "P-RLD-MD"
     pol.wan.inflight.clear()
-    pol.on_event(r1, "kv_received", "decode-b", {})
+    pol.on_event(r1, _kv_received("r1", "decode-b"))
     r3 = pol.plan(_req("r3", head + synth_tokens("c", 48)), cl)  # the MD has the 2000-token head
     assert r3.pipeline == "P-MD" and r3.relay is None
-    assert r3.info["md_have_tokens"] == 2000 and r3.info["delta_tokens"] == 48
+    assert r3.info.md_have_tokens == 2000 and r3.info.delta_tokens == 48
     # Without a decode-side cache the MD lacks everything, so the same request is relayed.
     nodrc = _pdd("pdd:drc=off")
     r1.plan = nodrc.plan(r1, cl)
-    nodrc.on_event(r1, "kv_received", "decode-b", {})
+    nodrc.on_event(r1, _kv_received("r1", "decode-b"))
     nodrc.wan.inflight.clear()
     assert nodrc.plan(_req("r3", head + synth_tokens("c", 48)), cl).pipeline == "P-RLD-MD"
 
@@ -84,7 +95,7 @@ def test_filter_predict_keeps_flagged_low_hit_requests_on_the_relay() -> None:
     plan = pol.plan(_req("x", synth_tokens("doc", 3000), short_output=True), cl)
     assert plan.pipeline == "P-RLD" and plan.decode == "relay" and plan.relay is None
     assert pol.plan(_req("y", synth_tokens("doc2", 3000)), cl).pipeline == "P-RLD-MD"  # not flagged
-    assert pol.stats()["counts"]["P-RLD (filtered)"] == 1
+    assert pol.stats().counts["P-RLD (filtered)"] == 1
 
 
 def test_adaptive_handoff_follows_relay_load() -> None:
@@ -92,15 +103,16 @@ def test_adaptive_handoff_follows_relay_load() -> None:
     req = _req("r", synth_tokens("p", 3000))
     req.plan = pol.plan(req, cl)
     cl.workers["relay"].assigned = 1
-    assert pol.handoff_options(req, cl) == {"mode": "catch-up", "batch": 32}
+    assert pol.handoff(req, cl) == HandoffCmd(rid="r", mode="catch-up", batch=32)
     cl.workers["relay"].assigned = 3
-    assert pol.handoff_options(req, cl) == {"mode": "one-shot", "batch": 32}
+    assert pol.handoff(req, cl) == HandoffCmd(rid="r", mode="one-shot", batch=32)
 
 
 def test_cut_off_only_anomalous_requests_by_default() -> None:
-    def finished_on_rld(pol: Any, computed: int, **meta: Any) -> bool:
-        req = _req("r", synth_tokens("p", 1000), **meta)
-        req.meta["events"] = [{"kind": "prefill_done", "computed": computed, "hit_tokens": 1000 - computed}]
+    def finished_on_rld(pol: Any, computed: int, **hints: Any) -> bool:
+        req = _req("r", synth_tokens("p", 1000), **hints)
+        req.events = [PrefillDone(rid="r", worker="prefill", t=0.0, computed=computed, hit_tokens=1000 - computed,
+                                  first_token=5, start=0.0, end=0.1, real_s=0.1)]
         return pol.cut_off(req)
 
     pol = _pdd("pdd")
@@ -113,10 +125,15 @@ def test_cut_off_only_anomalous_requests_by_default() -> None:
 
 
 def test_bad_policy_options_are_rejected() -> None:
-    for spec, msg in [("pdd:handoff=sideways", "handoff"), ("pdd:threshold=0", "threshold"),
-                      ("pdd:drc=maybe", "drc"), ("pdd:bogus=1", "unknown option")]:
-        with pytest.raises(ValueError, match=msg):
-            make_policy(spec)
+    for spec, msg in [("pdd:handoff=sideways", "option handoff='sideways': Input should be 'one-shot'"),
+                      ("pdd:threshold=0", "option threshold='0': Input should be greater than or equal to 1"),
+                      ("pdd:drc=maybe", "option drc='maybe': Input should be 'on' or 'off'"),
+                      ("pdd:bogus=1", "unknown option 'bogus' \\(options: handoff, threshold"),
+                      ("same-dc:x=1", "unknown option 'x' \\(options: none\\)"),
+                      ("pdx", "unknown policy 'pdx' \\(known: same-dc, cross-dc, pdd\\)"),
+                      ("pdd:threshold", "option 'threshold' must be key=value")]:
+        with pytest.raises(InputError, match=msg):
+            parse_policy(spec)
 
 
 def test_prefix_index_and_wan_estimator() -> None:
@@ -157,7 +174,7 @@ def _serve(policy: str, specs: list[RequestSpec], overrides: dict[str, Any] | No
            after: Any = None) -> tuple[dict[str, ClientRecord], pd.DataFrame, dict[str, Any], Any]:
     sc = scenario_with(overrides)
     with network_session(sc, "auto") as net:
-        cl = Cluster.start(net, policy, dtype="float64")  # type: ignore[arg-type]
+        cl = Cluster.start(net, parse_policy(policy), dtype="float64")
         recs = cl.replay(specs, timeout_s=120)
         extra = after(net) if after else None
         router = cl.router_records()
@@ -170,10 +187,9 @@ def _budget_specs(tag: str, out: int = 40) -> list[RequestSpec]:
     budgets = [0, 1, N - 1, N, N + 1, 3 * N, None]
     specs = []
     for i, b in enumerate(budgets):
-        meta: dict[str, object] = {} if b is None else {"eager": b}
         n_out = 3 * out if b == 3 * N else out  # room for several catch-up rounds
         specs.append(RequestSpec(f"{tag}{i}", synth_tokens(f"{tag}-{i}", 100 + 37 * i), n_out, at=0.15 * i,
-                                 meta=meta))
+                                 hints=RequestHints(eager=b)))
     return specs
 
 
@@ -194,7 +210,7 @@ def test_handoff_tokens_equal_reference_for_every_eager_count(mode: str) -> None
     assert (df.pipeline == "P-RLD-MD").all()
     for s in specs:
         row = df.loc[s.rid]
-        budget = s.meta.get("eager")
+        budget = s.hints.eager
         sizes = [int(x) for x in row.handoff_sizes.split("+")] if row.handoff_sizes else []
         assert row.handoff_mismatches == 0
         if budget is None:
@@ -211,13 +227,15 @@ def test_handoff_tokens_equal_reference_for_every_eager_count(mode: str) -> None
                 assert sum(sizes) <= row.eager_tokens
         assert row.output_tokens == len(refs[s.rid])
         assert row.rld_share == pytest.approx(row.eager_tokens / row.output_tokens)
-        assert row.md_kv_to_handoff_s >= 0
+        if row.eager_tokens < row.output_tokens:  # handed over (a relay that finished first has no handoff time)
+            assert row.md_kv_to_handoff_s >= 0
     if mode == "catch-up":  # 3N eager tokens cannot go in one batch of N
         assert len(df.loc[f"{mode[0]}5"].handoff_sizes.split("+")) >= 2
     md = stats["workers"]["decode-b"]
     handed_over = int((df.eager_tokens < df.output_tokens).sum())
     assert handed_over >= len(specs) - 2  # all but (at most) a request the relay finished first
-    assert md["extend_mismatches"] == 0 and md["extends_done"] >= handed_over
+    assert md.decode is not None
+    assert md.decode.extend_mismatches == 0 and md.decode.extends_done >= handed_over
 
 
 def _iface_tx_bytes(ns: str) -> int:
@@ -265,8 +283,8 @@ def test_drc_off_md_caches_nothing_and_routing_uses_what_md_lacks() -> None:
     assert list(on.pipeline) == ["P-RLD-MD", "P-MD"]
     assert on.loc["d0"].eager_tokens < 200  # the MD took d0 over, so it holds d0's prompt
     assert on.loc["d1"].plan_md_have_tokens >= 592 and on.loc["d1"].wan_kv_bytes < 0.2 * on.loc["d0"].wan_kv_bytes
-    assert on_stats["workers"]["decode-b"]["cache"]["hit_tokens"] > 0
+    assert on_stats["workers"]["decode-b"].cache.hit_tokens > 0
     # Without it the MD lacks everything every time, so both go through the relay.
     assert list(off.pipeline) == ["P-RLD-MD", "P-RLD-MD"]
     assert off.loc["d1"].plan_md_have_tokens == 0
-    assert off_stats["workers"]["decode-b"]["cache"]["hit_tokens"] == 0
+    assert off_stats["workers"]["decode-b"].cache.hit_tokens == 0

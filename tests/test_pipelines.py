@@ -6,12 +6,13 @@ import re
 
 import pytest
 
-from testbed.cli import network_session
-from testbed.client import RequestSpec
 from testbed.cluster import Cluster
+from testbed.experiment import network_session
 from testbed.metrics import request_rows
-from testbed.traces.workload import synth_tokens
+from testbed.policies import parse_policy
+from testbed.traces.workload import RequestSpec, synth_tokens
 from testbed.verify import compare, verification_prompts
+from workers.contracts import WorkerFaults
 from workers.model import ModelRunner, ensure_default_model
 
 from .conftest import needs_root, scenario_with
@@ -31,7 +32,7 @@ def test_policy_tokens_equal_reference(policy: str, prompts_and_refs) -> None:
     specs, refs = prompts_and_refs
     assert len(specs) >= 20 and min(len(s.prompt) for s in specs) == 16 and max(len(s.prompt) for s in specs) == 2048
     with network_session(scenario_with(), "auto") as net:
-        cl = Cluster.start(net, policy, dtype="float64")
+        cl = Cluster.start(net, parse_policy(policy), dtype="float64")
         recs = cl.replay(specs)
         router = cl.router_records()
         stats = cl.worker_stats()
@@ -40,8 +41,8 @@ def test_policy_tokens_equal_reference(policy: str, prompts_and_refs) -> None:
     # Prefix hits really skip compute: computed + reused = prompt tokens, and groups hit.
     assert (df.prefill_hit_tokens + df.prefill_computed == df.prompt_tokens).all()
     assert df.prefill_hit_tokens.sum() > 0
-    pf = stats["prefill"]
-    assert pf["reused_tokens"] == df.prefill_hit_tokens.sum()
+    pf = stats["prefill"].prefill
+    assert pf is not None and pf.reused_tokens == df.prefill_hit_tokens.sum()
     # Only what the decoder lacks is sent: KV bytes track the tokens actually sent.
     assert (df.kv_tokens_sent <= df.prompt_tokens).all()
     decode_dc = "a" if policy == "same-dc" else "b"
@@ -58,7 +59,7 @@ def _specs(n: int, out: int) -> list[RequestSpec]:
 
 def test_corrupted_kv_block_fails_request_cleanly() -> None:
     with network_session(scenario_with(), "auto") as net:
-        cl = Cluster.start(net, "cross-dc", faults={"prefill": {"corrupt_block": 1}})
+        cl = Cluster.start(net, parse_policy("cross-dc"), faults={"prefill": WorkerFaults(corrupt_block=1)})
         recs = cl.replay(_specs(3, 4), timeout_s=60)
     assert all(not r.ok for r in recs.values())
     assert all("checksum mismatch" in (r.error or "") for r in recs.values())
@@ -68,7 +69,7 @@ def test_dead_decode_worker_fails_its_requests_only() -> None:
     sc = scenario_with({"datacenters": {"b": {"hosts": {"decode-b": {"role": "decode"},
                                                          "decode-b2": {"role": "decode"}}}}})
     with network_session(sc, "auto") as net:
-        cl = Cluster.start(net, "cross-dc", faults={"decode-b": {"die_after_tokens": 20}})
+        cl = Cluster.start(net, parse_policy("cross-dc"), faults={"decode-b": WorkerFaults(die_after_tokens=20)})
         recs = cl.replay(_specs(8, 40), timeout_s=60)
     failed = [r for r in recs.values() if not r.ok]
     done = [r for r in recs.values() if r.ok]

@@ -11,9 +11,11 @@ from pathlib import Path
 import pandas as pd
 
 from testbed import netns, runstate
-from testbed.cli import network_session
 from testbed.cluster import Cluster
+from testbed.experiment import network_session
+from testbed.policies import parse_policy
 from testbed.traces import load_trace
+from workers.contracts import WorkerFaults
 
 from .conftest import ROOT, needs_root, scenario_with
 
@@ -49,7 +51,12 @@ def test_bad_trace_exits_2_naming_line_and_field_and_starts_nothing(tmp_path: Pa
     after_runs = set(os.listdir(runstate.STATE_ROOT)) if runstate.STATE_ROOT.exists() else set()
     assert after_runs == before_runs
     res = _testbed("run", "--trace", str(ROOT / "traces" / "agentic-default.jsonl"), "--policies", "nope")
-    assert res.returncode == 2 and "--policies: nope: unknown policy" in res.stderr
+    assert res.returncode == 2 and "--policies: unknown policy 'nope' (known: same-dc, cross-dc, pdd)" in res.stderr
+    for spelling, says in [("same-dc,pdd:handoff=sideways", "option handoff='sideways': Input should be"),
+                           ("pdd:threshold=64,lodd=3", "unknown option 'lodd' (options: handoff, threshold"),
+                           ("pdd:relay_s=-1", "option relay_s='-1': Input should be greater than or equal to 0")]:
+        res = _testbed("run", "--trace", str(ROOT / "traces" / "agentic-default.jsonl"), "--policies", spelling)
+        assert res.returncode == 2 and f"error: --policies: pdd: {says}" in res.stderr, res.stderr
 
 
 def test_closed_loop_sessions_replay_and_results_are_saved(tmp_path: Path) -> None:
@@ -79,7 +86,7 @@ def test_a_failed_turn_ends_the_rest_of_its_session_with_a_reason(tmp_path: Path
     specs = load_trace(trace).specs()
     sc = scenario_with()
     with network_session(sc, "auto") as net:
-        cl = Cluster.start(net, "same-dc", faults={"decode-a": {"die_after_tokens": 40}})  # type: ignore[arg-type]
+        cl = Cluster.start(net, parse_policy("same-dc"), faults={"decode-a": WorkerFaults(die_after_tokens=40)})
         recs = cl.replay(specs, timeout_s=60)
     errors = {rid: r.error for rid, r in recs.items()}
     assert all(r.done for r in recs.values()), errors

@@ -11,6 +11,7 @@ from testbed.errors import InputError
 from testbed.traces import load_trace
 from testbed.traces.generate import GenConfig, generate, mooncake_lines, write_jsonl
 from testbed.traces.stats import hit_rates, trace_stats
+from workers.control import RequestHints
 
 from .conftest import ROOT
 
@@ -113,7 +114,7 @@ def test_sessions_prompts_grow_by_previous_output_and_new_input(tmp_path: Path) 
     assert t1.prompt()[:164] == t0.prompt() and t2.prompt()[:214] == t1.prompt()
     assert b0.prompt()[:64] == t0.prompt()[:64] and b0.prompt()[64:] != t0.prompt()[64:114]
     assert (t1.after, t1.delay, t1.at) == ("a.0", 1.5, None)
-    assert (t2.at, t2.after, t2.hints) == (9.0, None, {"short_output": True})
+    assert (t2.at, t2.after, t2.hints) == (9.0, None, RequestHints(short_output=True))
     specs = wl.specs(speed=2.0)
     assert specs[1].after == "a.0" and specs[1].delay == 0.75 and specs[2].at == 4.5
 

@@ -22,48 +22,33 @@ import asyncio
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from workers import kv_wire
-from workers.control import Command
-from workers.handoff import HandoffMixin, MainState, RelayState
+from workers.contracts import DecodeCounters, WorkerConfig, WorkerStats
+from workers.control import (
+    CancelCmd,
+    Command,
+    DecodeCmd,
+    Done,
+    ExtendCmd,
+    Failed,
+    HandoffAck,
+    HandoffCmd,
+    KvReceived,
+)
+from workers.handoff import HandoffMixin
 from workers.model import DecodeBatch
-from workers.radix_cache import Node, RadixCache
-from workers.runtime import Worker, WorkerConfig
-
-
-@dataclass(eq=False)
-class Seq:
-    rid: str
-    prompt: list[int]
-    max_new: int
-    registered: float
-    buf: torch.Tensor | None = None
-    n: int = 0
-    out: list[int] = field(default_factory=list)
-    path: list[Node] = field(default_factory=list)
-    kv_arrived: float = 0.0
-    kv_bytes: int = 0
-    drc: bool = True  # use and fill this worker's radix cache
-    streamed: int = 0  # tokens this worker has streamed to the client
-    paused: bool = False  # left out of decode steps (a relay holding at its eager budget)
-    cache_only: bool = False  # KV still welcome for the radix cache, nothing to decode
-    relay: RelayState | None = None  # this worker relays the request (PDD's RLD)
-    main: MainState | None = None  # this worker takes the request over from a relay (PDD's MD)
-
-    @property
-    def kv(self) -> torch.Tensor:
-        assert self.buf is not None
-        return self.buf[:, :, :, : self.n]
+from workers.radix_cache import RadixCache
+from workers.runtime import Worker
+from workers.seq import Seq
 
 
 class DecodeWorker(HandoffMixin, Worker):
     def __init__(self, cfg: WorkerConfig) -> None:
         super().__init__(cfg)
-        self.cache = RadixCache(cfg.block_size, cfg.cache_tokens)
+        self.cache: RadixCache = RadixCache(cfg.block_size, cfg.cache_tokens)
         self.waiting: dict[str, Seq] = {}
         self.running: dict[str, Seq] = {}
         self.held: dict[str, Seq] = {}  # main decoder: KV here, stream still on the relay
@@ -75,6 +60,9 @@ class DecodeWorker(HandoffMixin, Worker):
         self.dbatch: DecodeBatch | None = None  # the running batch's KV, kept across steps
         self.dbatch_rows: list[Seq] = []
         self.batch_builds = 0
+        self.handoffs_sent = 0
+        self.extends_done = 0
+        self.extend_mismatches = 0
 
     async def start(self) -> None:
         self.server = await kv_wire.serve_kv(self.cfg.host_ip, self.cfg.kv_port, self._offer, self._arrived,
@@ -87,37 +75,42 @@ class DecodeWorker(HandoffMixin, Worker):
     def queued(self) -> int:
         return len(self.waiting) + len(self.held)
 
-    def info(self) -> dict[str, Any]:
+    def stats(self) -> WorkerStats:
         by_batch: dict[int, list[float]] = {}
         for b, s in self.step_log:
             by_batch.setdefault(b, []).append(s)
-        return {**super().info(), "cache": self.cache_info(),
-                "step_ms_by_batch": {b: 1000 * sum(v) / len(v) for b, v in sorted(by_batch.items())},
-                "tokens_out": self.tokens_out, "batch_builds": self.batch_builds, **self.handoff_info()}
+        counters = DecodeCounters(
+            step_ms_by_batch={b: 1000 * sum(v) / len(v) for b, v in sorted(by_batch.items())},
+            tokens_out=self.tokens_out, batch_builds=self.batch_builds, handoffs_sent=self.handoffs_sent,
+            extends_done=self.extends_done, extend_mismatches=self.extend_mismatches,
+        )  # fmt: skip
+        return super().stats().model_copy(update={"decode": counters})
 
     # ----------------------------------------------------------------- commands
     async def handle(self, cmd: Command) -> None:
-        if cmd.op == "decode":
-            seq = Seq(cmd.rid, cmd.prompt, cmd.max_new, time.time(), drc=cmd.options.get("drc", True))
-            self.setup_handoff(seq, cmd.options)
+        if isinstance(cmd, DecodeCmd):
+            seq = Seq(cmd.rid, cmd.prompt, cmd.max_new, time.time(), drc=cmd.drc)
+            self.setup_handoff(seq, cmd)
             self.waiting[cmd.rid] = seq
             self.registered.setdefault(cmd.rid, asyncio.Event()).set()
             self.spawn(self._kv_deadline(seq))
-        elif cmd.op == "cancel":
+        elif isinstance(cmd, CancelCmd):
             seq = self.waiting.get(cmd.rid)
-            if cmd.options.get("keep_kv") and seq is not None:
+            if cmd.keep_kv and seq is not None:
                 seq.cache_only = True  # the stream ended elsewhere; only cache the KV when it lands
             else:
-                await self._drop(cmd.rid)
-        elif cmd.op == "handoff":
+                await self.drop(cmd.rid)
+        elif isinstance(cmd, HandoffCmd):
             await self.on_handoff(cmd)
-        elif cmd.op == "extend":
+        elif isinstance(cmd, HandoffAck):
+            await self.on_handoff_ack(cmd)
+        elif isinstance(cmd, ExtendCmd):
             await self.on_extend(cmd)
 
     async def _kv_deadline(self, seq: Seq) -> None:
         await asyncio.sleep(self.cfg.kv_timeout_s)
         if self.waiting.get(seq.rid) is seq:
-            await self._fail(seq.rid, f"KV did not arrive at {self.cfg.name} within {self.cfg.kv_timeout_s} s")
+            await self.fail(seq.rid, f"KV did not arrive at {self.cfg.name} within {self.cfg.kv_timeout_s} s")
 
     # ----------------------------------------------------------------- KV receive
     async def _offer(self, rid: str, tokens: list[int]) -> int:
@@ -146,20 +139,17 @@ class DecodeWorker(HandoffMixin, Worker):
         seq.path = []
         if seq.drc:
             self.cache.insert(seq.prompt, kv)
+        received = KvReceived(**self.stamp(seq.rid), bytes=inc.bytes_received, had=inc.have, start=inc.start,
+                              end=inc.end, cache_only=seq.cache_only)
         if seq.cache_only:  # the request ended on a relay; its KV was only wanted for the cache
             self.registered.pop(seq.rid, None)
-            await self.event("kv_received", seq.rid, bytes=inc.bytes_received, had=inc.have,
-                             start=inc.start, end=inc.end, cache_only=True)
+            await self.emit(received)
             return
-        s = kv.shape
-        seq.buf = torch.empty((s[0], s[1], s[2], s[3] + seq.max_new, s[4]), dtype=kv.dtype)
-        seq.buf[:, :, :, : s[3]] = kv
-        seq.n = s[3]
+        seq.load(kv)
         seq.out = [inc.first_token]
         seq.kv_arrived = time.time()
         seq.kv_bytes = inc.bytes_received
-        await self.event("kv_received", seq.rid, bytes=inc.bytes_received, had=inc.have,
-                         start=inc.start, end=inc.end)
+        await self.emit(received)
         if seq.main is not None:  # the relay streams; wait for its eager tokens
             seq.main.pred, seq.out = inc.first_token, []
             self.held[seq.rid] = seq
@@ -167,10 +157,10 @@ class DecodeWorker(HandoffMixin, Worker):
         if seq.relay is not None and seq.relay.eager_budget == 0:
             seq.paused = True  # hand over before streaming anything
         else:
-            await self.stream(seq.rid, 0, [inc.first_token], done=self._finished(seq))
+            await self.stream(seq.rid, 0, [inc.first_token], done=self.finished(seq))
             seq.streamed = 1
-            if self._finished(seq):
-                await self._complete(seq)
+            if self.finished(seq):
+                await self.complete(seq)
                 return
         self.running[seq.rid] = seq
         self.wake.set()
@@ -179,10 +169,10 @@ class DecodeWorker(HandoffMixin, Worker):
 
     async def _transfer_failed(self, rid: str, msg: str) -> None:
         if rid in self.waiting:
-            await self._fail(rid, msg)
+            await self.fail(rid, msg)
 
     # ----------------------------------------------------------------- decode loop
-    def _finished(self, seq: Seq) -> bool:
+    def finished(self, seq: Seq) -> bool:
         return len(seq.out) >= seq.max_new or seq.out[-1] == self.runner.eos_token_id
 
     async def _loop(self) -> None:
@@ -211,34 +201,29 @@ class DecodeWorker(HandoffMixin, Worker):
             for seq, (new_kv, tok) in zip(batch, results, strict=True):
                 if self.running.get(seq.rid) is not seq:
                     continue  # cancelled while the step ran
-                assert seq.buf is not None
-                seq.buf[:, :, :, seq.n : seq.n + 1] = new_kv
-                seq.n += 1
-                seq.out.append(tok)
-                done = self._finished(seq)
+                seq.append(new_kv, [tok])
+                done = self.finished(seq)
                 # Not awaited: a QoS-1 publish waits for the broker's ack (a WAN round trip from
                 # datacenter b). Publishes are issued in order, so each stream stays ordered.
                 self.spawn(self.stream(seq.rid, len(seq.out) - 1, [tok], done=done))
                 seq.streamed += 1
                 self.tokens_out += 1
-                if self.tokens_out == self.cfg.faults.get("die_after_tokens"):
+                if self.tokens_out == self.cfg.faults.die_after_tokens:
                     os._exit(9)  # fault injection (tests): die abruptly, like kill -9
                 if done:
                     del self.running[seq.rid]
-                    await self._complete(seq)
+                    await self.complete(seq)
                 elif seq.relay is not None:
                     await self.maybe_hand_off(seq)
 
-    async def _complete(self, seq: Seq) -> None:
+    async def complete(self, seq: Seq) -> None:
         self.registered.pop(seq.rid, None)
-        extra: dict[str, Any] = {}
-        if seq.relay is not None:
-            extra = {"handed_off": False, "eager": seq.streamed}  # finished here: no handoff
-        elif seq.main is not None:
-            extra = {"taken_over_at": seq.main.extended}
-        await self.event("done", seq.rid, output_tokens=len(seq.out), kv_bytes=seq.kv_bytes, **extra)
+        relayed = seq.relay is not None  # finished here, on the relay: no handoff
+        await self.emit(Done(**self.stamp(seq.rid), output_tokens=len(seq.out), kv_bytes=seq.kv_bytes,
+                             handed_off=False if relayed else None, eager=seq.streamed if relayed else None,
+                             taken_over_at=seq.main.extended if seq.main is not None else None))
 
-    async def _drop(self, rid: str) -> Seq | None:
+    async def drop(self, rid: str) -> Seq | None:
         seq = self.waiting.pop(rid, None) or self.running.pop(rid, None) or self.held.pop(rid, None)
         self.registered.pop(rid, None)
         if seq is not None and seq.path:
@@ -246,11 +231,11 @@ class DecodeWorker(HandoffMixin, Worker):
             seq.path = []
         return seq
 
-    async def _fail(self, rid: str, reason: str) -> None:
-        seq = await self._drop(rid)
+    async def fail(self, rid: str, reason: str) -> None:
+        seq = await self.drop(rid)
         if seq is not None and seq.main is not None and not seq.main.final:
             # The client's stream is on the relay: report, do not end the stream here.
-            await self.event("failed", rid, reason=reason, before_handoff=True)
+            await self.emit(Failed(**self.stamp(rid), reason=reason, before_handoff=True))
             return
         await self.stream(rid, 0, [], done=True, error=reason)
-        await self.event("failed", rid, reason=reason)
+        await self.emit(Failed(**self.stamp(rid), reason=reason))

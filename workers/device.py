@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from workers.contracts import DeviceReport, DeviceSpec
+
 
 @dataclass(frozen=True)
 class ModelCost:
@@ -70,13 +72,13 @@ class Pacer:
             return 0.0
         return modeled_s - real_s
 
-    def report(self) -> dict[str, float | int | str]:
-        return {"device": self.name, "steps": self.steps, "overruns": self.overruns,
-                "overrun_s": round(self.overrun_s, 4), "modeled_s": round(self.modeled_s, 4),
-                "real_s": round(self.real_s, 4)}
+    def report(self) -> DeviceReport:
+        return DeviceReport(device=self.name, steps=self.steps, overruns=self.overruns,
+                            overrun_s=round(self.overrun_s, 4), modeled_s=round(self.modeled_s, 4),
+                            real_s=round(self.real_s, 4))
 
 
-def make_pacer(name: str, peak_tflops: float | None, mem_gbps: float | None, overhead_ms: float) -> Pacer:
-    if peak_tflops is None:
-        return Pacer(name)
-    return Pacer(name, peak_tflops * 1e12, (mem_gbps or 0) * 1e9, overhead_ms / 1e3)
+def make_pacer(dev: DeviceSpec) -> Pacer:
+    if dev.peak_tflops is None:
+        return Pacer(dev.name)
+    return Pacer(dev.name, dev.peak_tflops * 1e12, (dev.mem_gbps or 0) * 1e9, dev.step_overhead_ms / 1e3)

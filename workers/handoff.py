@@ -1,8 +1,9 @@
 """PDD's extend-decode handoff between a relay decoder (RLD) and a main decoder (MD).
 
-Both sides are ordinary decode workers; a request's decode command says which side this
-worker plays for it (``options.relay_for`` = the MD it hands over to; ``options.held`` =
-wait for a relay's tokens).
+Both sides are ordinary decode workers; a request's ``DecodeCmd`` says which side this
+worker plays for it (``relay``: the MD it hands over to; ``main``: the RLD whose tokens it
+waits for). The messages are ``HandoffCmd`` / ``HandoffAck`` / ``ExtendCmd`` in
+``workers/control.py``.
 
 Guarantees (greedy decoding):
 
@@ -29,80 +30,102 @@ Guarantees (greedy decoding):
 
 from __future__ import annotations
 
+import asyncio
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Coroutine
+from typing import Any, Protocol
 
-from workers.control import Command
+import torch
 
-if TYPE_CHECKING:
-    from workers.decode import DecodeWorker, Seq
+from workers.contracts import WorkerConfig
+from workers.control import (
+    DecodeCmd,
+    Done,
+    Event,
+    ExtendCmd,
+    Extended,
+    HandoffAck,
+    HandoffCmd,
+    HandoffSent,
+    Topics,
+)
+from workers.device import ModelCost, Pacer
+from workers.model import ModelRunner
+from workers.seq import MainState, RelayState, Seq
 
 MAX_CATCH_UP_ROUNDS = 16  # after this many batches the rest goes in one final batch
 
 
-@dataclass
-class RelayState:
-    main: str  # the MD worker to hand over to
-    eager_budget: int | None = None
-    ready: dict[str, Any] | None = None  # handoff options once the MD holds the KV
-    handed: int = 0  # eager tokens handed over so far
-    awaiting_ack: bool = False
-    batches: list[int] = field(default_factory=list)
-    last_pending: int | None = None  # pending tokens when the last catch-up batch was sent
+class DecodeSide(Protocol):
+    """What the handoff needs from the decode worker it is mixed into."""
 
+    cfg: WorkerConfig
+    topics: Topics
+    runner: ModelRunner
+    pacer: Pacer
+    cost: ModelCost
+    waiting: dict[str, Seq]
+    running: dict[str, Seq]
+    held: dict[str, Seq]
+    registered: dict[str, asyncio.Event]
+    wake: asyncio.Event
+    tokens_out: int
+    handoffs_sent: int
+    extends_done: int
+    extend_mismatches: int
 
-@dataclass
-class MainState:
-    relay: str  # the RLD that streams until the handoff
-    pred: int = 0  # greedy token after everything extended so far
-    extended: int = 0
-    final: bool = False
-    mismatches: int = 0
+    def stamp(self, rid: str) -> dict[str, Any]: ...
+    async def emit(self, event: Event) -> None: ...
+    async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None: ...
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
+    async def run_compute(self, fn: Any, *args: Any) -> tuple[Any, float]: ...
+    async def pace(self, kind: str, real_s: float, modeled_s: float | None) -> None: ...
+    async def stream(self, rid: str, start: int, tokens: list[int], done: bool = False,
+                     error: str | None = None) -> None: ...
+    async def complete(self, seq: Seq) -> None: ...
+    async def drop(self, rid: str) -> Seq | None: ...
+    async def fail(self, rid: str, reason: str) -> None: ...
+    def finished(self, seq: Seq) -> bool: ...
+    async def maybe_hand_off(self, seq: Seq) -> None: ...
+    async def _send_extend(self, seq: Seq, tokens: list[int], final: bool) -> None: ...
 
 
 class HandoffMixin:
     """Relay and main-decoder behaviour of ``DecodeWorker`` (see the module docstring)."""
 
-    handoffs_sent = 0
-    extends_done = 0
-    extend_mismatches = 0
-
-    def setup_handoff(self: DecodeWorker, seq: Seq, options: dict[str, Any]) -> None:
-        if options.get("relay_for"):
-            seq.relay = RelayState(options["relay_for"], options.get("eager_budget"))
-        elif options.get("held"):
-            seq.main = MainState(options["relay"])
-
-    def handoff_info(self) -> dict[str, Any]:
-        return {"handoffs_sent": self.handoffs_sent, "extends_done": self.extends_done,
-                "extend_mismatches": self.extend_mismatches}
+    @staticmethod
+    def setup_handoff(seq: Seq, cmd: DecodeCmd) -> None:
+        if cmd.relay is not None:
+            seq.relay = RelayState(cmd.relay.main, cmd.relay.eager_budget)
+        elif cmd.main is not None:
+            seq.main = MainState(cmd.main.relay)
 
     # ----------------------------------------------------------------- relay side
-    async def on_handoff(self: DecodeWorker, cmd: Command) -> None:
-        if "ack" in cmd.options:  # the MD extended a catch-up batch
-            seq = self.running.get(cmd.rid)
-            if seq is not None and seq.relay is not None:
-                seq.relay.awaiting_ack = False
-                await self.maybe_hand_off(seq)
-            return
+    async def on_handoff_ack(self: DecodeSide, cmd: HandoffAck) -> None:
+        """The MD extended a catch-up batch: send the next one."""
+        seq = self.running.get(cmd.rid)
+        if seq is not None and seq.relay is not None:
+            seq.relay.awaiting_ack = False
+            await self.maybe_hand_off(seq)
+
+    async def on_handoff(self: DecodeSide, cmd: HandoffCmd) -> None:
         waiting = self.waiting.get(cmd.rid)
         if waiting is not None and waiting.relay is not None:
             # The MD holds the KV before this relay did: hand over with no eager token.
-            if cmd.options.get("mode") != "local":
-                await self._drop(cmd.rid)
+            if cmd.mode != "local":
+                await self.drop(cmd.rid)
                 await self._send_extend(waiting, [], final=True)
-                await self.event("done", cmd.rid, handed_off=True, eager=0, batches=[0], output_tokens=0)
+                await self.emit(Done(**self.stamp(cmd.rid), handed_off=True, eager=0, batches=[0], output_tokens=0))
             else:
                 waiting.relay = None
             return
         seq = self.running.get(cmd.rid)
         if seq is None or seq.relay is None:
             return  # already finished here, or cancelled
-        seq.relay.ready = dict(cmd.options)
+        seq.relay.ready = cmd
         await self.maybe_hand_off(seq)
 
-    async def maybe_hand_off(self: DecodeWorker, seq: Seq) -> None:
+    async def maybe_hand_off(self: DecodeSide, seq: Seq) -> None:
         rs = seq.relay
         if rs is None or self.running.get(seq.rid) is not seq:
             return
@@ -112,7 +135,7 @@ class HandoffMixin:
             if rs.eager_budget is not None:
                 seq.paused = True  # hold at exactly the budget until the MD is ready
             return
-        if rs.ready.get("mode") == "local":
+        if rs.ready.mode == "local":
             seq.relay, seq.paused = None, False  # finish here as an ordinary decode
             self.wake.set()
             return
@@ -121,42 +144,42 @@ class HandoffMixin:
         if rs.awaiting_ack:
             return
         pending = seq.out[rs.handed : seq.streamed]
-        batch = max(1, int(rs.ready.get("batch", 64)))
-        one_shot = rs.ready.get("mode", "one-shot") == "one-shot"
+        batch = rs.ready.batch
+        one_shot = rs.ready.mode == "one-shot"
         stalled = rs.last_pending is not None and len(pending) >= rs.last_pending
         if one_shot or len(pending) <= batch or stalled or len(rs.batches) >= MAX_CATCH_UP_ROUNDS:
             del self.running[seq.rid]
             await self._send_extend(seq, pending, final=True)
             self.registered.pop(seq.rid, None)
-            await self.event("done", seq.rid, handed_off=True, eager=seq.streamed, batches=rs.batches,
-                             output_tokens=seq.streamed)
+            await self.emit(Done(**self.stamp(seq.rid), handed_off=True, eager=seq.streamed, batches=rs.batches,
+                                 output_tokens=seq.streamed))
         else:
             rs.awaiting_ack = True
             rs.last_pending = len(pending)
             await self._send_extend(seq, pending[:batch], final=False)
 
-    async def _send_extend(self: DecodeWorker, seq: Seq, tokens: list[int], final: bool) -> None:
+    async def _send_extend(self: DecodeSide, seq: Seq, tokens: list[int], final: bool) -> None:
         rs = seq.relay
         assert rs is not None
-        cmd = Command(op="extend", rid=seq.rid, tokens=tokens, options={"start": rs.handed, "final": final})
+        cmd = ExtendCmd(rid=seq.rid, tokens=tokens, start=rs.handed, final=final)
         rs.handed += len(tokens)
         rs.batches.append(len(tokens))
         self.handoffs_sent += 1
         # Spawned like the token publishes before it, so the broker gets them in order.
         self.spawn(self.publish(self.topics.cmd(rs.main), cmd.dump()))
-        await self.event("handoff", seq.rid, tokens=len(tokens), start=rs.handed - len(tokens), final=final,
-                         to=rs.main)
+        await self.emit(HandoffSent(**self.stamp(seq.rid), tokens=len(tokens), start=rs.handed - len(tokens),
+                                    final=final, to=rs.main))
 
     # ----------------------------------------------------------------- main side
-    async def on_extend(self: DecodeWorker, cmd: Command) -> None:
+    async def on_extend(self: DecodeSide, cmd: ExtendCmd) -> None:
         seq = self.held.get(cmd.rid)
         if seq is None or seq.main is None:
             return  # cancelled (the relay finished alone) or never ours
         ms = seq.main
-        start, final, toks = int(cmd.options.get("start", 0)), bool(cmd.options.get("final")), cmd.tokens
-        if start != ms.extended:
-            await self._fail(cmd.rid, f"handoff out of order on {self.cfg.name}: got start {start}, "
-                                      f"expected {ms.extended}")
+        toks = cmd.tokens
+        if cmd.start != ms.extended:
+            await self.fail(cmd.rid, f"handoff out of order on {self.cfg.name}: got start {cmd.start}, "
+                                     f"expected {ms.extended}")
             return
         t0 = time.time()
         real = 0.0
@@ -169,28 +192,27 @@ class HandoffMixin:
             wrong = int(toks[0] != ms.pred) + sum(int(p != t) for p, t in zip(preds[:-1], toks[1:], strict=True))
             ms.mismatches += wrong
             self.extend_mismatches += wrong
-            assert seq.buf is not None
-            seq.buf[:, :, :, seq.n : seq.n + len(toks)] = new_kv
-            seq.n += len(toks)
-            seq.out.extend(toks)
+            assert isinstance(new_kv, torch.Tensor)
+            seq.append(new_kv, toks)
             ms.pred = preds[-1]
             ms.extended += len(toks)
         self.extends_done += 1
-        await self.event("extended", cmd.rid, tokens=len(toks), start=start, final=final, mismatches=ms.mismatches,
-                         compute_s=real, t_start=t0, since_kv_s=time.time() - seq.kv_arrived)
-        if not final:
-            ack = Command(op="handoff", rid=cmd.rid, options={"ack": ms.extended})
-            await self.publish(self.topics.cmd(ms.relay), ack.dump())
+        await self.emit(Extended(**self.stamp(cmd.rid), tokens=len(toks), start=cmd.start, final=cmd.final,
+                                 mismatches=ms.mismatches, compute_s=real, t_start=t0,
+                                 since_kv_s=time.time() - seq.kv_arrived))
+        if not cmd.final:
+            # Spawned, not awaited: the ack crosses the WAN and must not hold this worker up.
+            self.spawn(self.publish(self.topics.cmd(ms.relay), HandoffAck(rid=cmd.rid, extended=ms.extended).dump()))
             return
         ms.final = True
         del self.held[cmd.rid]
         seq.out.append(ms.pred)
-        done = self._finished(seq)
+        done = self.finished(seq)
         await self.stream(seq.rid, len(seq.out) - 1, [ms.pred], done=done)
         seq.streamed += 1
         self.tokens_out += 1
         if done:
-            await self._complete(seq)
+            await self.complete(seq)
         else:
             self.running[seq.rid] = seq
             self.wake.set()

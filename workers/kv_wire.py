@@ -14,6 +14,11 @@ type, reserved, payload length. A transfer is one TCP connection from sender to 
 4. ``END`` (sender -> receiver, JSON): the first generated token and the total count.
 5. ``ACK`` (receiver -> sender, JSON): ``{"ok": true}`` or ``{"error": ...}``.
 
+``EXTEND`` (JSON token IDs to recompute) is used only by ``testbed bench handoff``, which
+compares shipping KV blocks with shipping token IDs over the same framing; blocking-socket
+versions of the framing (``send_frame`` / ``recv_frame``) serve it. Every frame type and
+framing helper lives here.
+
 The receiver verifies every block (checksum, shape, dtype, contiguity) before using it; a
 bad block ends the transfer with an error on both sides. ``cancel`` cuts a transfer off at
 once, even mid-block: the connection is reset (SO_LINGER 0), so bytes still queued in the
@@ -32,8 +37,7 @@ import struct
 import time
 import zlib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -41,7 +45,7 @@ MAGIC = b"PDKV"
 VERSION = 1
 HDR = struct.Struct("!4sBBHI")
 BLOCK_HDR = struct.Struct("!IIIHHHHBxxxI")
-HELLO, OFFER, BLOCK, END, ACK = 1, 2, 3, 4, 5
+HELLO, OFFER, BLOCK, END, ACK, EXTEND = 1, 2, 3, 4, 5, 6
 DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3, torch.float16: 4}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 
@@ -64,7 +68,6 @@ class TransferStats:
     bytes_acked: int = 0  # what the receiver's TCP acknowledged (all of bytes_sent unless cut off)
     planned_payload: int = 0  # payload bytes the receiver lacked (what a full transfer sends)
     error: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 async def _write(w: asyncio.StreamWriter, ftype: int, payload: bytes) -> int:
@@ -80,6 +83,30 @@ async def _read(r: asyncio.StreamReader) -> tuple[int, bytes]:
     if magic != MAGIC or ver != VERSION:
         raise KVTransferError(f"bad frame header {hdr!r}")
     return ftype, await r.readexactly(n)
+
+
+def send_frame(sock: socket.socket, ftype: int, payload: bytes) -> int:
+    """Blocking-socket ``_write``: one frame; returns the bytes written."""
+    sock.sendall(HDR.pack(MAGIC, VERSION, ftype, 0, len(payload)) + payload)
+    return HDR.size + len(payload)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise KVTransferError("peer closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket) -> tuple[int, bytes]:
+    """Blocking-socket ``_read``: (frame type, payload). Raises KVTransferError."""
+    magic, ver, ftype, _, n = HDR.unpack(_recv_exact(sock, HDR.size))
+    if magic != MAGIC or ver != VERSION:
+        raise KVTransferError("bad frame header")
+    return ftype, _recv_exact(sock, n)
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:

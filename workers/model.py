@@ -138,10 +138,6 @@ class ModelRunner:
             [torch.stack((layer.keys[row, :, start:], layer.values[row, :, start:])) for layer in cache.layers]
         )
 
-    def empty_kv(self) -> torch.Tensor:
-        s = self.shape
-        return torch.empty((s.layers, 2, s.kv_heads, 0, s.head_dim), dtype=s.dtype)
-
     # ----------------------------------------------------------------- compute
     @torch.inference_mode()
     def prefill(self, tokens: list[int], cached: torch.Tensor | None, chunk: int) -> tuple[torch.Tensor, int]:

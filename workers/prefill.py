@@ -10,22 +10,24 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+
+import torch
 
 from workers import kv_wire
-from workers.control import Command
+from workers.contracts import PrefillCounters, TransferTotals, WorkerConfig, WorkerStats
+from workers.control import CancelCmd, Command, Failed, KvSent, KVTarget, PrefillCmd, PrefillDone
 from workers.radix_cache import RadixCache
-from workers.runtime import Worker, WorkerConfig
+from workers.runtime import Worker
 
 
 class PrefillWorker(Worker):
     def __init__(self, cfg: WorkerConfig) -> None:
         super().__init__(cfg)
-        self.cache = RadixCache(cfg.block_size, cfg.cache_tokens)
-        self.queue: asyncio.Queue[Command] = asyncio.Queue()
+        self.cache: RadixCache = RadixCache(cfg.block_size, cfg.cache_tokens)
+        self.queue: asyncio.Queue[PrefillCmd] = asyncio.Queue()
         self.computed_tokens = 0
         self.reused_tokens = 0
-        self.transfers = {"count": 0, "bytes": 0, "cancelled": 0}
+        self.transfers = TransferTotals()
         # Per request: one cancel event per KV target ("" = the request as a whole).
         self.cancels: dict[str, dict[str, asyncio.Event]] = {}
         self.pending_ships: dict[str, int] = {}  # transfers of a request still running
@@ -35,14 +37,13 @@ class PrefillWorker(Worker):
         self.spawn(self._loop())
 
     async def handle(self, cmd: Command) -> None:
-        if cmd.op == "prefill":
+        if isinstance(cmd, PrefillCmd):
             self.cancels[cmd.rid] = {"": asyncio.Event(), **{t.worker: asyncio.Event() for t in cmd.kv_to}}
             await self.queue.put(cmd)
-        elif cmd.op == "cancel" and cmd.rid in self.cancels:
-            # options.target: cut off only the transfer to that worker (PDD's filter).
-            target = cmd.options.get("target")
+        elif isinstance(cmd, CancelCmd) and cmd.rid in self.cancels:
+            # A target: cut off only the transfer to that worker (PDD's cut-off).
             for name, ev in self.cancels[cmd.rid].items():
-                if target is None or name == target:
+                if cmd.target is None or name == cmd.target:
                     ev.set()
 
     def active(self) -> int:
@@ -51,10 +52,10 @@ class PrefillWorker(Worker):
     def queued(self) -> int:
         return self.queue.qsize()
 
-    def info(self) -> dict[str, Any]:
-        return {**super().info(), "cache": self.cache_info(),
-                "computed_tokens": self.computed_tokens, "reused_tokens": self.reused_tokens,
-                "transfers": self.transfers}
+    def stats(self) -> WorkerStats:
+        counters = PrefillCounters(computed_tokens=self.computed_tokens, reused_tokens=self.reused_tokens,
+                                   transfers=self.transfers)
+        return super().stats().model_copy(update={"prefill": counters})
 
     async def _loop(self) -> None:
         while True:
@@ -64,7 +65,7 @@ class PrefillWorker(Worker):
                 await self._prefill(cmd)
             except Exception as e:  # noqa: BLE001 - the request fails, the worker goes on
                 self.cancels.pop(cmd.rid, None)
-                await self.event("failed", cmd.rid, reason=f"prefill on {self.cfg.name}: {e}")
+                await self.emit(Failed(**self.stamp(cmd.rid), reason=f"prefill on {self.cfg.name}: {e}"))
             finally:
                 self.busy = 0
 
@@ -75,7 +76,7 @@ class PrefillWorker(Worker):
             self.pending_ships.pop(rid, None)
             self.cancels.pop(rid, None)
 
-    async def _prefill(self, cmd: Command) -> None:
+    async def _prefill(self, cmd: PrefillCmd) -> None:
         if self.cancels[cmd.rid][""].is_set():
             self.cancels.pop(cmd.rid, None)  # cancelled before it started: nothing will ship
             return
@@ -97,16 +98,16 @@ class PrefillWorker(Worker):
             self.cache.insert(tokens, kv)
         finally:
             self.cache.unlock(path)
-        await self.event("prefill_done", cmd.rid, hit_tokens=hit, computed=len(tokens) - hit,
-                         first_token=first, start=t0, end=time.time(), real_s=real, modeled_s=modeled)
+        await self.emit(PrefillDone(**self.stamp(cmd.rid), hit_tokens=hit, computed=len(tokens) - hit,
+                                    first_token=first, start=t0, end=time.time(), real_s=real, modeled_s=modeled))
         self.pending_ships[cmd.rid] = len(cmd.kv_to)
         if not cmd.kv_to:
             self.cancels.pop(cmd.rid, None)
         for target in cmd.kv_to:
             self.spawn(self._ship(cmd, target, kv, first))
 
-    async def _ship(self, cmd: Command, target: Any, kv: Any, first: int) -> None:
-        corrupt = self.cfg.faults.get("corrupt_block")
+    async def _ship(self, cmd: PrefillCmd, target: KVTarget, kv: torch.Tensor, first: int) -> None:
+        corrupt = self.cfg.faults.corrupt_block
         events = self.cancels[cmd.rid]
         cancel = asyncio.Event()
 
@@ -122,15 +123,15 @@ class PrefillWorker(Worker):
             st = await kv_wire.send_kv(target.host, target.port, cmd.rid, cmd.prompt, kv, first,
                                        self.cfg.block_size, cancel=cancel, corrupt_block=corrupt)
         except kv_wire.KVTransferError as e:
-            await self.event("failed", cmd.rid, reason=f"KV transfer to {target.worker}: {e}", target=target.worker)
+            await self.emit(Failed(**self.stamp(cmd.rid), reason=f"KV transfer to {target.worker}: {e}",
+                                   target=target.worker))
             return
         finally:
             watcher.cancel()
             self._shipped(cmd.rid)
-        rec = {"to": target.worker, "bytes": st.bytes_acked, "written": st.bytes_sent, "payload": st.payload_bytes,
-               "planned_payload": st.planned_payload, "tokens": st.tokens_sent, "had": st.receiver_had,
-               "start": st.start, "end": st.end, "cancelled": st.cancelled}
-        self.transfers["count"] += 1
-        self.transfers["bytes"] += st.bytes_acked
-        self.transfers["cancelled"] += int(st.cancelled)
-        await self.event("kv_sent", cmd.rid, **rec)
+        t = self.transfers
+        self.transfers = TransferTotals(count=t.count + 1, bytes=t.bytes + st.bytes_acked,
+                                        cancelled=t.cancelled + int(st.cancelled))
+        await self.emit(KvSent(**self.stamp(cmd.rid), to=target.worker, bytes=st.bytes_acked, written=st.bytes_sent,
+                               payload=st.payload_bytes, planned_payload=st.planned_payload, tokens=st.tokens_sent,
+                               had=st.receiver_had, start=st.start, end=st.end, cancelled=st.cancelled))

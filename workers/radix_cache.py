@@ -10,7 +10,7 @@ One concept, one module (after SGLang's RadixCache). The tree's edges are full b
 * capacity is in tokens; when full, ``insert`` evicts least-recently-used *unlocked leaf*
   blocks first; a locked block (a request in flight uses it) and its ancestors are never
   evicted; if nothing evictable is left, the tail of the insert is dropped, not stored;
-* hit/miss counters (tokens) are kept for reporting.
+* hit/miss counters (tokens) and evicted blocks are kept for reporting.
 """
 
 from __future__ import annotations
@@ -133,10 +133,6 @@ class RadixCache:
             out.append(n)
             stack.extend(n.children.values())
         return out
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.blocks * self.block_size
 
     @property
     def hit_rate(self) -> float:

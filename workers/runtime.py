@@ -1,17 +1,18 @@
-"""Worker process runtime: configuration, MQTT session, status/last-will, command dispatch.
+"""Worker process runtime: MQTT session, status/last-will, command dispatch, statistics.
 
-A worker is one process inside its host's namespace (``python -m workers CONFIG.json``).
-Role-specific behaviour lives in ``PrefillWorker`` / ``DecodeWorker``; this module gives
-both the same life: connect to the broker with a last will (``dead``), publish a retained
-``up`` status with its load, hand each command to ``handle``, and run torch work on one
-dedicated thread so the event loop keeps serving the network while the model computes.
+A worker is one process inside its host's namespace (``python -m workers CONFIG.json``,
+``workers/__main__.py``). Role-specific behaviour lives in ``PrefillWorker`` /
+``DecodeWorker``; this module gives both the same life: connect to the broker with a last
+will (``dead``), publish a retained ``up`` status with its load, hand each validated
+command to ``handle``, and run torch work on one dedicated thread so the event loop keeps
+serving the network while the model computes. A command that fails validation is logged
+and fails only the request it names (a ``Failed`` event); the worker serves on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import signal
 import sys
 import time
@@ -22,41 +23,15 @@ from typing import Any, TypeVar
 
 import aiomqtt
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import ValidationError
 
-from workers.control import QOS, Command, Event, Status, Tokens, Topics
+from workers.contracts import CacheReport, WorkerConfig, WorkerStats
+from workers.control import QOS, Command, Event, Failed, Status, Tokens, Topics, parse_command, rid_of, why_invalid
 from workers.device import ModelCost, Pacer, make_pacer
 from workers.model import ModelRunner
+from workers.radix_cache import RadixCache
 
 T = TypeVar("T")
-
-
-class WorkerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str
-    role: str
-    run_id: str
-    host_ip: str
-    kv_port: int = 7070
-    broker_host: str
-    broker_port: int
-    broker_user: str
-    broker_password: str
-    model_path: str
-    dtype: str = "float32"
-    threads: int = 1
-    block_size: int = 16
-    prefill_chunk: int = 512
-    cache_tokens: int = 262144
-    max_batch: int = 32
-    kv_timeout_s: float = 120.0
-    device: str = "native"
-    peak_tflops: float | None = None
-    mem_gbps: float | None = None
-    step_overhead_ms: float = 0.0
-    stats_path: str = ""
-    faults: dict[str, Any] = {}
 
 
 class Worker:
@@ -70,7 +45,8 @@ class Worker:
             kv_bytes_per_token=self.runner.shape.kv_bytes_per_token,
             weight_bytes=self.runner.params * torch.finfo(self.runner.shape.dtype).bits // 8,
         )  # fmt: skip
-        self.pacer: Pacer = make_pacer(cfg.device, cfg.peak_tflops, cfg.mem_gbps, cfg.step_overhead_ms)
+        self.pacer: Pacer = make_pacer(cfg.device)
+        self.cache: RadixCache | None = None  # a role with a prefix cache sets it
         self.compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torch")
         self.client: aiomqtt.Client | None = None
         self.stopping = asyncio.Event()
@@ -94,9 +70,12 @@ class Worker:
         assert self.client is not None
         await self.client.publish(topic, payload, qos=QOS, retain=retain)
 
-    async def event(self, kind: str, rid: str, **data: Any) -> None:
-        ev = Event(kind=kind, rid=rid, worker=self.cfg.name, t=time.time(), data=data)  # type: ignore[arg-type]
-        await self.publish(self.topics.events, ev.dump())
+    def stamp(self, rid: str) -> dict[str, Any]:
+        """The fields every event carries: request, this worker, now."""
+        return {"rid": rid, "worker": self.cfg.name, "t": time.time()}
+
+    async def emit(self, event: Event) -> None:
+        await self.publish(self.topics.events, event.dump())
 
     async def stream(self, rid: str, start: int, tokens: list[int], done: bool = False,
                      error: str | None = None) -> None:
@@ -118,7 +97,7 @@ class Worker:
     async def publish_status(self) -> None:
         st = Status(worker=self.cfg.name, role=self.cfg.role, state="up", active=self.active(),
                     queued=self.queued(), host=self.cfg.host_ip, kv_port=self.cfg.kv_port,
-                    info={"cache_hit_rate": self.cache_info().get("hit_rate")})
+                    cache_hit_rate=self.cache.hit_rate if self.cache is not None else None)
         await self.publish(self.topics.status(self.cfg.name), st.dump(), retain=True)
 
     # ----------------------------------------------------------------- role interface
@@ -134,19 +113,22 @@ class Worker:
     def queued(self) -> int:
         return 0
 
-    def info(self) -> dict[str, Any]:
-        return {"device": self.pacer.report()}
+    def stats(self) -> WorkerStats:
+        """This worker's statistics file; roles add their counters."""
+        return WorkerStats(worker=self.cfg.name, role=self.cfg.role, device=self.pacer.report(),
+                           cache=self.cache_report())
 
-    def cache_info(self) -> dict[str, Any]:
+    def cache_report(self) -> CacheReport | None:
         """Prefix-cache counters and their history (sampled each second when they change)."""
-        c = getattr(self, "cache", None)
+        c = self.cache
         if c is None:
-            return {}
-        return {"hit_rate": c.hit_rate, "blocks": c.blocks, "hit_tokens": c.hit_tokens,
-                "lookup_tokens": c.lookup_tokens, "series": self.cache_series}
+            return None
+        return CacheReport(hit_rate=c.hit_rate, blocks=c.blocks, hit_tokens=c.hit_tokens,
+                           lookup_tokens=c.lookup_tokens, evicted_blocks=c.evicted_blocks,
+                           series=list(self.cache_series))
 
     def _sample_cache(self) -> None:
-        c = getattr(self, "cache", None)
+        c = self.cache
         if c is None or len(self.cache_series) >= 7200:
             return
         if not self.cache_series or self.cache_series[-1][2] != c.lookup_tokens:
@@ -159,9 +141,9 @@ class Worker:
             loop.add_signal_handler(sig, self.stopping.set)
         dead = Status(worker=self.cfg.name, role=self.cfg.role, state="dead").dump()
         will = aiomqtt.Will(self.topics.status(self.cfg.name), dead, qos=QOS, retain=True)
+        b = self.cfg.broker
         async with aiomqtt.Client(
-            self.cfg.broker_host, self.cfg.broker_port, username=self.cfg.broker_user,
-            password=self.cfg.broker_password, identifier=f"{self.cfg.run_id}-{self.cfg.name}",
+            b.host, b.port, username=b.username, password=b.password, identifier=f"{self.cfg.run_id}-{self.cfg.name}",
             will=will, keepalive=5, max_inflight_messages=1000,
         ) as client:  # fmt: skip
             self.client = client
@@ -178,12 +160,22 @@ class Worker:
 
     async def _read(self, client: aiomqtt.Client) -> None:
         async for message in client.messages:
+            payload = message.payload
+            assert isinstance(payload, (bytes, bytearray))
             try:
-                cmd = Command.model_validate_json(message.payload)  # type: ignore[arg-type]
-            except ValueError as e:
-                print(f"{self.cfg.name}: bad command: {e}", file=sys.stderr)
+                cmd = parse_command(payload)
+            except ValidationError as e:
+                self.spawn(self.reject(payload, e))
                 continue
             self.spawn(self.handle(cmd))
+
+    async def reject(self, payload: bytes | bytearray, error: ValidationError) -> None:
+        """A command failed validation: log it and fail the request it names, if any."""
+        why = why_invalid(error)
+        rid = rid_of(payload)
+        print(f"{self.cfg.name}: rejected a command for {rid or 'no request'}: {why}", file=sys.stderr, flush=True)
+        if rid is not None:
+            await self.emit(Failed(**self.stamp(rid), reason=f"{self.cfg.name} rejected a command: {why}"))
 
     async def _status_loop(self) -> None:
         n = 0
@@ -198,18 +190,5 @@ class Worker:
     def write_stats(self) -> None:
         if self.cfg.stats_path:
             tmp = self.cfg.stats_path + ".tmp"
-            Path(tmp).write_text(json.dumps({"worker": self.cfg.name, **self.info()}))
+            Path(tmp).write_text(self.stats().model_dump_json())
             Path(tmp).replace(self.cfg.stats_path)
-
-
-def run_worker(config_path: str) -> None:
-    cfg = WorkerConfig.model_validate_json(Path(config_path).read_text())
-    if cfg.role == "prefill":
-        from workers.prefill import PrefillWorker
-
-        worker: Worker = PrefillWorker(cfg)
-    else:
-        from workers.decode import DecodeWorker
-
-        worker = DecodeWorker(cfg)
-    asyncio.run(worker.main())

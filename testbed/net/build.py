@@ -11,7 +11,6 @@ can finish the job after a crash.
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from typing import Any, Literal
 from testbed import netns, runstate
 from testbed.errors import BuildError, CapabilityError
 from testbed.net import shaping
+from testbed.net.delayline import DelayLineConfig, DelayLineReport, DirectionConfig
 from testbed.net.plan import NetworkPlan, Shaping, make_plan, size_lan
 from testbed.scenario import Scenario
 
@@ -42,7 +42,7 @@ class Network:
     impairment_reason: str = ""
     delayline: subprocess.Popen[bytes] | None = None
     timings: dict[str, float] = field(default_factory=dict)
-    delayline_stats_final: dict[str, Any] | None = None  # last statistics, read at teardown
+    delayline_stats_final: DelayLineReport | None = None  # last statistics, read at teardown
 
     # ---------------------------------------------------------------- lifecycle
     @classmethod
@@ -95,11 +95,30 @@ class Network:
     def stats_path(self) -> Path:
         return self.run.dir / "delayline-stats.json"
 
-    def delayline_stats(self) -> dict[str, Any] | None:
+    def delayline_stats(self) -> DelayLineReport | None:
         try:
-            return json.loads(self.stats_path.read_text())
+            return DelayLineReport.model_validate_json(self.stats_path.read_text())
         except (OSError, ValueError):
             return None
+
+    def describe(self) -> str:
+        """The built network as a person reads it: datacenters, hosts, WAN shaping."""
+        p = self.plan
+        lines = [f"scenario {self.scenario.name}: impairment backend {self.impairment} ({self.impairment_reason})"]
+        for dc in p.dcs.values():
+            lines.append(f"  datacenter {dc.name}: {dc.subnet} gateway ns {dc.gw_ns}")
+            for h in p.hosts.values():
+                if h.dc == dc.name:
+                    role = self.scenario.datacenters[dc.name].hosts[h.name].role
+                    lines.append(f"    {h.name:14} {h.ip:15} ns {h.ns:24} {role}")
+        for (src, dst), s in p.wan_shaping.items():
+            rate = f"{s.rate_bps / 1e6:.0f} Mbit/s" if s.rate_bps else "unshaped"
+            lines.append(
+                f"  wan {src}->{dst}: {rate}, delay {s.delay_ms} ms, jitter {s.jitter_ms} ms, "
+                f"loss {s.loss_pct}%, buffer {s.queue_bytes} B, burst {s.burst_bytes} B"
+            )
+        lines.append(f"  up in {self.timings.get('up_s', 0):.3f} s")
+        return "\n".join(lines)
 
     def spawn(self, host_or_ns: str, argv: list[str], name: str, log: Path | None = None,
               **kw: Any) -> subprocess.Popen[bytes]:
@@ -228,23 +247,17 @@ class Network:
     def _start_delayline(self) -> None:
         p = self.plan
         ready = self.run.dir / "delayline.ready"
-        cfg = {
-            "ports": {dc: p.dcs[dc].wan_port for dc in p.wan_between},
-            "directions": [
-                {
-                    "src": src, "dst": dst, "delay_ms": s.delay_ms, "jitter_ms": s.jitter_ms,
-                    "loss_pct": s.loss_pct,
-                    # Room for everything in flight (rate x delay) plus the egress buffer.
-                    "max_backlog_bytes": _backlog_cap(s),
-                }
+        cfg = DelayLineConfig(
+            ports={dc: p.dcs[dc].wan_port for dc in p.wan_between},
+            directions=[
+                DirectionConfig(src=src, dst=dst, delay_ms=s.delay_ms, jitter_ms=s.jitter_ms, loss_pct=s.loss_pct,
+                                max_backlog_bytes=_backlog_cap(s))
                 for (src, dst), s in p.wan_shaping.items()
             ],
-            "stats_path": str(self.stats_path),
-            "ready_path": str(ready),
-            "seed": int(self.run.run_id, 16),
-        }  # fmt: skip
+            stats_path=str(self.stats_path), ready_path=str(ready), seed=int(self.run.run_id, 16),
+        )  # fmt: skip
         self.delayline = self.spawn(
-            p.wan_ns, [sys.executable, "-m", "testbed.net.delayline", json.dumps(cfg)],
+            p.wan_ns, [sys.executable, "-m", "testbed.net.delayline", cfg.model_dump_json()],
             name="delayline", log=self.run.dir / "delayline.log",
         )
         _wait_for(lambda: ready.exists() or self.delayline.poll() is not None, 10, "delay line start")

@@ -123,3 +123,18 @@ def format_table(rows: list[Row]) -> str:
             f"{r.path:34} {r.metric:11} {conf:>12} {r.measured:12.2f} {r.unit:7} {r.verdict:7} {r.note}"
         )
     return "\n".join(lines)
+
+
+def check_report(net: Network, rows: list[Row], as_json: bool) -> str:
+    """What ``testbed net check`` prints: the table and the delay line's statistics, or JSON."""
+    import json
+
+    dl = net.delayline_stats_final or net.delayline_stats()
+    ok = passed(rows)
+    if as_json:
+        return json.dumps({"scenario": net.scenario.name, "impairment": net.impairment, "passed": ok,
+                           "rows": rows_as_dicts(rows), "delayline": dl.model_dump() if dl else None,
+                           "timings": net.timings}, indent=2)
+    lines = [format_table(rows), *(dl.summary() if dl else [])]
+    lines.append("PASS" if ok else "FAIL: measured network deviates from the scenario")
+    return "\n".join(lines)

@@ -19,6 +19,9 @@ Guarantees:
 * fidelity is reported, not assumed: how late each frame left versus its schedule
   (``late_max_us``, ``late_over_1ms``) is part of the statistics it writes to
   ``stats_path`` once a second and on exit.
+
+Its contract with the orchestrator: a ``DelayLineConfig`` (JSON, the only argument) in,
+a ``DelayLineReport`` (JSON file) out.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import collections
 import contextlib
 import errno
 import gc
-import json
 import os
 import random
 import select
@@ -36,7 +38,8 @@ import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 ETH_P_ALL = 0x0003
 ETH_P_ARP = b"\x08\x06"
@@ -47,6 +50,60 @@ SOCK_BUF = 64 * 1024 * 1024
 RECV_SIZE = 65536 + 64
 BATCH = 256
 STATS_PERIOD_S = 1.0
+
+
+class _Contract(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DirectionConfig(_Contract):
+    src: str  # datacenter whose WAN port the frames arrive on
+    dst: str
+    delay_ms: float = Field(ge=0)
+    jitter_ms: float = Field(default=0.0, ge=0)
+    loss_pct: float = Field(default=0.0, ge=0, lt=100)
+    max_backlog_bytes: int = Field(gt=0)  # room for rate x delay in flight plus the egress buffer
+
+
+class DelayLineConfig(_Contract):
+    ports: dict[str, str]  # datacenter -> WAN port (interface) in the WAN namespace
+    directions: list[DirectionConfig]
+    stats_path: str
+    ready_path: str | None = None
+    seed: int = 0
+    nice: int = -10
+
+
+class DirectionReport(_Contract):
+    frames_in: int
+    bytes_in: int
+    frames_out: int
+    bytes_out: int
+    drop_loss: int
+    drop_queue_full: int
+    drop_overflow: int
+    drop_error: int
+    backlog_max_bytes: int
+    late_max_us: float
+    late_over_1ms: int
+    delay_sum_ms: float
+    backlog_bytes: int
+
+
+class DelayLineReport(_Contract):
+    pid: int
+    uptime_s: float
+    final: bool
+    directions: dict[str, DirectionReport]  # "a->b" -> statistics
+
+    def summary(self) -> list[str]:
+        """One line per direction: frames, drops by cause, lateness."""
+        return [
+            f"delay line {name}: {d.frames_out} frames out, drops loss={d.drop_loss} "
+            f"queue-full={d.drop_queue_full} overflow={d.drop_overflow} error={d.drop_error}, "
+            f"late>1ms={d.late_over_1ms} (max {d.late_max_us / 1000:.2f} ms)"
+            for name, d in self.directions.items()
+        ]
 
 
 @dataclass
@@ -158,19 +215,17 @@ def open_port(ifname: str) -> socket.socket:
 
 
 def write_stats(path: str, dirs: list[Direction], started: float, final: bool) -> None:
-    data: dict[str, Any] = {
-        "pid": os.getpid(),
-        "uptime_s": time.monotonic() - started,
-        "final": final,
-        "directions": {d.name: asdict(d.stats) | {"backlog_bytes": d.backlog} for d in dirs},
-    }
+    report = DelayLineReport(
+        pid=os.getpid(), uptime_s=time.monotonic() - started, final=final,
+        directions={d.name: DirectionReport(**asdict(d.stats), backlog_bytes=d.backlog) for d in dirs},
+    )  # fmt: skip
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(data, f)
+        f.write(report.model_dump_json())
     os.replace(tmp, path)
 
 
-def run(cfg: dict[str, Any]) -> None:
+def run(cfg: DelayLineConfig) -> None:
     stop = False
 
     def _stop(*_: object) -> None:
@@ -180,28 +235,28 @@ def run(cfg: dict[str, Any]) -> None:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     with contextlib.suppress(OSError):
-        os.nice(int(cfg.get("nice", -10)))  # the line must not starve behind the workers
+        os.nice(cfg.nice)  # the line must not starve behind the workers
     gc.disable()  # no collector pauses in the forwarding loop; frames hold no cycles
-    rng = random.Random(cfg.get("seed", 0))
-    ports = {name: open_port(ifname) for name, ifname in cfg["ports"].items()}
+    rng = random.Random(cfg.seed)
+    ports = {name: open_port(ifname) for name, ifname in cfg.ports.items()}
     dirs = [
         Direction(
-            name=f"{d['src']}->{d['dst']}",
-            src=ports[d["src"]],
-            dst=ports[d["dst"]],
-            delay_s=d["delay_ms"] / 1e3,
-            jitter_s=d["jitter_ms"] / 1e3,
-            loss=d["loss_pct"] / 100,
-            max_backlog=int(d["max_backlog_bytes"]),
+            name=f"{d.src}->{d.dst}",
+            src=ports[d.src],
+            dst=ports[d.dst],
+            delay_s=d.delay_ms / 1e3,
+            jitter_s=d.jitter_ms / 1e3,
+            loss=d.loss_pct / 100,
+            max_backlog=d.max_backlog_bytes,
             rng=random.Random(rng.random()),
         )
-        for d in cfg["directions"]
+        for d in cfg.directions
     ]
     by_fd = {d.src.fileno(): d for d in dirs}
     started = time.monotonic()
     next_stats = started
-    stats_path = cfg["stats_path"]
-    ready_path = cfg.get("ready_path")
+    stats_path = cfg.stats_path
+    ready_path = cfg.ready_path
     if ready_path:
         open(ready_path, "w").close()
     while not stop:
@@ -228,4 +283,4 @@ def run(cfg: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    run(json.loads(sys.argv[1]))
+    run(DelayLineConfig.model_validate_json(sys.argv[1]))

@@ -74,9 +74,6 @@ class NetworkPlan:
     def namespaces(self) -> list[str]:
         return [h.ns for h in self.hosts.values()] + [d.gw_ns for d in self.dcs.values()] + [self.wan_ns]
 
-    def host_ip(self, host: str) -> str:
-        return self.hosts[host].ip
-
 
 def size_shaping(d: WanDirection, reverse: WanDirection, mtu: int) -> Shaping:
     """Size the htb bucket and the bottleneck buffer for one direction.

@@ -1,10 +1,47 @@
-"""The policy interface and the request state it reads."""
+"""The policy interface and the request state it reads.
+
+A policy is an object behind one interface: ``plan`` a request over the cluster's live
+view; say what each decoder is told (``decode_command``) and how a relay hands over
+(``handoff``); decide whether a useless WAN transfer is cut off (``cut_off``); react to
+worker events (``on_event``). It returns typed commands from ``workers/control.py``, so the
+options a worker understands are stated once, there.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+
+from workers.contracts import Contract
+from workers.control import DecodeCmd, Event, HandoffCmd, PrefillDone, RequestHints
+
+
+class PolicyContext(Contract):
+    """Facts about the deployment a policy may need (from the scenario and the model)."""
+
+    wan_rate_bps: float | None = None  # forward direction (prefill side -> other side); None = unshaped
+    wan_rtt_s: float = 0.0
+    kv_bytes_per_token: int = 0
+    block_size: int = 16
+    decode_cache_tokens: int = 0
+
+
+class PlanInfo(Contract):
+    """Why a policy chose its plan (PDD's routing inputs; empty for the classic policies)."""
+
+    md_have_tokens: int | None = None
+    delta_tokens: int | None = None
+    delta_bytes: int | None = None
+    est_wan_wait_s: float | None = None
+    wan_backlog_bytes: float | None = None
+    wan_efficiency: float | None = None
+
+
+class PolicyReport(Contract):
+    counts: dict[str, int] = {}
+    wan_efficiency: float | None = None
+    wan_samples: int | None = None
+    options: str = ""  # the policy with every option
 
 
 @dataclass
@@ -42,19 +79,6 @@ class ClusterView:
         return self.pick(role, dc=remote[0])
 
 
-@dataclass
-class RequestState:
-    rid: str
-    prompt_len: int
-    max_new: int
-    arrived: float
-    meta: dict[str, Any] = field(default_factory=dict)
-    plan: Plan | None = None
-    events: list[tuple[str, str, float]] = field(default_factory=list)
-    prompt: list[int] = field(default_factory=list)
-    handed_off: bool = False  # a relay handed the stream to the main decoder
-
-
 @dataclass(frozen=True)
 class Plan:
     """Which workers serve a request. ``decode`` streams to the end; with ``relay`` set, the
@@ -65,22 +89,34 @@ class Plan:
     prefill: str
     decode: str
     relay: str | None = None
-    info: dict[str, Any] = field(default_factory=dict, compare=False)  # why (recorded)
+    info: PlanInfo = field(default_factory=PlanInfo, compare=False)  # why (recorded)
 
     @property
     def workers(self) -> set[str]:
         return {w for w in (self.prefill, self.decode, self.relay) if w}
 
 
-@dataclass(frozen=True)
-class PolicyContext:
-    """Facts about the deployment a policy may need (from the scenario and the model)."""
+@dataclass
+class RequestState:
+    """A request in the router, from admission to its end."""
 
-    wan_rate_bps: float | None = None  # forward direction (prefill side -> other side)
-    wan_rtt_s: float = 0.0
-    kv_bytes_per_token: int = 0
-    block_size: int = 16
-    decode_cache_tokens: int = 0
+    rid: str
+    prompt: list[int]
+    max_new: int
+    arrived: float
+    hints: RequestHints = field(default_factory=RequestHints)
+    plan: Plan | None = None
+    events: list[Event] = field(default_factory=list)
+    handed_off: bool = False  # a relay handed the stream to the main decoder
+    md_failed: str | None = None  # the main decoder failed; the relay finishes alone
+    cut_off: bool = False  # the WAN transfer to the main decoder was cut off
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    def prefill_done(self) -> PrefillDone | None:
+        return next((e for e in self.events if isinstance(e, PrefillDone)), None)
 
 
 class Policy(ABC):
@@ -95,25 +131,25 @@ class Policy(ABC):
     def plan(self, req: RequestState, cluster: ClusterView) -> Plan:
         """Choose workers for a new request. Raise LookupError if none can serve it."""
 
-    def decode_options(self, req: RequestState, plan: Plan, worker: str) -> dict[str, Any]:
-        """Extra options of the decode command sent to ``worker`` (default: none)."""
-        return {}
+    def decode_command(self, req: RequestState, plan: Plan, worker: str) -> DecodeCmd:
+        """The decode command sent to ``worker`` (default: decode the request to its end)."""
+        return DecodeCmd(rid=req.rid, prompt=req.prompt, max_new=req.max_new)
 
-    def handoff_options(self, req: RequestState, cluster: ClusterView) -> dict[str, Any]:
+    def handoff(self, req: RequestState, cluster: ClusterView) -> HandoffCmd:
         """How the relay hands over once the main decoder holds the KV (relay plans only)."""
-        return {"mode": "one-shot"}
+        return HandoffCmd(rid=req.rid, mode="one-shot")
 
     def cut_off(self, req: RequestState) -> bool:
         """A relay finished ``req`` before the main decoder held its KV: cut the WAN transfer
         off (True) or let it complete into the main decoder's cache (False)?"""
         return True
 
-    def on_event(self, req: RequestState, kind: str, worker: str, data: dict[str, Any]) -> None:  # noqa: B027
+    def on_event(self, req: RequestState, event: Event) -> None:  # noqa: B027
         """React to a worker event for ``req`` (default: nothing)."""
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> PolicyReport:
         """Policy-level counters for the run's summary."""
-        return {}
+        return PolicyReport(options=self.describe())
 
     def describe(self) -> str:
         return self.name

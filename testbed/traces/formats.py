@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from testbed.errors import InputError
 from testbed.traces.errors import from_validation, line_error, read_lines
 from testbed.traces.workload import Segment, TraceRequest, Workload, scale_len
+from workers.control import RequestHints
 
 MOONCAKE_BLOCK = 512
 FORMATS = ("mooncake", "azure", "sessions", "requests")
@@ -222,9 +223,7 @@ def sessions_workload(path: Path, lines: Iterable[tuple[int, dict[str, Any]]], t
             ctx = [*ctx, Segment(f"session:{s.session}:in{k}", scale_len(t.new_tokens, token_scale))]
             rid = f"{s.session}.{k}"
             out = scale_len(t.output_tokens, token_scale)
-            hints = {"short_output": t.short_output} if t.short_output else {}
-            if t.tag:
-                hints["tag"] = t.tag
+            hints = RequestHints(short_output=bool(t.short_output), tag=t.tag or None)
             if t.delay_s is not None:
                 req = TraceRequest(rid, ctx, out, after=prev, delay=float(t.delay_s), session=s.session,
                                    turn=k, line=i, hints=hints)

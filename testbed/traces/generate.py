@@ -175,3 +175,22 @@ def mooncake_lines(wl: Workload) -> list[dict[str, Any]]:
         out.append({"timestamp": round(1000 * est[r.rid]), "input_length": r.input_len,
                     "output_length": r.output_len, "hash_ids": hash_ids})
     return out
+
+
+def generate_file(cfg: GenConfig, output: Path, as_format: str = "sessions") -> str:
+    """``testbed trace gen``: write the sessions (or Mooncake records) and return what to
+    print: where it went and the statistics of what was written."""
+    from testbed.errors import InputError
+    from testbed.traces import load_trace
+    from testbed.traces.formats import sessions_workload
+    from testbed.traces.stats import format_stats, trace_stats
+
+    if not (0 <= cfg.above_95 <= 1 and 0 <= cfg.anomalous_share < 0.5 and cfg.sessions >= 1):
+        raise InputError("trace gen: --above-95 must be in [0, 1], --anomalous in [0, 0.5), --sessions >= 1")
+    sessions, header = generate(cfg)
+    if as_format == "mooncake":
+        # Mooncake has no sessions: closed-loop turns are placed at their estimated send time.
+        write_jsonl(output, mooncake_lines(sessions_workload(output, enumerate(sessions, 2))))
+    else:
+        write_jsonl(output, sessions, header)
+    return f"wrote {output} ({as_format}, seed {cfg.seed})\n" + format_stats(trace_stats(load_trace(output, as_format)))

@@ -57,7 +57,7 @@ def trace_stats(wl: Workload, block: int | None = None) -> dict[str, Any]:
     n = len(wl.requests)
     span = max(est.values()) - min(est.values())
     low_hit_short = sum(1 for r in wl.requests if rates[r.rid] < 0.5 and r.output_len * 4 < r.input_len
-                        and r.hints.get("short_output"))
+                        and r.hints.short_output)
     return {
         **wl.describe(),
         "block_size": block or wl.block_size,

@@ -9,6 +9,8 @@ of tokens. Token IDs are made only for the requests that are replayed.
 
 A request is sent either at an offset from the replay's start (``at``, open loop) or a
 delay after another request of its session completes (``after`` + ``delay``, closed loop).
+``Workload.specs`` materialises the replayed requests as ``RequestSpec``: token IDs,
+timing and the hints the router's policy may read.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from testbed.client import RequestSpec
+from workers.control import RequestHints
 
 VOCAB_LOW, VOCAB_HIGH = 3, 32000  # ids 0..2 are pad/bos/eos in the default model
 
@@ -61,7 +63,7 @@ class TraceRequest:
     session: str | None = None
     turn: int = 0
     line: int = 0  # where it came from, for messages
-    hints: dict[str, Any] = field(default_factory=dict)
+    hints: RequestHints = field(default_factory=RequestHints)
 
     @property
     def input_len(self) -> int:
@@ -72,6 +74,19 @@ class TraceRequest:
         for s in self.segments:
             out.extend(s.tokens())
         return out
+
+
+@dataclass
+class RequestSpec:
+    """A request as the client replays it."""
+
+    rid: str
+    prompt: list[int]
+    max_new: int
+    at: float = 0.0  # seconds after the replay starts (open loop)
+    hints: RequestHints = field(default_factory=RequestHints)
+    after: str | None = None  # closed loop: sent ``delay`` s after request ``after`` completes
+    delay: float = 0.0
 
 
 @dataclass
@@ -122,10 +137,10 @@ class Workload:
         """Materialise prompts and timing (``speed`` 2 = twice as fast) for the client."""
         out = []
         for r in self.requests:
-            meta: dict[str, object] = {"session": r.session, "turn": r.turn, **r.hints}
+            hints = r.hints.model_copy(update={"session": r.session, "turn": r.turn})
             out.append(RequestSpec(r.rid, r.prompt(), r.output_len,
                                    at=(r.at or 0.0) / speed if r.at is not None else 0.0,
-                                   meta=meta, after=r.after, delay=r.delay / speed))
+                                   hints=hints, after=r.after, delay=r.delay / speed))
         return out
 
     def describe(self) -> dict[str, Any]:

@@ -28,34 +28,21 @@ from testbed import netns
 from testbed.net.build import Network
 from testbed.scenario import Role
 from testbed.traces.workload import synth_tokens
-from workers.kv_wire import ACK, BLOCK, END, HDR, MAGIC, VERSION, KVTransferError, decode_block, encode_block
+from workers.kv_wire import (
+    ACK,
+    BLOCK,
+    END,
+    EXTEND,
+    KVTransferError,
+    decode_block,
+    encode_block,
+    recv_frame,
+    send_frame,
+)
 from workers.model import ModelRunner, ensure_default_model
 
-EXTEND = 6  # bench-only frame: token IDs to recompute
 PORT = 7171
 LOAD_PORT = 7172
-
-
-def _send(sock: socket.socket, ftype: int, payload: bytes) -> int:
-    sock.sendall(HDR.pack(MAGIC, VERSION, ftype, 0, len(payload)) + payload)
-    return HDR.size + len(payload)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("peer closed")
-        buf += chunk
-    return bytes(buf)
-
-
-def _recv(sock: socket.socket) -> tuple[int, bytes]:
-    magic, ver, ftype, _, n = HDR.unpack(_recv_exact(sock, HDR.size))
-    if magic != MAGIC or ver != VERSION:
-        raise ConnectionError("bad frame")
-    return ftype, _recv_exact(sock, n)
 
 
 class _MainDecoder(threading.Thread):
@@ -86,14 +73,14 @@ class _MainDecoder(threading.Thread):
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             while True:
-                ftype, payload = _recv(conn)
+                ftype, payload = recv_frame(conn)
                 if ftype == EXTEND:
                     tokens = json.loads(payload)["tokens"]
                     t0 = time.perf_counter()
                     new_kv, _ = self.runner.extend(self.base_kv, tokens)
                     self.buf[:, :, :, n0 : n0 + len(tokens)] = new_kv
                     self.compute_s.append(time.perf_counter() - t0)
-                    _send(conn, ACK, b"{}")
+                    send_frame(conn, ACK, b"{}")
                 elif ftype == BLOCK:
                     pos = n0
                     layers, _, heads, _, head_dim = self.buf.shape
@@ -102,14 +89,14 @@ class _MainDecoder(threading.Thread):
                         count = blk.kv.shape[3]
                         self.buf[:, :, :, pos : pos + count] = blk.kv
                         pos += count
-                        ftype, payload = _recv(conn)
+                        ftype, payload = recv_frame(conn)
                     if ftype != END:
                         raise ConnectionError(f"unexpected frame {ftype}")
-                    _send(conn, ACK, b"{}")
+                    send_frame(conn, ACK, b"{}")
                 else:
                     return
         except (ConnectionError, OSError, KVTransferError) as e:
-            if str(e) != "peer closed":
+            if "peer closed" not in str(e):
                 self.errors.append(str(e))
         finally:
             conn.close()
@@ -195,15 +182,15 @@ def run_handoff_bench(net: Network, reps: int = 50, n_tokens: int = 100, prompt_
         sent = 0
         for idx, start in enumerate(range(0, n_tokens, bs)):
             frame, _ = encode_block(idx, start, full_kv[:, :, :, start : start + bs])
-            sent += _send(kv_sock, BLOCK, frame)
-        sent += _send(kv_sock, END, json.dumps({"n": n_tokens}).encode())
-        _recv(kv_sock)
+            sent += send_frame(kv_sock, BLOCK, frame)
+        sent += send_frame(kv_sock, END, json.dumps({"n": n_tokens}).encode())
+        recv_frame(kv_sock)
         times["kv"].append(time.perf_counter() - t0)
         payload["kv"] = sent
         # (b) token IDs, recomputed on the main decoder
         t0 = time.perf_counter()
-        payload["ids"] = _send(id_sock, EXTEND, json.dumps({"tokens": tokens}).encode())
-        _recv(id_sock)
+        payload["ids"] = send_frame(id_sock, EXTEND, json.dumps({"tokens": tokens}).encode())
+        recv_frame(id_sock)
         times["ids"].append(time.perf_counter() - t0)
     load_mbit = (sum(loaded) - load_b0) * 8 / (time.monotonic() - load_t0) / 1e6 if loaded else 0.0
     stop.set()

@@ -1,0 +1,112 @@
+"""The ``testbed`` command line's arguments (``testbed.cli`` maps each command to its call).
+
+Each subcommand sets ``command`` to its name (``"net up"``, ``"run"``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from testbed.traces.formats import FORMATS
+
+
+def build_parser(description: str = "") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="testbed", description=description)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def scenario_opts(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--scenario", type=Path, default=Path("topologies/two-dc.yaml"))
+        p.add_argument("--impairment", choices=["auto", "netem", "delayline"], default="auto",
+                       help="how WAN delay/jitter/loss are made (default: netem if the kernel has it)")
+
+    net = sub.add_parser("net", help="build, check or tear down the emulated network")
+    nsub = net.add_subparsers(dest="net_cmd", required=True)
+    p = nsub.add_parser("up", help="build the network and hold it until Ctrl-C / `net down`")
+    scenario_opts(p)
+    p.set_defaults(command="net up")
+    p = nsub.add_parser("down", help="tear down running networks")
+    p.add_argument("--run", help="only this run id")
+    p.set_defaults(command="net down")
+    p = nsub.add_parser("check", help="build, measure configured vs measured, tear down")
+    scenario_opts(p)
+    p.add_argument("--samples", type=int, default=40, help="RTT samples per path (>= 20)")
+    p.add_argument("--seconds", type=float, default=3.0, help="bulk-transfer seconds per path")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(command="net check")
+
+    p = sub.add_parser("clean", help="remove namespaces, links and processes of dead runs")
+    p.add_argument("--all", action="store_true", help="also tear down runs that are still alive")
+    p.set_defaults(command="clean")
+
+    def trace_opts(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--format", default="auto", help=f"auto | {' | '.join(FORMATS)} (default: auto)")
+        p.add_argument("--token-scale", type=int, default=1, metavar="N",
+                       help="divide every length (and the prefix block size) by N")
+
+    p = sub.add_parser("run", help="replay a trace under one or more policies; save, plot and compare")
+    scenario_opts(p)
+    p.add_argument("--trace", type=Path, required=True, help="trace file (formats: traces/README.md)")
+    trace_opts(p)
+    p.add_argument("--policies", "--policy", dest="policies", default="same-dc,cross-dc",
+                   help="comma-separated, each name[:key=value,...] (default same-dc,cross-dc)")
+    p.add_argument("--speed", type=float, default=1.0, help="time compression: 2 = arrivals/delays twice as fast")
+    p.add_argument("--limit", type=int, help="replay only the first N requests")
+    p.add_argument("--window", help="replay only requests sent in START:END seconds of the trace")
+    p.add_argument("--slo-ttft", type=float, default=5.0, help="SLO for goodput: TTFT seconds (default 5)")
+    p.add_argument("--slo-tpot", type=float, default=0.25, help="SLO for goodput: TPOT seconds (default 0.25)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="give up on the replay after this many seconds")
+    p.add_argument("--out", help="results folder (default runs/<timestamp>)")
+    p.set_defaults(command="run")
+
+    trace = sub.add_parser("trace", help="trace statistics and generation")
+    tsub = trace.add_subparsers(dest="trace_cmd", required=True)
+    p = tsub.add_parser("stats", help="lengths, arrival rate, prefix-hit distribution of a trace")
+    p.add_argument("file", type=Path)
+    trace_opts(p)
+    p.add_argument("--block", type=int, help="block size for hit rates (default: 512 / token scale)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(command="trace stats")
+    p = tsub.add_parser("gen", help="generate agentic sessions that follow a prefix-hit target")
+    p.add_argument("--sessions", type=int, default=60)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--duration", type=float, default=120.0, help="sessions start within this many seconds")
+    p.add_argument("--above-95", type=float, default=0.75, help="target share of requests with hit > 95%%")
+    p.add_argument("--anomalous", type=float, default=0.035,
+                   help="share of long-input, low-hit, short-output requests")
+    p.add_argument("--context-max", type=int, default=65536)
+    p.add_argument("--think", type=float, default=2.0, help="mean delay between turns, seconds")
+    p.add_argument("--calibrate-scale", type=int, default=1,
+                   help="calibrate hit shares as replayed with this --token-scale")
+    p.add_argument("--as", dest="as_format", choices=["sessions", "mooncake"], default="sessions",
+                   help="write agentic sessions (default) or Mooncake records (no sessions: open loop)")
+    p.add_argument("-o", "--output", type=Path, required=True)
+    p.set_defaults(command="trace gen")
+
+    p = sub.add_parser("verify", help="compare every policy's greedy tokens with a single-process reference")
+    scenario_opts(p)
+    p.add_argument("--policies", default="same-dc,cross-dc",
+                   help="comma-separated, each name[:key=value,...] (default same-dc,cross-dc)")
+    p.add_argument("--prompts", type=int, default=24)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--dtype", default="float64", choices=["float64", "float32"])
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(command="verify")
+
+    bench = sub.add_parser("bench", help="benchmarks (slow; not part of make test)")
+    bsub = bench.add_subparsers(dest="bench_cmd", required=True)
+    p = bsub.add_parser("net", help="highest WAN goodput, RTT error, up/down time")
+    scenario_opts(p)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--seconds", type=float, default=5.0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(command="bench net")
+    p = bsub.add_parser("handoff", help="relay -> main decoder handoff: ship KV vs token IDs + recompute")
+    scenario_opts(p)
+    p.add_argument("--reps", type=int, default=50, help="repetitions of each method (default 50)")
+    p.add_argument("--tokens", type=int, default=100, help="generated tokens handed over (default 100)")
+    p.add_argument("--prompt", type=int, default=1024, help="prompt tokens the main decoder holds (default 1024)")
+    p.add_argument("--load-streams", type=int, default=2, help="bulk TCP streams loading the WAN (default 2)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(command="bench handoff")
+    return ap

@@ -1,0 +1,257 @@
+"""Every shape that crosses a process: round trips, rejections, and a bad message on a live
+cluster failing only the request it names."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from typing import Any
+
+import aiomqtt
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from testbed import netns
+from testbed.cluster import Cluster
+from testbed.contracts import PlanInfo, PolicyContext, PolicyReport, RequestRecord, RouterConfig, WorkerEndpoint
+from testbed.experiment import network_session
+from testbed.net.delayline import DelayLineConfig, DelayLineReport, DirectionConfig, DirectionReport
+from testbed.policies import make_policy, parse_policy, parse_policy_list
+from testbed.policies.pdd import Pdd
+from testbed.policies.spec import PddSpec, SameDcSpec, spec_from_json
+from testbed.scenario import Role
+from testbed.traces.workload import RequestSpec, synth_tokens
+from workers.contracts import (
+    BrokerInfo,
+    CacheReport,
+    DecodeCounters,
+    DeviceReport,
+    DeviceSpec,
+    PrefillCounters,
+    WorkerConfig,
+    WorkerFaults,
+    WorkerStats,
+)
+from workers.control import (
+    QOS,
+    CancelCmd,
+    DecodeCmd,
+    Done,
+    ExtendCmd,
+    Extended,
+    Failed,
+    HandoffAck,
+    HandoffCmd,
+    HandoffSent,
+    KvReceived,
+    KvSent,
+    KVTarget,
+    MainPart,
+    PrefillCmd,
+    PrefillDone,
+    RelayPart,
+    Request,
+    RequestHints,
+    RouterStatus,
+    Status,
+    Tokens,
+    Topics,
+    parse_command,
+    parse_event,
+    rid_of,
+)
+from workers.control import (
+    Tokens as TokensMsg,
+)
+
+from .conftest import needs_root, scenario_with
+
+BROKER = BrokerInfo(host="10.213.1.11", port=1883, username="pddabc", password="s3cret")
+STAMP: dict[str, Any] = {"rid": "r1", "worker": "decode-b", "t": 1700000000.25}
+
+COMMANDS = [
+    PrefillCmd(rid="r1", prompt=[5, 6, 7], kv_to=[KVTarget(worker="relay", host="10.213.1.13", port=7070)]),
+    DecodeCmd(rid="r1", prompt=[5, 6], max_new=8),
+    DecodeCmd(rid="r1", prompt=[5, 6], max_new=8, relay=RelayPart(main="decode-b", eager_budget=3)),
+    DecodeCmd(rid="r1", prompt=[5, 6], max_new=8, drc=False, main=MainPart(relay="relay")),
+    CancelCmd(rid="r1", target="decode-b"), CancelCmd(rid="r1", keep_kv=True),
+    HandoffCmd(rid="r1", mode="catch-up", batch=16), HandoffCmd(rid="r1", mode="local"),
+    HandoffAck(rid="r1", extended=16), ExtendCmd(rid="r1", start=4, tokens=[9, 10], final=True),
+]  # fmt: skip
+
+EVENTS = [
+    PrefillDone(**STAMP, hit_tokens=64, computed=36, first_token=7, start=1.0, end=1.5, real_s=0.4, modeled_s=0.5),
+    KvSent(**STAMP, to="decode-b", bytes=4096, written=4200, payload=4000, planned_payload=8000, tokens=1, had=15,
+           start=1.0, end=1.2, cancelled=True),
+    KvReceived(**STAMP, bytes=4096, had=15, start=1.0, end=1.2, cache_only=True),
+    HandoffSent(**STAMP, tokens=8, start=0, final=False, to="decode-b"),
+    Extended(**STAMP, tokens=8, start=0, final=True, mismatches=0, compute_s=0.01, t_start=2.0, since_kv_s=0.1),
+    Done(**STAMP, output_tokens=12, kv_bytes=4096, handed_off=False, eager=12, batches=[4, 8]),
+    Failed(**STAMP, reason="KV transfer to decode-b: broke", target="decode-b", before_handoff=True),
+]  # fmt: skip
+
+
+def _round_trip(m: BaseModel) -> None:
+    assert type(m).model_validate_json(m.model_dump_json()) == m
+
+
+def test_every_command_and_event_round_trips_through_its_union() -> None:
+    for cmd in COMMANDS:
+        assert parse_command(cmd.dump()) == cmd
+    assert {type(c).__name__ for c in COMMANDS} >= {"PrefillCmd", "DecodeCmd", "CancelCmd", "HandoffCmd",
+                                                    "HandoffAck", "ExtendCmd"}
+    for ev in EVENTS:
+        assert parse_event(ev.dump()) == ev
+    assert len({type(e) for e in EVENTS}) == 7
+
+
+def test_configs_records_and_reports_round_trip() -> None:
+    wc = WorkerConfig(name="decode-b", role="decode", run_id="abc123", host_ip="10.213.2.10", broker=BROKER,
+                      model_path="/m", device=DeviceSpec(name="gpu-b", peak_tflops=400, mem_gbps=4800),
+                      faults=WorkerFaults(die_after_tokens=20))
+    for spec in (parse_policy("same-dc"), parse_policy("cross-dc"), parse_policy("pdd:handoff=one-shot,drc=off")):
+        rc = RouterConfig(run_id="abc123", broker=BROKER, policy=spec, request_timeout_s=30,
+                          workers={"decode-b": WorkerEndpoint(role="decode", dc="b", host="10.213.2.10", kv_port=7070)},
+                          records_path="/tmp/r.jsonl", context=PolicyContext(wan_rate_bps=1e9, kv_bytes_per_token=4096))
+        back = RouterConfig.model_validate_json(rc.model_dump_json())
+        assert back == rc and type(back.policy) is type(spec)
+    stats = WorkerStats(worker="decode-b", role="decode", device=DeviceReport(device="native", steps=3),
+                        cache=CacheReport(hit_rate=0.5, blocks=2, hit_tokens=16, lookup_tokens=32,
+                                          series=[(1.0, 0, 16), (2.0, 16, 32)]),
+                        decode=DecodeCounters(step_ms_by_batch={1: 9.5, 4: 20.0}, tokens_out=40))
+    record = RequestRecord(rid="r1", pipeline="P-RLD-MD", prefill="prefill", decode="decode-b", relay="relay",
+                           prefill_dc="a", decode_dc="b", plan_info=PlanInfo(delta_tokens=48, est_wan_wait_s=0.3),
+                           events=list(EVENTS))
+    dl = DelayLineConfig(ports={"a": "wa", "b": "wb"}, stats_path="/tmp/s.json",
+                         directions=[DirectionConfig(src="a", dst="b", delay_ms=15, max_backlog_bytes=10_000)])
+    rep = DelayLineReport(pid=1, uptime_s=2.0, final=True, directions={"a->b": DirectionReport(
+        frames_in=1, bytes_in=2, frames_out=1, bytes_out=2, drop_loss=0, drop_queue_full=0, drop_overflow=0,
+        drop_error=0, backlog_max_bytes=2, late_max_us=5.0, late_over_1ms=0, delay_sum_ms=15.0, backlog_bytes=0)})
+    for m in (wc, stats, record, dl, rep, PolicyReport(counts={"P-MD": 3}, options="pdd:handoff=adaptive"),
+              Request(rid="r1", prompt=[1, 2], max_new=3, hints=RequestHints(session="s", turn=2, eager=0)),
+              TokensMsg(rid="r1", start=0, tokens=[4], worker="decode-b", t=1.0, done=True),
+              Status(worker="relay", role="relay-decode", state="up", cache_hit_rate=0.9),
+              RouterStatus(state="ready", workers={"relay": "relay-decode"}, policy="pdd"),
+              WorkerStats(worker="prefill", role="prefill", device=DeviceReport(device="native"),
+                          prefill=PrefillCounters(computed_tokens=5))):
+        _round_trip(m)
+    assert RequestRecord.model_validate_json(record.model_dump_json()).events == EVENTS  # each kind restored
+
+
+@pytest.mark.parametrize("payload, complaint", [
+    (b'{"op": "decode", "rid": "r1", "prompt": [1], "max_new": 0}', "max_new"),  # out of range
+    (b'{"op": "decode", "rid": "r1", "prompt": [1]}', "max_new"),  # missing field
+    (b'{"op": "extend", "rid": "r1", "start": "two"}', "start"),  # wrong type
+    (b'{"op": "handoff", "rid": "r1", "mode": "sideways"}', "mode"),  # not one of the modes
+    (b'{"op": "cancel", "rid": "r1", "options": {"target": "x"}}', "options"),  # unknown field
+    (b'{"op": "decode", "rid": "r1", "prompt": [1], "max_new": 2, "relay": {"main": "b"}, "main": {"relay": "a"}}',
+     "not both"),
+    (b'{"op": "launch", "rid": "r1"}', "op"),  # unknown command
+])  # fmt: skip
+def test_malformed_commands_are_rejected_naming_the_field(payload: bytes, complaint: str) -> None:
+    with pytest.raises(ValidationError, match=complaint):
+        parse_command(payload)
+    assert rid_of(payload) == "r1"
+
+
+def test_malformed_events_and_requests_are_rejected() -> None:
+    with pytest.raises(ValidationError, match="reason"):
+        parse_event(b'{"kind": "failed", "rid": "r1", "worker": "w", "t": 1}')
+    with pytest.raises(ValidationError, match="bytes"):
+        parse_event(b'{"kind": "kv_sent", "rid": "r1", "worker": "w", "t": 1, "to": "b", "bytes": -1}')
+    with pytest.raises(ValidationError, match="prompt"):
+        Request.model_validate_json(b'{"rid": "r1", "prompt": [], "max_new": 1}')
+    with pytest.raises(ValidationError, match="meta"):
+        Request.model_validate_json(b'{"rid": "r1", "prompt": [1], "max_new": 1, "meta": {}}')
+    assert rid_of(b"\xff not json") is None and rid_of(b"[1, 2]") is None and rid_of(b'{"rid": 3}') is None
+
+
+def test_policy_spec_is_parsed_once_and_crosses_as_a_typed_spec() -> None:
+    specs = parse_policy_list("same-dc,pdd:handoff=catch-up,threshold=32,cross-dc")
+    assert [s.label for s in specs] == ["same-dc", "pdd:handoff=catch-up,threshold=32", "cross-dc"]
+    pdd = specs[1]
+    assert isinstance(pdd, PddSpec) and pdd.options.threshold == 32 and pdd.options.load == 4
+    back = spec_from_json(pdd.model_dump_json())
+    assert back == pdd and isinstance(back, PddSpec)
+    assert pdd.describe().startswith("pdd:handoff=catch-up,threshold=32,load=4,relay_s=0.2,drc=on")
+    policy = make_policy(back)
+    assert isinstance(policy, Pdd) and policy.opts.handoff == "catch-up" and policy.describe() == pdd.describe()
+    assert parse_policy("same-dc") == SameDcSpec()
+
+
+# ------------------------------------------------------------------------- live cluster (root)
+def _inject_when_streaming(cl: Cluster, victim: str, worker: str, seen: dict[str, Any]) -> threading.Thread:
+    """A second client in the client's namespace: once ``victim`` streams, send a malformed
+    command about it to ``worker``, a malformed request and a non-JSON command; record what
+    comes back."""
+    ns = cl.net.ns_of(cl.net.scenario.hosts_with_role(Role.CLIENT)[0])
+    topics: Topics = cl.topics
+
+    async def body() -> None:
+        asyncio.get_running_loop().set_default_executor(
+            concurrent.futures.ThreadPoolExecutor(2, initializer=netns.join, initargs=(ns,)))
+        b = cl.broker
+        async with aiomqtt.Client(b.host, b.port, username=b.username, password=b.password,
+                                  identifier=f"{topics.root}-injector") as c:
+            for t in (topics.tokens(victim), topics.tokens("bad-req"), topics.events):
+                await c.subscribe(t, qos=QOS)
+            async with asyncio.timeout(90):
+                async for msg in c.messages:
+                    payload = msg.payload
+                    assert isinstance(payload, (bytes, bytearray))
+                    if str(msg.topic) == topics.tokens(victim) and "injected" not in seen:
+                        seen["injected"] = time.time()
+                        await c.publish(topics.cmd(worker), b'{"op": "extend", "rid": "%s", "start": -1}'
+                                        % victim.encode(), qos=QOS)
+                        await c.publish(topics.requests, b'{"rid": "bad-req", "prompt": "text", "max_new": 3}',
+                                        qos=QOS)
+                        await c.publish(topics.cmd("prefill"), b"\xff not json", qos=QOS)
+                    elif str(msg.topic) == topics.tokens("bad-req"):
+                        seen["bad-req"] = Tokens.model_validate_json(payload)
+                    elif str(msg.topic) == topics.events:
+                        ev = parse_event(payload)
+                        if isinstance(ev, Failed) and ev.rid == victim:
+                            seen["failed"] = ev
+                    if "bad-req" in seen and "failed" in seen:
+                        return
+
+    def run() -> None:
+        with netns.entered(ns):
+            try:
+                asyncio.run(body())
+            except BaseException as e:  # noqa: BLE001 - reported through ``seen``
+                seen["error"] = repr(e)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th
+
+
+@needs_root
+def test_a_malformed_message_fails_only_the_request_it_names() -> None:
+    victim = "victim"
+    specs = [RequestSpec(victim, synth_tokens("victim", 200), 400, at=0.0)] + [
+        RequestSpec(f"ok{i}", synth_tokens(f"ok-{i}", 80), 20, at=0.3 * (i + 1)) for i in range(6)]
+    seen: dict[str, Any] = {}
+    with network_session(scenario_with(), "auto") as net:
+        cl = Cluster.start(net, parse_policy("same-dc"))
+        injector = _inject_when_streaming(cl, victim, "decode-a", seen)
+        recs = cl.replay(specs, timeout_s=120)
+        injector.join(timeout=30)
+        after = cl.replay([RequestSpec("later", synth_tokens("later", 50), 10)], timeout_s=60)  # still serving
+        logs = {name: cl.log_tail(name, 20000) for name in ("worker-decode-a", "worker-prefill", "router")}
+    assert "error" not in seen, seen
+    v = recs[victim]
+    assert not v.ok and v.error is not None and "decode-a rejected a command: extend.start:" in v.error, v.error
+    assert 0 < len(v.tokens) < 400
+    assert seen["failed"].worker == "decode-a"
+    assert all(r.ok and len(r.tokens) == 20 for rid, r in recs.items() if rid != victim), \
+        {rid: r.error for rid, r in recs.items()}
+    assert after["later"].ok and len(after["later"].tokens) == 10
+    bad = seen["bad-req"]
+    assert bad.done and bad.error and "router rejected a request: prompt:" in bad.error
+    assert "rejected a command for victim" in logs["worker-decode-a"]
+    assert "rejected a command for no request" in logs["worker-prefill"]
+    assert "rejected a message on" in logs["router"] and "bad-req" in logs["router"]
