@@ -18,7 +18,7 @@ from testbed import netns, runstate
 from testbed.cli_args import build_parser
 from testbed.errors import InputError, TestbedError
 from testbed.policies.spec import parse_policy_list
-from testbed.scenario import load_scenario
+from testbed.scenario import Scenario, load_scenario
 
 
 class Terminated(BaseException):
@@ -39,10 +39,27 @@ def _require_root() -> None:
         raise TestbedError("this command needs root (network namespaces, netlink, raw sockets)")
 
 
+def _wire_scenario(args: argparse.Namespace) -> Scenario:
+    """The scenario in wire units (an emulation's rates and delays at this scale and dilation)."""
+    from testbed.emulation import EmulationPlan
+    from workers.model import ensure_default_model, kv_bytes_per_token
+
+    sc = load_scenario(args.scenario)
+    if sc.emulation is None:
+        return sc
+    if args.token_scale < 1 or not 0.1 <= args.dilation <= 1000:
+        raise InputError("--token-scale must be >= 1 and --dilation between 0.1 and 1000")
+    model = str(sc.workers.model) if sc.workers.model else str(ensure_default_model())
+    plan = EmulationPlan.make(sc, args.token_scale, args.dilation, kv_bytes_per_token(model, sc.workers.dtype))
+    if not getattr(args, "json", False):
+        print(plan.describe(sc))
+    return plan.wire_scenario(sc)
+
+
 def cmd_net_up(args: argparse.Namespace) -> int:
     from testbed.experiment import network_session
 
-    with network_session(load_scenario(args.scenario), args.impairment) as net:
+    with network_session(_wire_scenario(args), args.impairment) as net:
         print(net.describe())
         print(f"run {net.run.run_id} is up; Ctrl-C or `testbed net down` tears it down", flush=True)
         while True:
@@ -62,7 +79,7 @@ def cmd_net_check(args: argparse.Namespace) -> int:
     from testbed.experiment import network_session
     from testbed.net.check import check_report, passed, run_check
 
-    with network_session(load_scenario(args.scenario), args.impairment) as net:
+    with network_session(_wire_scenario(args), args.impairment) as net:
         if not args.json:
             print(net.describe(), flush=True)
             print(f"measuring ({args.samples} RTT samples per path, {args.seconds:g} s bulk TCP per path)...",
@@ -134,8 +151,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     wl = load_trace(args.trace, args.format, args.token_scale).select(args.limit, _window(args.window))
     if not wl.requests:
         raise InputError(f"{args.trace}: --window/--limit leave no request")
-    opts = RunOptions(args.impairment, args.speed, args.limit, args.window, Slo(args.slo_ttft, args.slo_tpot),
-                      args.timeout, Path(args.out) if args.out else None)
+    opts = RunOptions(args.impairment, args.dilation, args.allow_infidelity, args.speed, args.limit, args.window,
+                      Slo(args.slo_ttft, args.slo_tpot), args.timeout, Path(args.out) if args.out else None)
     return run_trace(sc, wl, policies, opts)
 
 
@@ -153,7 +170,7 @@ def cmd_trace_gen(args: argparse.Namespace) -> int:
 
     cfg = GenConfig(sessions=args.sessions, seed=args.seed, duration_s=args.duration, above_95=args.above_95,
                     anomalous_share=args.anomalous, context_max=args.context_max,
-                    think_mean_s=args.think, calibrate_scale=args.calibrate_scale)
+                    think_mean_s=args.think, calibrate_scale=args.calibrate_scale, turns_max=args.turns_max)
     print(generate_file(cfg, args.output, args.as_format))
     return 0
 
@@ -163,7 +180,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     sc = load_scenario(args.scenario)
     policies = parse_policy_list(args.policies)
-    return run_verify(sc, args.impairment, policies, args.prompts, args.seed, args.dtype, args.json)
+    return run_verify(sc, args.impairment, policies, args.prompts, args.seed, args.dtype, args.json, args.dilation)
 
 
 COMMANDS = {

@@ -22,14 +22,21 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
 
     net = sub.add_parser("net", help="build, check or tear down the emulated network")
     nsub = net.add_subparsers(dest="net_cmd", required=True)
+    def wire_opts(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--token-scale", type=int, default=1, metavar="N",
+                       help="with an emulation: replayed tokens stand for N emulated ones (wire rates follow)")
+        p.add_argument("--dilation", type=float, default=1.0, metavar="D", help="with an emulation: time dilation")
+
     p = nsub.add_parser("up", help="build the network and hold it until Ctrl-C / `net down`")
     scenario_opts(p)
+    wire_opts(p)
     p.set_defaults(command="net up")
     p = nsub.add_parser("down", help="tear down running networks")
     p.add_argument("--run", help="only this run id")
     p.set_defaults(command="net down")
     p = nsub.add_parser("check", help="build, measure configured vs measured, tear down")
     scenario_opts(p)
+    wire_opts(p)
     p.add_argument("--samples", type=int, default=40, help="RTT samples per path (>= 20)")
     p.add_argument("--seconds", type=float, default=3.0, help="bulk-transfer seconds per path")
     p.add_argument("--json", action="store_true")
@@ -55,7 +62,12 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--window", help="replay only requests sent in START:END seconds of the trace")
     p.add_argument("--slo-ttft", type=float, default=5.0, help="SLO for goodput: TTFT seconds (default 5)")
     p.add_argument("--slo-tpot", type=float, default=0.25, help="SLO for goodput: TPOT seconds (default 0.25)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="give up on the replay after this many seconds")
+    p.add_argument("--timeout", type=float, default=1800.0,
+                   help="give up on the replay after this many (emulated) seconds")
+    p.add_argument("--dilation", metavar="D|auto",
+                   help="real seconds per emulated second (default: the scenario's emulation.time_dilation)")
+    p.add_argument("--allow-infidelity", action="store_true",
+                   help="exit 0 even when the fidelity verdict fails (it is still printed and saved)")
     p.add_argument("--out", help="results folder (default runs/<timestamp>)")
     p.set_defaults(command="run")
 
@@ -76,6 +88,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    help="share of long-input, low-hit, short-output requests")
     p.add_argument("--context-max", type=int, default=65536)
     p.add_argument("--think", type=float, default=2.0, help="mean delay between turns, seconds")
+    p.add_argument("--turns-max", type=int, default=14, help="turns per session: uniform in 3..N")
     p.add_argument("--calibrate-scale", type=int, default=1,
                    help="calibrate hit shares as replayed with this --token-scale")
     p.add_argument("--as", dest="as_format", choices=["sessions", "mooncake"], default="sessions",
@@ -90,6 +103,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--dtype", default="float64", choices=["float64", "float32"])
+    p.add_argument("--dilation", type=float, default=1.0, metavar="D",
+                   help="time dilation for the paced workers (default 1: verify checks tokens, not time)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(command="verify")
 

@@ -20,12 +20,13 @@ from pathlib import Path
 from testbed.broker import start_broker
 from testbed.client import ClientRecord, replay_in_namespace
 from testbed.contracts import PolicyContext, PolicyReport, RequestRecord, RouterConfig, WorkerEndpoint
+from testbed.emulation import EmulationPlan
 from testbed.errors import InputError
 from testbed.net.build import Network
 from testbed.policies.spec import PolicySpec
 from testbed.scenario import Role, Scenario
 from testbed.traces.workload import RequestSpec
-from workers.contracts import BrokerInfo, DeviceSpec, WorkerConfig, WorkerFaults, WorkerRole, WorkerStats
+from workers.contracts import BrokerInfo, DeviceSpec, Scales, WorkerConfig, WorkerFaults, WorkerRole, WorkerStats
 from workers.control import Topics
 from workers.model import ensure_default_model, kv_bytes_per_token
 
@@ -35,9 +36,11 @@ WORKER_ROLES: dict[Role, WorkerRole] = {Role.PREFILL: "prefill", Role.DECODE: "d
 
 
 def worker_configs(sc: Scenario, net: Network, broker: BrokerInfo, model: str, dtype: str | None = None,
-                   faults: dict[str, WorkerFaults] | None = None) -> dict[str, WorkerConfig]:
+                   faults: dict[str, WorkerFaults] | None = None,
+                   emulation: EmulationPlan | None = None) -> dict[str, WorkerConfig]:
     """Every worker's configuration, from the scenario: the one place a WorkerConfig is built."""
     ws = sc.workers
+    d = emulation.dilation if emulation else 1.0
     out = {}
     for dc in sc.datacenters.values():
         for host, spec in dc.hosts.items():
@@ -51,7 +54,9 @@ def worker_configs(sc: Scenario, net: Network, broker: BrokerInfo, model: str, d
                 broker=broker, model_path=model, dtype=dtype or ws.dtype, threads=ws.threads,
                 block_size=ws.block_size, prefill_chunk=ws.prefill_chunk,
                 cache_tokens=ws.prefill_cache_tokens if role == "prefill" else ws.decode_cache_tokens,
-                max_batch=ws.max_batch, kv_timeout_s=ws.kv_timeout_s, device=device,
+                max_batch=ws.max_batch, kv_timeout_s=ws.kv_timeout_s * d, device=device,
+                cost=emulation.cost() if emulation else None,
+                scales=emulation.scales if emulation else Scales(),
                 stats_path=str(net.run.dir / f"worker-{host}.json"),
                 faults=(faults or {}).get(host, WorkerFaults()),
             )  # fmt: skip
@@ -76,7 +81,9 @@ class Cluster:
 
     @classmethod
     def start(cls, net: Network, policy: PolicySpec, faults: dict[str, WorkerFaults] | None = None,
-              dtype: str | None = None) -> Cluster:
+              dtype: str | None = None, emulation: EmulationPlan | None = None) -> Cluster:
+        """Broker, workers and router on ``net`` (built from the wire scenario). ``emulation``
+        gives the workers their pacing and stretches every timeout by its dilation."""
         sc = net.scenario
         routers = sc.hosts_with_role(Role.ROUTER)
         if not routers:
@@ -85,7 +92,8 @@ class Cluster:
         cl = cls(net, policy, broker)
         ws = sc.workers
         model = str(ws.model) if ws.model else str(ensure_default_model())
-        cl.workers = worker_configs(sc, net, broker, model, dtype, faults)
+        cl.workers = worker_configs(sc, net, broker, model, dtype, faults, emulation)
+        d = emulation.dilation if emulation else 1.0
         for host, cfg in cl.workers.items():
             path = net.run.dir / f"worker-{host}.cfg.json"
             path.write_text(cfg.model_dump_json())
@@ -94,14 +102,14 @@ class Cluster:
                       log=net.run.dir / f"worker-{host}.log")
         fwd = sc.wan.forward
         context = PolicyContext(
-            wan_rate_bps=fwd.rate_mbit * 1e6 if fwd.rate_mbit else None, wan_rtt_s=2 * fwd.delay_ms / 1000,
+            wan_rate_bps=fwd.rate_mbit * 1e6 if fwd.rate_mbit else None, wan_rtt_s=2 * fwd.delay_ms / 1000, dilation=d,
             kv_bytes_per_token=kv_bytes_per_token(model, dtype or ws.dtype), block_size=ws.block_size,
             decode_cache_tokens=ws.decode_cache_tokens,
         )  # fmt: skip
         endpoints = {h: WorkerEndpoint(role=c.role, dc=sc.datacenter_of(h), host=c.host_ip, kv_port=c.kv_port)
                      for h, c in cl.workers.items()}
         rcfg = RouterConfig(run_id=net.run.run_id, broker=broker, policy=policy, workers=endpoints,
-                            request_timeout_s=ws.request_timeout_s, records_path=str(cl.records_path),
+                            request_timeout_s=ws.request_timeout_s * d, records_path=str(cl.records_path),
                             context=context)
         rpath = net.run.dir / "router.cfg.json"
         rpath.write_text(rcfg.model_dump_json())

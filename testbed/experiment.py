@@ -2,9 +2,11 @@
 
 ``network_session`` builds a run's network and always tears it down (error, Ctrl-C,
 SIGTERM). ``run_policy`` starts broker, workers and router for one ``PolicySpec`` on a
-fresh network, replays the requests with progress on stderr, and returns everything that
-came back (``PolicyRun``). ``run_trace`` is ``testbed run``: every policy in turn, then
-the tables and the saved results. The CLI only parses arguments and calls these.
+fresh network built from the emulation's wire scenario, replays the requests with
+progress on stderr, and returns everything that came back (``PolicyRun``), including the
+fidelity verdict. ``run_trace`` is ``testbed run``: the emulation plan (and ``auto``
+dilation), every policy in turn, then the tables, the verdicts and the saved results.
+The CLI only parses arguments and calls these.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from typing import Any
 from testbed import runstate
 from testbed.client import ClientRecord
 from testbed.contracts import PolicyReport, RequestRecord
+from testbed.emulation import EmulationPlan
+from testbed.errors import InputError
+from testbed.fidelity import Verdict, cpu_seconds, format_verdict, judge
 from testbed.metrics import Slo
 from testbed.net.build import Impairment, Network
 from testbed.policies.spec import PolicySpec
@@ -69,17 +74,21 @@ class PolicyRun:
     router: dict[str, RequestRecord]
     workers: dict[str, WorkerStats]
     policy: PolicyReport
+    verdict: Verdict
 
 
 def run_policy(sc: Scenario, impairment: Impairment | str, policy: PolicySpec, specs: list[RequestSpec],
                dtype: str | None = None, faults: dict[str, WorkerFaults] | None = None,
-               timeout_s: float = 1800.0) -> PolicyRun:
-    """Build network + cluster for one policy, replay ``specs``, tear down. Returns records."""
+               timeout_s: float = 1800.0, emulation: EmulationPlan | None = None) -> PolicyRun:
+    """Build network + cluster for one policy, replay ``specs`` (times already in real
+    seconds), tear down. Returns records, statistics and the fidelity verdict."""
     from testbed.cluster import Cluster
 
-    with network_session(sc, impairment) as net:
-        cl = Cluster.start(net, policy, faults=faults, dtype=dtype)
+    wire = emulation.wire_scenario(sc) if emulation else sc
+    with network_session(wire, impairment) as net:
+        cl = Cluster.start(net, policy, faults=faults, dtype=dtype, emulation=emulation)
         progress = Progress(policy.label)
+        t0 = time.monotonic()
         try:
             recs = cl.replay(specs, timeout_s=timeout_s, progress=progress)
         except Exception:
@@ -90,8 +99,12 @@ def run_policy(sc: Scenario, impairment: Impairment | str, policy: PolicySpec, s
             raise
         finally:
             progress.close()
+        wall = time.monotonic() - t0
+        cpu = {p.name: s for p in net.run.processes if (s := cpu_seconds(p.pid)) is not None}
         router = cl.router_records()
-        return PolicyRun(recs, router, cl.worker_stats(), cl.policy_stats())
+        workers = cl.worker_stats()
+    verdict = judge(workers, net.delayline_stats_final, cpu, wall)
+    return PolicyRun(recs, router, workers, cl.policy_stats(), verdict)
 
 
 @dataclass(frozen=True)
@@ -99,6 +112,8 @@ class RunOptions:
     """What ``testbed run`` was asked, beyond scenario, workload and policies."""
 
     impairment: str = "auto"
+    dilation: float | str | None = None  # None: the scenario's (auto unless it says otherwise)
+    allow_infidelity: bool = False
     speed: float = 1.0
     limit: int | None = None
     window: str | None = None
@@ -107,39 +122,83 @@ class RunOptions:
     out: Path | None = None
 
 
+def emulation_plan(sc: Scenario, wl: Workload, specs: list[RequestSpec], dilation: float | str | None,
+                   dtype: str | None = None) -> EmulationPlan:
+    """The run's emulation: the scenario's model card at the trace's token scale, and the
+    dilation given, the scenario's, or (``auto``) calibrated on this host."""
+    from testbed.dilation import calibrate_dilation
+    from testbed.traces.stats import hit_rates
+    from workers.model import ensure_default_model, kv_bytes_per_token
+
+    model = str(sc.workers.model) if sc.workers.model else str(ensure_default_model())
+    dtype = dtype or sc.workers.dtype
+    b_r = kv_bytes_per_token(model, dtype)
+    wanted = dilation if dilation is not None else (sc.emulation.time_dilation if sc.emulation else 1.0)
+    if wanted != "auto":
+        try:
+            d = float(wanted)
+        except ValueError as e:
+            raise InputError(f"--dilation: expected a number or auto, got {wanted!r}") from e
+        if not 0.1 <= d <= 1000:
+            raise InputError(f"--dilation: must be between 0.1 and 1000, got {d:g}")
+        return EmulationPlan.make(sc, wl.token_scale, d, b_r)
+    plan = EmulationPlan.make(sc, wl.token_scale, 1.0, b_r)
+    if not plan.emulating:
+        return plan
+    print("dilation auto: calibrating this host on trace-shaped work...", flush=True)
+    rates = hit_rates(wl)
+    new = [max(1, round(r.input_len * (1 - rates.get(r.rid, 0.0)))) for r in wl.requests]
+    d, why = calibrate_dilation(sc, plan, specs, new, model, dtype)
+    return EmulationPlan.make(sc, wl.token_scale, d, b_r, why)
+
+
 def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunOptions) -> int:
     """Replay ``wl`` under each policy on a fresh network; print, save and plot. Exit code:
-    0 when every request of every policy completed, 1 otherwise."""
+    0 when every request of every policy completed with a passing fidelity verdict; 3 when
+    a verdict failed (unless ``allow_infidelity``); 1 when requests failed."""
     from testbed import report
     from testbed.metrics import format_summary, itls, request_rows, summarize
 
-    specs = wl.specs(opts.speed)
+    plan = emulation_plan(sc, wl, wl.specs(opts.speed), opts.dilation)
+    d = plan.dilation
+    specs = wl.specs(opts.speed / d)  # arrivals and think times stretched by the dilation
     out = opts.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     info = wl.describe()
     print(f"trace {info['trace']}: {len(specs)} requests ({info['format']}, token scale {wl.token_scale}, "
           f"speed {opts.speed:g}); scenario {sc.name}; policies {', '.join(p.label for p in policies)}", flush=True)
-    frames, summaries, workers = {}, {}, {}
+    print(plan.describe(sc), flush=True)
+    frames, summaries, workers, verdicts = {}, {}, {}, {}
     for spec in policies:
         t0 = time.monotonic()
-        run = run_policy(sc, opts.impairment, spec, specs, timeout_s=opts.timeout_s)
-        df = request_rows(run.recs, run.router, specs)
+        run = run_policy(sc, opts.impairment, spec, specs, timeout_s=opts.timeout_s * d, emulation=plan)
+        df = request_rows(run.recs, run.router, specs, plan.scales)
         name = spec.label
         frames[name] = df
-        summaries[name] = {**summarize(df, itls(run.recs), opts.slo, run.recs),
-                           "policy_stats": run.policy.model_dump(mode="json")}
+        summaries[name] = {**summarize(df, itls(run.recs, plan.scales), opts.slo, run.recs, plan.scales),
+                           "policy_stats": run.policy.model_dump(mode="json"), "fidelity": run.verdict.as_dict()}
         workers[name] = run.workers
+        verdicts[name] = run.verdict
         print(format_summary(name, summaries[name]) + f"  [{time.monotonic() - t0:.0f} s]", flush=True)
         for rid, why in list(summaries[name]["failures"].items())[:5]:
             print(f"    failed {rid}: {why}")
     summary: dict[str, Any] = {
         "trace": info, "speed": opts.speed, "limit": opts.limit, "window": opts.window,
-        "scenario": sc.model_dump(mode="json"), "policies": summaries,
+        "emulation": plan.summary(sc), "scenario": sc.model_dump(mode="json"), "policies": summaries,
         "workers": {p: {w: s.model_dump(mode="json") for w, s in ws.items()} for p, ws in workers.items()},
     }  # fmt: skip
     paths = report.save(out, frames, summary, workers)
-    print()
+    units = (f"emulated seconds (D = {d:g}); TPOT per emulated token (s_out = {plan.scales.s_out})"
+             if plan.emulating else "host seconds (no emulation)")
+    print(f"\ntimes in {units}")
     print(report.comparison_table(summaries))
     print()
     print(report.comparison_table(summaries, report.PDD_COLUMNS))
+    print()
+    for name, v in verdicts.items():
+        print(format_verdict(name, v))
     print(f"\nsaved: {', '.join(str(p) for p in paths)}")
+    if not all(v.passed for v in verdicts.values()) and not opts.allow_infidelity:
+        print("fidelity FAILED: these latencies measure this host, not the emulated system "
+              "(raise --dilation, or pass --allow-infidelity to exit 0 anyway)", file=sys.stderr)
+        return 3
     return 0 if all(s["failed"] == 0 for s in summaries.values()) else 1

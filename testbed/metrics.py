@@ -6,6 +6,11 @@ pooled over requests; E2E = send -> last token. Failed requests are counted and 
 with their reasons and excluded from latency statistics; in goodput they count as not
 meeting the SLO. Goodput = requests that completed within the SLO (TTFT and TPOT) per
 second of the run (first send to last token).
+
+Under an emulation (``testbed/emulation.py``) every duration is reported in emulated
+seconds: measured real time divided by the dilation ``D``; TPOT and ITL per emulated
+token (further divided by ``s_out``); output, eager and handoff token counts in emulated
+tokens (``x s_out``; ``output_tokens`` stays the replayed count).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import pandas as pd
 from testbed.client import ClientRecord
 from testbed.contracts import RequestRecord
 from testbed.traces.workload import RequestSpec
+from workers.contracts import Scales
 from workers.control import Extended, HandoffSent, KvSent, PrefillDone, RequestHints
 
 
@@ -29,7 +35,9 @@ class Slo:
 
 
 def request_rows(recs: dict[str, ClientRecord], router: dict[str, RequestRecord],
-                 specs: list[RequestSpec] | None = None) -> pd.DataFrame:
+                 specs: list[RequestSpec] | None = None, scales: Scales | None = None) -> pd.DataFrame:
+    sc = scales or Scales()
+    d, per_token = sc.dilation, sc.dilation * sc.s_out
     hints = {s.rid: s.hints for s in specs or []}
     t0 = min((r.sent for r in recs.values() if r.sent), default=0.0)
     rows = []
@@ -50,7 +58,8 @@ def request_rows(recs: dict[str, ClientRecord], router: dict[str, RequestRecord]
             "rid": rid, "ok": r.ok, "error": r.error, "pipeline": rr.pipeline,
             "prompt_tokens": r.prompt_len, "output_tokens": len(r.tokens), "max_new": r.max_new,
             "session": h.session, "turn": h.turn, "short_output": h.short_output,
-            "sent": r.sent, "sent_offset_s": r.sent - t0 if r.sent else np.nan,
+            "output_tokens_emulated": len(r.tokens) * sc.s_out,
+            "sent": r.sent, "sent_offset_s": (r.sent - t0) / d if r.sent else np.nan,
             "ttft_s": np.nan, "tpot_s": np.nan, "e2e_s": np.nan,
             "prefill_hit_tokens": prefill.hit_tokens if prefill else None,
             "prefill_computed": prefill.computed if prefill else None,
@@ -59,24 +68,29 @@ def request_rows(recs: dict[str, ClientRecord], router: dict[str, RequestRecord]
             "wan_kv_bytes": sum(e.bytes for e in wan),
             "wan_kv_cancelled_bytes": sum(max(0, e.planned_payload - e.payload) for e in wan if e.cancelled),
             "wan_cut_off": any(e.cancelled for e in wan),
-            "kv_transfer_s": max(e.end - e.start for e in kv_sent) if kv_sent else np.nan,
-            "relay": relay, "eager_tokens": eager, "rld_share": eager / len(r.tokens) if r.tokens else np.nan,
-            "handoffs": len(handoffs), "handoff_sizes": "+".join(str(e.tokens) for e in handoffs),
-            "md_kv_to_handoff_s": final_extend.since_kv_s if final_extend else np.nan,
+            "kv_transfer_s": max(e.end - e.start for e in kv_sent) / d if kv_sent else np.nan,
+            "relay": relay, "eager_tokens": eager * sc.s_out,
+            "rld_share": eager / len(r.tokens) if r.tokens else np.nan,
+            "handoffs": len(handoffs), "handoff_sizes": "+".join(str(e.tokens * sc.s_out) for e in handoffs),
+            "md_kv_to_handoff_s": final_extend.since_kv_s / d if final_extend else np.nan,
             "handoff_mismatches": final_extend.mismatches if final_extend else 0, "md_failed": rr.md_failed,
             **{f"plan_{k}": v for k, v in rr.plan_info.model_dump(exclude_none=True).items()},
         }  # fmt: skip
         if r.ok and r.token_times:
-            row["ttft_s"] = r.token_times[0] - r.sent
-            row["e2e_s"] = r.token_times[-1] - r.sent
+            row["ttft_s"] = (r.token_times[0] - r.sent) / d
+            row["e2e_s"] = (r.token_times[-1] - r.sent) / d
             if len(r.token_times) > 1:
-                row["tpot_s"] = (row["e2e_s"] - row["ttft_s"]) / (len(r.token_times) - 1)
+                row["tpot_s"] = (r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) / per_token
         rows.append(row)
     return pd.DataFrame(rows)
 
 
-def itls(recs: dict[str, ClientRecord]) -> list[float]:
-    return [b - a for r in recs.values() if r.ok for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
+def itls(recs: dict[str, ClientRecord], scales: Scales | None = None) -> list[float]:
+    """Every gap between consecutive tokens (per emulated token under an emulation)."""
+    sc = scales or Scales()
+    per_token = sc.dilation * sc.s_out
+    return [(b - a) / per_token for r in recs.values() if r.ok
+            for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
 
 
 def _pct(s: pd.Series, q: float) -> float | None:
@@ -85,7 +99,7 @@ def _pct(s: pd.Series, q: float) -> float | None:
 
 
 def summarize(df: pd.DataFrame, itl: list[float], slo: Slo | None = None,
-              recs: dict[str, ClientRecord] | None = None) -> dict[str, Any]:
+              recs: dict[str, ClientRecord] | None = None, scales: Scales | None = None) -> dict[str, Any]:
     slo = slo or Slo()
     ok = df[df.ok]
     failed = df[~df.ok]
@@ -96,7 +110,7 @@ def summarize(df: pd.DataFrame, itl: list[float], slo: Slo | None = None,
         sends = [r.sent for r in recs.values() if r.sent]
         ends = [r.token_times[-1] for r in recs.values() if r.token_times]
         if sends and ends:
-            span = max(ends) - min(sends)
+            span = (max(ends) - min(sends)) / (scales or Scales()).dilation
     return {
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}, "slo_met": int(len(met)),
         "slo_attainment": len(met) / len(df) if len(df) else None,
@@ -109,10 +123,11 @@ def summarize(df: pd.DataFrame, itl: list[float], slo: Slo | None = None,
         "e2e_p50_s": _pct(ok.e2e_s, 50), "e2e_p99_s": _pct(ok.e2e_s, 99),
         "wan_kv_bytes": int(df.wan_kv_bytes.sum()), "kv_bytes": int(df.kv_bytes.sum()),
         "wan_kv_cancelled_bytes": int(df.wan_kv_cancelled_bytes.sum()), "wan_cut_offs": int(df.wan_cut_off.sum()),
-        "output_tokens": int(ok.output_tokens.sum()),
+        "output_tokens": int(ok.output_tokens.sum()), "output_tokens_emulated": int(ok.output_tokens_emulated.sum()),
         "pipelines": {str(k): int(v) for k, v in df.pipeline.value_counts().items()},
         "eager_tokens": int(ok.eager_tokens.sum()), "handoffs": int(df.handoffs.sum()),
-        "rld_share": float(ok.eager_tokens.sum() / ok.output_tokens.sum()) if ok.output_tokens.sum() else None,
+        "rld_share": (float(ok.eager_tokens.sum() / ok.output_tokens_emulated.sum())
+                      if ok.output_tokens_emulated.sum() else None),
         "relayed": int((df.pipeline == "P-RLD-MD").sum()),
         "handoff_p50_s": _pct(ok.md_kv_to_handoff_s, 50), "handoff_p99_s": _pct(ok.md_kv_to_handoff_s, 99),
         "handoff_mismatches": int(df.handoff_mismatches.sum()),

@@ -44,11 +44,55 @@ class Host(_Strict):
 
 
 class DeviceProfile(_Strict):
-    """Roofline model of an accelerator: a step takes overhead + max(FLOPs/peak, bytes/bandwidth)."""
+    """Roofline model of an accelerator instance: a step takes
+    overhead + max(FLOPs / peak, bytes / bandwidth); a prefill runs in chunks of
+    ``prefill_chunk`` emulated tokens, each one such step."""
 
-    peak_tflops: float = Field(gt=0)
-    mem_gbps: float = Field(gt=0)
-    step_overhead_ms: float = Field(default=0.0, ge=0)
+    peak_tflops: float = Field(gt=0, description="dense peak of the emulated dtype, TFLOP/s")
+    mem_gbps: float = Field(gt=0, description="memory bandwidth, GB/s")
+    step_overhead_ms: float = Field(default=0.0, ge=0, description="per forward pass: launch, scheduling")
+    prefill_chunk: int | None = Field(default=None, ge=1, description="chunked prefill, emulated tokens")
+
+
+class ModelCard(_Strict):
+    """The model being emulated, from its public configuration. KV bytes per token follow
+    (``2 x layers x kv_heads x head_dim x dtype_bytes``, or ``layers x kv_latent_dim x
+    dtype_bytes`` for MLA), and so do the weight bytes a decode step reads."""
+
+    layers: int = Field(ge=1)
+    heads: int = Field(ge=1, description="query heads")
+    kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    params: float = Field(gt=0, description="total parameters")
+    active_params: float | None = Field(default=None, gt=0, description="per token (mixture of experts)")
+    dtype_bytes: int = Field(default=2, ge=1, le=8)
+    kv_latent_dim: int | None = Field(default=None, ge=1, description="MLA: cached latent width per layer")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        if self.kv_latent_dim is not None:
+            return self.layers * self.kv_latent_dim * self.dtype_bytes
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def compute_params(self) -> float:
+        """Parameters a token passes through (all of them unless it is a mixture of experts)."""
+        return self.active_params or self.params
+
+
+class Emulation(_Strict):
+    """What the testbed emulates: the model, and how emulated time maps to real time."""
+
+    model: str = Field(description="a key of `models`")
+    time_dilation: float | Literal["auto"] = Field(
+        default="auto", description="real seconds per emulated second (>= 0.1), or auto")
+
+    @field_validator("time_dilation")
+    @classmethod
+    def _positive(cls, v: float | str) -> float | str:
+        if isinstance(v, float | int) and not 0.1 <= v <= 1000:
+            raise ValueError("time_dilation must be between 0.1 and 1000, or auto")
+        return v
 
 
 class WorkerSettings(_Strict):
@@ -103,6 +147,10 @@ class NetworkSettings(_Strict):
     subnet: ipaddress.IPv4Network = ipaddress.IPv4Network("10.213.0.0/16")
     # The emulated network is internal: a large MTU is a free 4x for the userspace delay line.
     mtu: int = Field(default=65000, ge=1280, le=65520)
+    # The WAN's own MTU (null = mtu). A scaled-down line must still hold >= 64 frames in
+    # flight to behave like a long fat pipe; with an emulation the testbed picks it
+    # (hosts learn it by path-MTU discovery from their gateway).
+    wan_mtu: int | None = Field(default=None, ge=1280, le=65520)
 
     @field_validator("subnet")
     @classmethod
@@ -122,6 +170,8 @@ class Scenario(_Strict):
     wan: Wan
     workers: WorkerSettings = WorkerSettings()
     devices: dict[str, DeviceProfile] = {}
+    models: dict[str, ModelCard] = {}
+    emulation: Emulation | None = Field(default=None, description="null: rates and times are taken as given")
     source: Path | None = Field(default=None, exclude=True)
 
     @model_validator(mode="after")
@@ -138,6 +188,8 @@ class Scenario(_Strict):
             for host, spec in dc.hosts.items():
                 if spec.device != "native" and spec.device not in self.devices:
                     raise ValueError(f"host {host!r} uses unknown device profile {spec.device!r}")
+        if self.emulation is not None and self.emulation.model not in self.models:
+            raise ValueError(f"emulation.model names unknown model {self.emulation.model!r}")
         a, b = self.wan.between
         for dc in (a, b):
             if dc not in self.datacenters:

@@ -17,6 +17,7 @@ import random
 from typing import Any
 
 from testbed.client import ClientRecord
+from testbed.errors import InputError
 from testbed.policies.spec import PolicySpec
 from testbed.scenario import Scenario
 from testbed.traces.workload import RequestSpec, synth_tokens
@@ -61,21 +62,29 @@ def compare(specs: list[RequestSpec], refs: dict[str, list[int]], recs: dict[str
 
 
 def run_verify(sc: Scenario, impairment: str, policies: list[PolicySpec], prompts: int = 24, seed: int = 7,
-               dtype: str = "float64", as_json: bool = False) -> int:
+               dtype: str = "float64", as_json: bool = False, dilation: float = 1.0) -> int:
     """``testbed verify``: every policy on a fresh network against the reference. Exit 0 when
-    every request of every policy equals it token for token, 1 otherwise."""
+    every request of every policy equals it token for token, 1 otherwise. Workers are paced
+    as the scenario's emulation says (token scale 1, this dilation): pacing only waits, so
+    tokens must not change."""
+    from testbed.emulation import EmulationPlan
     from testbed.experiment import run_policy
-    from workers.model import ModelRunner, ensure_default_model
+    from workers.model import ModelRunner, ensure_default_model, kv_bytes_per_token
 
+    if not 0.1 <= dilation <= 1000:
+        raise InputError(f"--dilation: must be between 0.1 and 1000, got {dilation:g}")
     specs = verification_prompts(prompts, seed)
     model = str(sc.workers.model) if sc.workers.model else str(ensure_default_model())
+    plan = EmulationPlan.make(sc, 1, dilation, kv_bytes_per_token(model, dtype))
+    for s in specs:
+        s.at *= plan.dilation
     ref_runner = ModelRunner(model, dtype)
     if not as_json:
         print(f"reference: generate(do_sample=False), {len(specs)} prompts, dtype {dtype}", flush=True)
     refs = {s.rid: ref_runner.reference(s.prompt, s.max_new) for s in specs}
     results: dict[str, dict[str, Any]] = {}
     for spec in policies:
-        run = run_policy(sc, impairment, spec, specs, dtype=dtype)
+        run = run_policy(sc, impairment, spec, specs, dtype=dtype, emulation=plan)
         bad = compare(specs, refs, run.recs)
         pipelines: dict[str, int] = {}
         for r in run.router.values():

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from testbed import netns
 from testbed.experiment import network_session
@@ -27,8 +28,19 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for networ
 FAST_WAN = {"wan": {"forward": {"rate_mbit": 1000}, "reverse": {"rate_mbit": 1000}}}
 
 
-def scenario_with(overrides: dict[str, Any] | None = None, base: str = "two-dc.yaml") -> Scenario:
-    return load_scenario(TOPOLOGIES / base, deep_merge(FAST_WAN, overrides or {}))
+def scenario_with(overrides: dict[str, Any] | None = None, base: str = "two-dc.yaml",
+                  emulated: bool = False) -> Scenario:
+    """The shipped scenario over a fast WAN. Unless ``emulated``, taken literally: no
+    emulation, every host on the native device and unshaped LANs (tests that are not about
+    pacing or the wire derivation run at the host's own speed)."""
+    extra: dict[str, Any] = {}
+    if not emulated:
+        raw = yaml.safe_load((TOPOLOGIES / base).read_text())
+        extra = {"emulation": None,
+                 "datacenters": {dc: {"lan": {"rate_mbit": None},
+                                      "hosts": {h: {"device": "native"} for h in spec["hosts"]}}
+                                 for dc, spec in raw["datacenters"].items()}}
+    return load_scenario(TOPOLOGIES / base, deep_merge(deep_merge(FAST_WAN, extra), overrides or {}))
 
 
 def small_wan(delay_ms: float, rate_mbit: float | None, jitter_ms: float = 0.0,

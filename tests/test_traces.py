@@ -187,8 +187,9 @@ def test_generator_follows_the_default_target_and_is_deterministic(tmp_path: Pat
     assert st_m["mean_hit_rate"] == pytest.approx(st["mean_hit_rate"], abs=1e-9)
 
 
-def test_shipped_default_trace_is_reproducible_from_its_header() -> None:
-    path = ROOT / "traces" / "agentic-default.jsonl"
+@pytest.mark.parametrize("name", ["agentic-default.jsonl", "agentic-quick.jsonl"])
+def test_shipped_generated_traces_are_reproducible_from_their_header(name: str) -> None:
+    path = ROOT / "traces" / name
     header = json.loads(path.read_text().splitlines()[0])
     fields = {k: header[k] for k in GenConfig().as_dict()}
     sessions, hdr = generate(GenConfig(**fields))

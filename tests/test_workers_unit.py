@@ -9,8 +9,6 @@ import pytest
 import torch
 
 from workers import kv_wire
-from workers.contracts import DeviceSpec
-from workers.device import ModelCost, make_pacer
 from workers.model import ModelRunner, ensure_default_model
 from workers.radix_cache import RadixCache
 
@@ -129,18 +127,3 @@ def test_prefill_on_cached_prefix_equals_full(runner64: ModelRunner) -> None:
     full, t1 = runner64.prefill(p, None, chunk=512)
     part, t2 = runner64.prefill(p, full[:, :, :, :64], chunk=16)
     assert t1 == t2 and torch.allclose(full, part, atol=1e-10)
-
-
-def test_pacer_models_slow_device_and_counts_overruns() -> None:
-    cost = ModelCost(params=19_000_000, layers=4, hidden=256, kv_bytes_per_token=4096, weight_bytes=76_000_000)
-    slow = make_pacer(DeviceSpec(name="slow", peak_tflops=0.001, mem_gbps=1.0, step_overhead_ms=1.0))
-    t = slow.decode_time(cost, [1000])
-    flops, nbytes = 2 * 19e6 + 4 * 4 * 256 * 1000, 76e6 + 4096 * 1000
-    assert t == pytest.approx(1e-3 + max(flops / 1e12 / 0.001, nbytes / 1e9), rel=1e-6)  # memory-bound here
-    assert slow.account("decode", 0.001, t) == pytest.approx(t - 0.001)
-    assert slow.overruns == 0
-    fast = make_pacer(DeviceSpec(name="fast", peak_tflops=1000.0, mem_gbps=10000.0))
-    m = fast.prefill_time(cost, 512, 0)
-    assert fast.account("prefill", 0.05, m) == 0.0
-    assert fast.overruns == 1 and fast.overrun_s == pytest.approx(0.05 - m)
-    assert make_pacer(DeviceSpec()).native

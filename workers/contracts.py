@@ -46,6 +46,28 @@ class DeviceSpec(Contract):
     peak_tflops: float | None = Field(default=None, gt=0)
     mem_gbps: float | None = Field(default=None, gt=0)
     step_overhead_ms: float = Field(default=0.0, ge=0)
+    prefill_chunk: int | None = Field(default=None, ge=1)  # emulated tokens per prefill pass
+
+
+class ModelCost(Contract):
+    """What a forward pass of the priced model costs: parameters a token passes through,
+    layers, attention width (query heads x head dim), KV bytes per token, weight bytes a
+    pass reads."""
+
+    params: float = Field(gt=0)
+    layers: int = Field(ge=1)
+    hidden: int = Field(ge=1)
+    kv_bytes_per_token: int = Field(ge=1)
+    weight_bytes: float = Field(gt=0)
+
+
+class Scales(Contract):
+    """``../shared/FIDELITY.md``: one replayed input (output) token stands for ``s_in``
+    (``s_out``) emulated tokens; real seconds = ``dilation`` x emulated seconds."""
+
+    s_in: int = Field(default=1, ge=1)
+    s_out: int = Field(default=1, ge=1)
+    dilation: float = Field(default=1.0, gt=0)
 
 
 class WorkerFaults(Contract):
@@ -71,20 +93,29 @@ class WorkerConfig(Contract):
     max_batch: int = Field(default=32, ge=1)
     kv_timeout_s: float = Field(default=120.0, gt=0)
     device: DeviceSpec = DeviceSpec()
+    cost: ModelCost | None = None  # the emulated model; None: price the real model's own work
+    scales: Scales = Scales()
     stats_path: str = ""
     faults: WorkerFaults = WorkerFaults()
 
 
 # ------------------------------------------------------------------------- statistics file
 class DeviceReport(Contract):
-    """Pacing totals: steps, how many overran their modeled time and by how much."""
+    """Pacing totals (real seconds): steps, how many overran their modeled time and by how
+    much; per kind of step (prefill, decode, extend) the same counts."""
 
     device: str
+    native: bool = True  # host CPU, not an emulated device: nothing is paced
     steps: int = 0
     overruns: int = 0
     overrun_s: float = 0.0
     modeled_s: float = 0.0
     real_s: float = 0.0
+    by_kind: dict[str, tuple[int, int]] = {}  # kind -> (steps, overruns)
+
+    @property
+    def overrun_fraction(self) -> float:
+        return self.overruns / self.steps if self.steps else 0.0
 
 
 class CacheReport(Contract):

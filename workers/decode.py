@@ -143,13 +143,13 @@ class DecodeWorker(HandoffMixin, Worker):
                               end=inc.end, cache_only=seq.cache_only)
         if seq.cache_only:  # the request ended on a relay; its KV was only wanted for the cache
             self.registered.pop(seq.rid, None)
-            await self.emit(received)
+            self.emit(received)
             return
         seq.load(kv)
         seq.out = [inc.first_token]
         seq.kv_arrived = time.time()
         seq.kv_bytes = inc.bytes_received
-        await self.emit(received)
+        self.emit(received)
         if seq.main is not None:  # the relay streams; wait for its eager tokens
             seq.main.pred, seq.out = inc.first_token, []
             self.held[seq.rid] = seq
@@ -157,10 +157,10 @@ class DecodeWorker(HandoffMixin, Worker):
         if seq.relay is not None and seq.relay.eager_budget == 0:
             seq.paused = True  # hand over before streaming anything
         else:
-            await self.stream(seq.rid, 0, [inc.first_token], done=self.finished(seq))
+            self.stream(seq.rid, 0, [inc.first_token], done=self.finished(seq))
             seq.streamed = 1
             if self.finished(seq):
-                await self.complete(seq)
+                self.complete(seq)
                 return
         self.running[seq.rid] = seq
         self.wake.set()
@@ -195,7 +195,7 @@ class DecodeWorker(HandoffMixin, Worker):
                 self.batch_builds += 1
             results, real = await self.run_compute(self.dbatch.step, [s.out[-1] for s in batch])
             real += build
-            modeled = None if self.pacer.native else self.pacer.decode_time(self.cost, contexts)
+            modeled = None if self.pacer.native else self.pacer.decode_time(contexts)
             self.step_log.append((len(batch), real))
             await self.pace("decode", real, modeled)
             for seq, (new_kv, tok) in zip(batch, results, strict=True):
@@ -203,23 +203,21 @@ class DecodeWorker(HandoffMixin, Worker):
                     continue  # cancelled while the step ran
                 seq.append(new_kv, [tok])
                 done = self.finished(seq)
-                # Not awaited: a QoS-1 publish waits for the broker's ack (a WAN round trip from
-                # datacenter b). Publishes are issued in order, so each stream stays ordered.
-                self.spawn(self.stream(seq.rid, len(seq.out) - 1, [tok], done=done))
+                self.stream(seq.rid, len(seq.out) - 1, [tok], done=done)
                 seq.streamed += 1
                 self.tokens_out += 1
                 if self.tokens_out == self.cfg.faults.die_after_tokens:
                     os._exit(9)  # fault injection (tests): die abruptly, like kill -9
                 if done:
                     del self.running[seq.rid]
-                    await self.complete(seq)
+                    self.complete(seq)
                 elif seq.relay is not None:
                     await self.maybe_hand_off(seq)
 
-    async def complete(self, seq: Seq) -> None:
+    def complete(self, seq: Seq) -> None:
         self.registered.pop(seq.rid, None)
         relayed = seq.relay is not None  # finished here, on the relay: no handoff
-        await self.emit(Done(**self.stamp(seq.rid), output_tokens=len(seq.out), kv_bytes=seq.kv_bytes,
+        self.emit(Done(**self.stamp(seq.rid), output_tokens=len(seq.out), kv_bytes=seq.kv_bytes,
                              handed_off=False if relayed else None, eager=seq.streamed if relayed else None,
                              taken_over_at=seq.main.extended if seq.main is not None else None))
 
@@ -235,7 +233,7 @@ class DecodeWorker(HandoffMixin, Worker):
         seq = await self.drop(rid)
         if seq is not None and seq.main is not None and not seq.main.final:
             # The client's stream is on the relay: report, do not end the stream here.
-            await self.emit(Failed(**self.stamp(rid), reason=reason, before_handoff=True))
+            self.emit(Failed(**self.stamp(rid), reason=reason, before_handoff=True))
             return
-        await self.stream(rid, 0, [], done=True, error=reason)
-        await self.emit(Failed(**self.stamp(rid), reason=reason))
+        self.stream(rid, 0, [], done=True, error=reason)
+        self.emit(Failed(**self.stamp(rid), reason=reason))

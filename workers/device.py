@@ -1,84 +1,131 @@
-"""Device profiles: emulate a heterogeneous accelerator by pacing real computation.
+"""Device profiles: emulate an accelerator running the emulated model by pacing real work.
 
-A worker does the real computation, then waits until the *modeled* time of that step has
-passed. The model is a roofline: ``overhead + max(FLOPs / peak, bytes moved / bandwidth)``
-with FLOPs and bytes computed from the work actually done (tokens, context, batch). If the
-real computation took longer than the model says, the step is an *overrun*: the emulated
-chip was slower than intended. Overruns are counted and reported, never hidden.
-``native`` does no pacing (the CPU is the device).
+A worker does the real computation with the small model, then waits until the *modeled*
+time of the *emulated* work has passed (``../shared/FIDELITY.md``):
+
+* a prefill of ``n`` new replayed tokens after ``c`` cached ones is priced as
+  ``n x s_in`` new emulated tokens after ``c x s_in``, in passes of the device's
+  ``prefill_chunk`` emulated tokens (each pass pays the per-step overhead: a small tail
+  chunk costs nearly a whole step);
+* a decode step that yields one replayed token per request is priced as ``s_out`` batched
+  decode steps of the emulated model at the emulated contexts (``context x s_in``, growing
+  by one per step);
+* an extend of ``k`` tokens (PDD's handoff) is one pass over ``k x s_out`` tokens.
+
+Each pass is a roofline: ``overhead + max(FLOPs / peak, bytes moved / bandwidth)``, with
+``2 x params`` FLOPs per token plus attention (``4 x layers x width x context``) and the
+weights plus the KV read per pass. The modeled time is multiplied by the dilation ``D``
+(real seconds per emulated second). Real computation longer than that is an *overrun*:
+counted per kind of step and reported, never hidden. ``native`` does no pacing (the host
+CPU is the device).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from workers.contracts import DeviceReport, DeviceSpec
-
-
-@dataclass(frozen=True)
-class ModelCost:
-    params: int
-    layers: int
-    hidden: int
-    kv_bytes_per_token: int
-    weight_bytes: int
+from workers.contracts import DeviceReport, DeviceSpec, ModelCost, Scales
 
 
 @dataclass
 class Pacer:
     name: str
-    peak_flops: float | None = None  # None = native
-    mem_bps: float | None = None
+    cost: ModelCost | None = None  # None = native
+    peak_flops: float = 0.0
+    mem_bps: float = 0.0
     overhead_s: float = 0.0
+    chunk: int | None = None
+    scales: Scales = field(default_factory=Scales)
     steps: int = 0
     overruns: int = 0
     overrun_s: float = 0.0
     modeled_s: float = 0.0
     real_s: float = 0.0
-    history: list[tuple[str, float, float]] = field(default_factory=list)
+    by_kind: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def native(self) -> bool:
-        return self.peak_flops is None
+        return self.cost is None
 
-    def _roofline(self, flops: float, nbytes: float) -> float:
-        assert self.peak_flops and self.mem_bps
+    # ----------------------------------------------------------------- emulated seconds
+    def prefill_emulated(self, new: int, cached: int) -> float:
+        """Emulated seconds to prefill ``new`` emulated tokens after ``cached`` ones."""
+        m = self.cost
+        assert m is not None
+        chunk = self.chunk or max(1, new)
+        total, done = 0.0, cached
+        while done < cached + new:
+            n = min(chunk, cached + new - done)
+            flops = 2 * m.params * n + 4 * m.layers * m.hidden * n * (done + n / 2)
+            nbytes = m.weight_bytes + m.kv_bytes_per_token * (done + n)
+            total += self.overhead_s + max(flops / self.peak_flops, nbytes / self.mem_bps)
+            done += n
+        return total
+
+    def decode_emulated(self, contexts: list[int], steps: int = 1) -> float:
+        """Emulated seconds for ``steps`` batched decode steps at these emulated contexts."""
+        m = self.cost
+        assert m is not None
+        total = 0.0
+        for j in range(steps):
+            ctx = sum(contexts) + j * len(contexts)
+            flops = 2 * m.params * len(contexts) + 4 * m.layers * m.hidden * ctx
+            nbytes = m.weight_bytes + m.kv_bytes_per_token * ctx
+            total += self.overhead_s + max(flops / self.peak_flops, nbytes / self.mem_bps)
+        return total
+
+    def extend_emulated(self, context: int, tokens: int) -> float:
+        """Emulated seconds for one pass over ``tokens`` known tokens after ``context``."""
+        m = self.cost
+        assert m is not None
+        flops = 2 * m.params * tokens + 4 * m.layers * m.hidden * tokens * (context + tokens / 2)
+        nbytes = m.weight_bytes + m.kv_bytes_per_token * (context + tokens)
         return self.overhead_s + max(flops / self.peak_flops, nbytes / self.mem_bps)
 
-    def prefill_time(self, m: ModelCost, new: int, cached: int) -> float:
-        attn = 4 * m.layers * m.hidden * new * (cached + new / 2)
-        flops = 2 * m.params * new + attn
-        nbytes = m.weight_bytes + m.kv_bytes_per_token * (cached + new)
-        return self._roofline(flops, nbytes)
+    # ----------------------------------------------------------------- real seconds to pace to
+    def prefill_time(self, new: int, cached: int) -> float:
+        """Real seconds a prefill of ``new`` replayed tokens after ``cached`` must last."""
+        s = self.scales
+        return s.dilation * self.prefill_emulated(new * s.s_in, cached * s.s_in)
 
-    def decode_time(self, m: ModelCost, contexts: list[int], tokens_each: int = 1) -> float:
-        flops = sum(2 * m.params * tokens_each + 4 * m.layers * m.hidden * c * tokens_each for c in contexts)
-        nbytes = m.weight_bytes + m.kv_bytes_per_token * sum(contexts)
-        return self._roofline(flops, nbytes)
+    def decode_time(self, contexts: list[int]) -> float:
+        """Real seconds a decode step (one replayed token per request at these replayed
+        contexts) must last."""
+        s = self.scales
+        return s.dilation * self.decode_emulated([c * s.s_in for c in contexts], s.s_out)
 
+    def extend_time(self, context: int, tokens: int) -> float:
+        s = self.scales
+        return s.dilation * self.extend_emulated(context * s.s_in, tokens * s.s_out)
+
+    # ----------------------------------------------------------------- accounting
     def account(self, kind: str, real_s: float, modeled_s: float | None) -> float:
         """Record a step; returns how long to wait so the step lasts ``modeled_s``."""
         self.steps += 1
         self.real_s += real_s
+        counts = self.by_kind.setdefault(kind, [0, 0])
+        counts[0] += 1
         if modeled_s is None:
             self.modeled_s += real_s
             return 0.0
         self.modeled_s += modeled_s
-        if len(self.history) < 10000:
-            self.history.append((kind, real_s, modeled_s))
         if real_s > modeled_s:
             self.overruns += 1
+            counts[1] += 1
             self.overrun_s += real_s - modeled_s
             return 0.0
         return modeled_s - real_s
 
     def report(self) -> DeviceReport:
-        return DeviceReport(device=self.name, steps=self.steps, overruns=self.overruns,
+        return DeviceReport(device=self.name, native=self.native, steps=self.steps, overruns=self.overruns,
                             overrun_s=round(self.overrun_s, 4), modeled_s=round(self.modeled_s, 4),
-                            real_s=round(self.real_s, 4))
+                            real_s=round(self.real_s, 4), by_kind={k: (v[0], v[1]) for k, v in self.by_kind.items()})
 
 
-def make_pacer(dev: DeviceSpec) -> Pacer:
-    if dev.peak_tflops is None:
+def make_pacer(dev: DeviceSpec, cost: ModelCost | None, scales: Scales | None = None) -> Pacer:
+    """A pacer for ``dev`` pricing ``cost`` (the emulated model, or the real one when the
+    scenario emulates none); native when the device has no roofline."""
+    if dev.peak_tflops is None or dev.mem_gbps is None or cost is None:
         return Pacer(dev.name)
-    return Pacer(dev.name, dev.peak_tflops * 1e12, (dev.mem_gbps or 0) * 1e9, dev.step_overhead_ms / 1e3)
+    return Pacer(dev.name, cost, dev.peak_tflops * 1e12, dev.mem_gbps * 1e9, dev.step_overhead_ms / 1e3,
+                 dev.prefill_chunk, scales or Scales())

@@ -49,7 +49,7 @@ from workers.control import (
     HandoffSent,
     Topics,
 )
-from workers.device import ModelCost, Pacer
+from workers.device import Pacer
 from workers.model import ModelRunner
 from workers.seq import MainState, RelayState, Seq
 
@@ -63,7 +63,6 @@ class DecodeSide(Protocol):
     topics: Topics
     runner: ModelRunner
     pacer: Pacer
-    cost: ModelCost
     waiting: dict[str, Seq]
     running: dict[str, Seq]
     held: dict[str, Seq]
@@ -75,14 +74,14 @@ class DecodeSide(Protocol):
     extend_mismatches: int
 
     def stamp(self, rid: str) -> dict[str, Any]: ...
-    async def emit(self, event: Event) -> None: ...
+    def emit(self, event: Event) -> None: ...
     async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None: ...
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
     async def run_compute(self, fn: Any, *args: Any) -> tuple[Any, float]: ...
     async def pace(self, kind: str, real_s: float, modeled_s: float | None) -> None: ...
-    async def stream(self, rid: str, start: int, tokens: list[int], done: bool = False,
-                     error: str | None = None) -> None: ...
-    async def complete(self, seq: Seq) -> None: ...
+    def stream(self, rid: str, start: int, tokens: list[int], done: bool = False,
+               error: str | None = None) -> None: ...
+    def complete(self, seq: Seq) -> None: ...
     async def drop(self, rid: str) -> Seq | None: ...
     async def fail(self, rid: str, reason: str) -> None: ...
     def finished(self, seq: Seq) -> bool: ...
@@ -115,7 +114,7 @@ class HandoffMixin:
             if cmd.mode != "local":
                 await self.drop(cmd.rid)
                 await self._send_extend(waiting, [], final=True)
-                await self.emit(Done(**self.stamp(cmd.rid), handed_off=True, eager=0, batches=[0], output_tokens=0))
+                self.emit(Done(**self.stamp(cmd.rid), handed_off=True, eager=0, batches=[0], output_tokens=0))
             else:
                 waiting.relay = None
             return
@@ -151,7 +150,7 @@ class HandoffMixin:
             del self.running[seq.rid]
             await self._send_extend(seq, pending, final=True)
             self.registered.pop(seq.rid, None)
-            await self.emit(Done(**self.stamp(seq.rid), handed_off=True, eager=seq.streamed, batches=rs.batches,
+            self.emit(Done(**self.stamp(seq.rid), handed_off=True, eager=seq.streamed, batches=rs.batches,
                                  output_tokens=seq.streamed))
         else:
             rs.awaiting_ack = True
@@ -167,7 +166,7 @@ class HandoffMixin:
         self.handoffs_sent += 1
         # Spawned like the token publishes before it, so the broker gets them in order.
         self.spawn(self.publish(self.topics.cmd(rs.main), cmd.dump()))
-        await self.emit(HandoffSent(**self.stamp(seq.rid), tokens=len(tokens), start=rs.handed - len(tokens),
+        self.emit(HandoffSent(**self.stamp(seq.rid), tokens=len(tokens), start=rs.handed - len(tokens),
                                     final=final, to=rs.main))
 
     # ----------------------------------------------------------------- main side
@@ -185,7 +184,7 @@ class HandoffMixin:
         real = 0.0
         if toks:
             (new_kv, preds), real = await self.run_compute(self.runner.extend, seq.kv, toks)
-            modeled = None if self.pacer.native else self.pacer.decode_time(self.cost, [seq.n], len(toks))
+            modeled = None if self.pacer.native else self.pacer.extend_time(seq.n, len(toks))
             await self.pace("extend", real, modeled)
             if self.held.get(cmd.rid) is not seq:
                 return  # cancelled while extending
@@ -197,7 +196,7 @@ class HandoffMixin:
             ms.pred = preds[-1]
             ms.extended += len(toks)
         self.extends_done += 1
-        await self.emit(Extended(**self.stamp(cmd.rid), tokens=len(toks), start=cmd.start, final=cmd.final,
+        self.emit(Extended(**self.stamp(cmd.rid), tokens=len(toks), start=cmd.start, final=cmd.final,
                                  mismatches=ms.mismatches, compute_s=real, t_start=t0,
                                  since_kv_s=time.time() - seq.kv_arrived))
         if not cmd.final:
@@ -208,11 +207,11 @@ class HandoffMixin:
         del self.held[cmd.rid]
         seq.out.append(ms.pred)
         done = self.finished(seq)
-        await self.stream(seq.rid, len(seq.out) - 1, [ms.pred], done=done)
+        self.stream(seq.rid, len(seq.out) - 1, [ms.pred], done=done)
         seq.streamed += 1
         self.tokens_out += 1
         if done:
-            await self.complete(seq)
+            self.complete(seq)
         else:
             self.running[seq.rid] = seq
             self.wake.set()

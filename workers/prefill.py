@@ -65,7 +65,7 @@ class PrefillWorker(Worker):
                 await self._prefill(cmd)
             except Exception as e:  # noqa: BLE001 - the request fails, the worker goes on
                 self.cancels.pop(cmd.rid, None)
-                await self.emit(Failed(**self.stamp(cmd.rid), reason=f"prefill on {self.cfg.name}: {e}"))
+                self.emit(Failed(**self.stamp(cmd.rid), reason=f"prefill on {self.cfg.name}: {e}"))
             finally:
                 self.busy = 0
 
@@ -91,14 +91,14 @@ class PrefillWorker(Worker):
             hit = len(path) * self.cfg.block_size
             t0 = time.time()
             (kv, first), real = await self.run_compute(self.runner.prefill, tokens, cached, self.cfg.prefill_chunk)
-            modeled = None if self.pacer.native else self.pacer.prefill_time(self.cost, len(tokens) - hit, hit)
+            modeled = None if self.pacer.native else self.pacer.prefill_time(len(tokens) - hit, hit)
             await self.pace("prefill", real, modeled)
             self.computed_tokens += len(tokens) - hit
             self.reused_tokens += hit
             self.cache.insert(tokens, kv)
         finally:
             self.cache.unlock(path)
-        await self.emit(PrefillDone(**self.stamp(cmd.rid), hit_tokens=hit, computed=len(tokens) - hit,
+        self.emit(PrefillDone(**self.stamp(cmd.rid), hit_tokens=hit, computed=len(tokens) - hit,
                                     first_token=first, start=t0, end=time.time(), real_s=real, modeled_s=modeled))
         self.pending_ships[cmd.rid] = len(cmd.kv_to)
         if not cmd.kv_to:
@@ -123,7 +123,7 @@ class PrefillWorker(Worker):
             st = await kv_wire.send_kv(target.host, target.port, cmd.rid, cmd.prompt, kv, first,
                                        self.cfg.block_size, cancel=cancel, corrupt_block=corrupt)
         except kv_wire.KVTransferError as e:
-            await self.emit(Failed(**self.stamp(cmd.rid), reason=f"KV transfer to {target.worker}: {e}",
+            self.emit(Failed(**self.stamp(cmd.rid), reason=f"KV transfer to {target.worker}: {e}",
                                    target=target.worker))
             return
         finally:
@@ -132,6 +132,6 @@ class PrefillWorker(Worker):
         t = self.transfers
         self.transfers = TransferTotals(count=t.count + 1, bytes=t.bytes + st.bytes_acked,
                                         cancelled=t.cancelled + int(st.cancelled))
-        await self.emit(KvSent(**self.stamp(cmd.rid), to=target.worker, bytes=st.bytes_acked, written=st.bytes_sent,
+        self.emit(KvSent(**self.stamp(cmd.rid), to=target.worker, bytes=st.bytes_acked, written=st.bytes_sent,
                                payload=st.payload_bytes, planned_payload=st.planned_payload, tokens=st.tokens_sent,
                                had=st.receiver_had, start=st.start, end=st.end, cancelled=st.cancelled))

@@ -25,9 +25,9 @@ import aiomqtt
 import torch
 from pydantic import ValidationError
 
-from workers.contracts import CacheReport, WorkerConfig, WorkerStats
+from workers.contracts import CacheReport, ModelCost, WorkerConfig, WorkerStats
 from workers.control import QOS, Command, Event, Failed, Status, Tokens, Topics, parse_command, rid_of, why_invalid
-from workers.device import ModelCost, Pacer, make_pacer
+from workers.device import Pacer, make_pacer
 from workers.model import ModelRunner
 from workers.radix_cache import RadixCache
 
@@ -40,12 +40,13 @@ class Worker:
         self.topics = Topics(cfg.run_id)
         self.runner = ModelRunner(cfg.model_path, cfg.dtype, cfg.threads)
         mc = self.runner.model.config
-        self.cost = ModelCost(
+        # Steps are priced as the emulated model's; without one, as the real model's own work.
+        own = ModelCost(
             params=self.runner.params, layers=mc.num_hidden_layers, hidden=mc.hidden_size,
             kv_bytes_per_token=self.runner.shape.kv_bytes_per_token,
             weight_bytes=self.runner.params * torch.finfo(self.runner.shape.dtype).bits // 8,
         )  # fmt: skip
-        self.pacer: Pacer = make_pacer(cfg.device)
+        self.pacer: Pacer = make_pacer(cfg.device, cfg.cost or own, cfg.scales)
         self.cache: RadixCache | None = None  # a role with a prefix cache sets it
         self.compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torch")
         self.client: aiomqtt.Client | None = None
@@ -74,14 +75,18 @@ class Worker:
         """The fields every event carries: request, this worker, now."""
         return {"rid": rid, "worker": self.cfg.name, "t": time.time()}
 
-    async def emit(self, event: Event) -> None:
-        await self.publish(self.topics.events, event.dump())
+    # Events and tokens are published without waiting for the broker's acknowledgement: a
+    # QoS-1 ack is a round trip to the broker (across the WAN from datacenter b), and no
+    # decode step, first token or handoff may wait for one. Publishes are issued in the
+    # order these are called (each task hands its packet to the client before it awaits),
+    # so a request's stream and a worker's events stay in order.
+    def emit(self, event: Event) -> None:
+        self.spawn(self.publish(self.topics.events, event.dump()))
 
-    async def stream(self, rid: str, start: int, tokens: list[int], done: bool = False,
-                     error: str | None = None) -> None:
+    def stream(self, rid: str, start: int, tokens: list[int], done: bool = False, error: str | None = None) -> None:
         msg = Tokens(rid=rid, start=start, tokens=tokens, worker=self.cfg.name, t=time.time(),
                      done=done, error=error)
-        await self.publish(self.topics.tokens(rid), msg.dump())
+        self.spawn(self.publish(self.topics.tokens(rid), msg.dump()))
 
     def spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
@@ -165,17 +170,17 @@ class Worker:
             try:
                 cmd = parse_command(payload)
             except ValidationError as e:
-                self.spawn(self.reject(payload, e))
+                self.reject(payload, e)
                 continue
             self.spawn(self.handle(cmd))
 
-    async def reject(self, payload: bytes | bytearray, error: ValidationError) -> None:
+    def reject(self, payload: bytes | bytearray, error: ValidationError) -> None:
         """A command failed validation: log it and fail the request it names, if any."""
         why = why_invalid(error)
         rid = rid_of(payload)
         print(f"{self.cfg.name}: rejected a command for {rid or 'no request'}: {why}", file=sys.stderr, flush=True)
         if rid is not None:
-            await self.emit(Failed(**self.stamp(rid), reason=f"{self.cfg.name} rejected a command: {why}"))
+            self.emit(Failed(**self.stamp(rid), reason=f"{self.cfg.name} rejected a command: {why}"))
 
     async def _status_loop(self) -> None:
         n = 0

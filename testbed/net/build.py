@@ -112,10 +112,12 @@ class Network:
                     role = self.scenario.datacenters[dc.name].hosts[h.name].role
                     lines.append(f"    {h.name:14} {h.ip:15} ns {h.ns:24} {role}")
         for (src, dst), s in p.wan_shaping.items():
-            rate = f"{s.rate_bps / 1e6:.0f} Mbit/s" if s.rate_bps else "unshaped"
+            rate = f"{s.rate_bps / 1e6:.1f} Mbit/s" if s.rate_bps else "unshaped"
+            bdp = p.bdp_frames(src, dst)
+            frames = f", {bdp:.0f} frames in flight per RTT" if bdp is not None else ""
             lines.append(
-                f"  wan {src}->{dst}: {rate}, delay {s.delay_ms} ms, jitter {s.jitter_ms} ms, "
-                f"loss {s.loss_pct}%, buffer {s.queue_bytes} B, burst {s.burst_bytes} B"
+                f"  wan {src}->{dst}: {rate}, delay {s.delay_ms:g} ms, jitter {s.jitter_ms:g} ms, "
+                f"loss {s.loss_pct}%, buffer {s.queue_bytes} B, burst {s.burst_bytes} B, MTU {p.wan_frame_mtu}{frames}"
             )
         lines.append(f"  up in {self.timings.get('up_s', 0):.3f} s")
         return "\n".join(lines)
@@ -179,14 +181,14 @@ class Network:
         netns.write_sysctl(ns, "net.ipv4.tcp_rmem", TCP_MEM)
         netns.write_sysctl(ns, "net.ipv4.tcp_wmem", TCP_MEM)
 
-    def _veth(self, ns_a: str, if_a: str, ns_b: str, if_b: str) -> None:
+    def _veth(self, ns_a: str, if_a: str, ns_b: str, if_b: str, mtu: int | None = None) -> None:
         # Created from inside ns_a with the peer placed straight into ns_b: the pair never
         # exists in the root namespace, so concurrent runs cannot collide on names.
+        mtu = mtu or self.plan.mtu
         with netns.iproute(ns_a) as ipr:
-            ipr.link("add", ifname=if_a, kind="veth", mtu=self.plan.mtu,
-                     peer={"ifname": if_b, "net_ns_fd": ns_b})
+            ipr.link("add", ifname=if_a, kind="veth", mtu=mtu, peer={"ifname": if_b, "net_ns_fd": ns_b})
         with netns.iproute(ns_b) as ipr:
-            ipr.link("set", index=ipr.link_lookup(ifname=if_b)[0], mtu=self.plan.mtu)
+            ipr.link("set", index=ipr.link_lookup(ifname=if_b)[0], mtu=mtu)
 
     def _shape_lan(self, ns: str, ifname: str, rate_mbit: float) -> None:
         rate = int(rate_mbit * 1e6)
@@ -216,7 +218,7 @@ class Network:
         a, b = p.wan_between
         with self._stage("WAN links"):
             for dc in (p.dcs[a], p.dcs[b]):
-                self._veth(dc.gw_ns, "wan0", p.wan_ns, dc.wan_port)
+                self._veth(dc.gw_ns, "wan0", p.wan_ns, dc.wan_port, p.wan_frame_mtu)
                 other = p.dcs[b if dc.name == a else a]
                 with netns.iproute(dc.gw_ns) as ipr:
                     idx = ipr.link_lookup(ifname="wan0")[0]
@@ -233,9 +235,9 @@ class Network:
         with self._stage("WAN shaping"), netns.iproute(p.wan_ns) as ipr:
             for (_src, dst), s in p.wan_shaping.items():
                 # Frames of src->dst leave the WAN namespace through the port facing dst.
-                shaping.add_wan_qdiscs(ipr, p.dcs[dst].wan_port, s, p.mtu, netem)
+                shaping.add_wan_qdiscs(ipr, p.dcs[dst].wan_port, s, p.wan_frame_mtu, netem)
             if netem:
-                ipr.link("add", ifname="br0", kind="bridge", mtu=p.mtu)
+                ipr.link("add", ifname="br0", kind="bridge", mtu=p.wan_frame_mtu)
                 br = ipr.link_lookup(ifname="br0")[0]
                 for dc in (p.dcs[a], p.dcs[b]):
                     ipr.link("set", index=ipr.link_lookup(ifname=dc.wan_port)[0], master=br)

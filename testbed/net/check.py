@@ -4,7 +4,9 @@ Verdict rules (also in the README): an RTT fails if its median deviates from the
 configured value by more than max(1 ms, 5 %); WAN goodput fails below 90 % of the
 configured rate; LAN goodput below 90 % of a configured LAN rate is a warning (the kernel,
 not the emulation, is the limit there). Loss and jitter are reported next to their
-configured values.
+configured values, and so is each WAN direction's bandwidth-delay product in frames of
+the WAN MTU (a warning below 64: TCP over a line that holds a few frames recovers by
+timeouts, not like TCP over a long fat pipe).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from testbed.net import measure
 from testbed.net.build import Network
 
+MIN_FRAMES_IN_FLIGHT = 64  # below this a TCP flow does not behave like one over a long fat pipe
 RTT_ABS_TOL_MS = 1.0
 RTT_REL_TOL = 0.05
 GOODPUT_MIN_FRACTION = 0.90
@@ -84,6 +87,12 @@ def run_check(net: Network, rtt_samples: int = 40, goodput_s: float = 3.0) -> li
             lconf = 100 * (1 - (1 - fwd.loss_pct / 100) * (1 - rev.loss_pct / 100))
             rows.append(Row(label, "loss", lconf, res.loss_pct, "%", "info",
                             "round trip; use more samples for a precise figure"))
+    for sdc, ddc in ((a, b), (b, a)):
+        frames = p.bdp_frames(sdc, ddc)
+        if frames is not None:
+            rows.append(Row(f"wan {sdc}->{ddc}", "bdp", MIN_FRAMES_IN_FLIGHT, frames, "frames",
+                            "ok" if frames >= MIN_FRAMES_IN_FLIGHT else "warn",
+                            f"rate x RTT in frames of MTU {p.wan_frame_mtu} (configured = minimum)"))
     for path, (src, dst) in pairs.items():
         is_wan = path.startswith("wan")
         if is_wan:

@@ -16,8 +16,11 @@ Guarantees:
   a real line behaves; netem reorders, which wrecks TCP);
 * memory is bounded: a direction holds at most ``max_backlog_bytes`` (excess is dropped and
   counted as ``drop_overflow``);
-* fidelity is reported, not assumed: how late each frame left versus its schedule
-  (``late_max_us``, ``late_over_1ms``) is part of the statistics it writes to
+* fidelity is reported, not assumed: how late each frame left versus its schedule is
+  measured from when the *kernel* received the frame (``SO_TIMESTAMPNS``), so time the
+  frame waited for this loop to be scheduled counts as lateness; a histogram
+  (``late_hist`` over ``LATE_EDGES_US``, percentiles ``late_p50_us`` / ``late_p99_us``),
+  ``late_max_us`` and ``late_over_1ms`` are part of the statistics it writes to
   ``stats_path`` once a second and on exit.
 
 Its contract with the orchestrator: a ``DelayLineConfig`` (JSON, the only argument) in,
@@ -26,6 +29,7 @@ a ``DelayLineReport`` (JSON file) out.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import errno
@@ -35,6 +39,7 @@ import random
 import select
 import signal
 import socket
+import struct
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -50,6 +55,23 @@ SOCK_BUF = 64 * 1024 * 1024
 RECV_SIZE = 65536 + 64
 BATCH = 256
 STATS_PERIOD_S = 1.0
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # kernel receive time (CLOCK_REALTIME) per frame
+ANC_SIZE = socket.CMSG_SPACE(16)
+# Lateness histogram bucket upper edges, microseconds (the last bucket is everything above).
+LATE_EDGES_US = (10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 50000, 200000)
+
+
+def late_percentile(hist: list[int], q: float) -> float:
+    """Upper edge (us) of the bucket holding the ``q``-th percentile; inf past the last edge."""
+    total = sum(hist)
+    if not total:
+        return 0.0
+    seen = 0
+    for i, n in enumerate(hist):
+        seen += n
+        if seen >= q / 100 * total:
+            return float(LATE_EDGES_US[i]) if i < len(LATE_EDGES_US) else float("inf")
+    return float("inf")
 
 
 class _Contract(BaseModel):
@@ -72,6 +94,7 @@ class DelayLineConfig(_Contract):
     ready_path: str | None = None
     seed: int = 0
     nice: int = -10
+    rt_priority: int = Field(default=10, ge=1, le=99)
 
 
 class DirectionReport(_Contract):
@@ -88,6 +111,9 @@ class DirectionReport(_Contract):
     late_over_1ms: int
     delay_sum_ms: float
     backlog_bytes: int
+    late_hist: list[int] = []
+    late_p50_us: float = 0.0
+    late_p99_us: float = 0.0
 
 
 class DelayLineReport(_Contract):
@@ -101,7 +127,8 @@ class DelayLineReport(_Contract):
         return [
             f"delay line {name}: {d.frames_out} frames out, drops loss={d.drop_loss} "
             f"queue-full={d.drop_queue_full} overflow={d.drop_overflow} error={d.drop_error}, "
-            f"late>1ms={d.late_over_1ms} (max {d.late_max_us / 1000:.2f} ms)"
+            f"lateness p50 <= {d.late_p50_us / 1000:g} ms, p99 <= {d.late_p99_us / 1000:g} ms, "
+            f"max {d.late_max_us / 1000:.2f} ms, late>1ms={d.late_over_1ms}"
             for name, d in self.directions.items()
         ]
 
@@ -120,6 +147,7 @@ class DirectionStats:
     late_max_us: float = 0.0
     late_over_1ms: int = 0
     delay_sum_ms: float = 0.0
+    late_hist: list[int] = field(default_factory=lambda: [0] * (len(LATE_EDGES_US) + 1))
 
 
 @dataclass
@@ -140,16 +168,23 @@ class Direction:
     blocked: bool = False
     stats: DirectionStats = field(default_factory=DirectionStats)
 
-    def ingest(self, now: float) -> None:
+    def ingest(self, now: float, clock_offset: float) -> None:
+        """Read what arrived; ``clock_offset`` = realtime - monotonic, to place the kernel's
+        receive timestamps on the monotonic clock."""
         st = self.stats
         for _ in range(BATCH):
             try:
-                frame = self.src.recv(RECV_SIZE)
+                frame, anc, _, _ = self.src.recvmsg(RECV_SIZE, ANC_SIZE)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
                 st.drop_error += 1
                 return
+            arrived = now
+            for level, kind, data in anc:
+                if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= 16:
+                    sec, nsec = struct.unpack_from("qq", data)
+                    arrived = min(now, sec + nsec * 1e-9 - clock_offset)
             size = len(frame)
             st.frames_in += 1
             st.bytes_in += size
@@ -164,11 +199,11 @@ class Direction:
             delay = self.delay_s
             if self.jitter_s:
                 delay = max(0.0, delay + self.rng.uniform(-self.jitter_s, self.jitter_s))
-            due = max(now + delay, self.last_due)  # FIFO: never overtake the previous frame
+            due = max(arrived + delay, self.last_due)  # FIFO: never overtake the previous frame
             self.last_due = due
             self.queue.append((due, frame))
             self.backlog += size
-            st.delay_sum_ms += (due - now) * 1e3
+            st.delay_sum_ms += (due - arrived) * 1e3
             if self.backlog > st.backlog_max_bytes:
                 st.backlog_max_bytes = self.backlog
 
@@ -188,11 +223,12 @@ class Direction:
             else:
                 st.frames_out += 1
                 st.bytes_out += len(frame)
-                late = now - due
-                if late > 0.001:
+                late_us = (time.monotonic() - due) * 1e6
+                st.late_hist[bisect.bisect_left(LATE_EDGES_US, late_us)] += 1
+                if late_us > 1000:
                     st.late_over_1ms += 1
-                if late * 1e6 > st.late_max_us:
-                    st.late_max_us = late * 1e6
+                if late_us > st.late_max_us:
+                    st.late_max_us = late_us
             q.popleft()
             self.backlog -= len(frame)
 
@@ -204,6 +240,7 @@ def open_port(ifname: str) -> socket.socket:
     s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
     # Do not read back the frames we ourselves send out of this port.
     s.setsockopt(SOL_PACKET, PACKET_IGNORE_OUTGOING, 1)
+    s.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
     for force, plain in ((SO_RCVBUFFORCE, socket.SO_RCVBUF), (SO_SNDBUFFORCE, socket.SO_SNDBUF)):
         try:
             s.setsockopt(socket.SOL_SOCKET, force, SOCK_BUF)  # root: ignores rmem_max
@@ -217,7 +254,9 @@ def open_port(ifname: str) -> socket.socket:
 def write_stats(path: str, dirs: list[Direction], started: float, final: bool) -> None:
     report = DelayLineReport(
         pid=os.getpid(), uptime_s=time.monotonic() - started, final=final,
-        directions={d.name: DirectionReport(**asdict(d.stats), backlog_bytes=d.backlog) for d in dirs},
+        directions={d.name: DirectionReport(**asdict(d.stats), backlog_bytes=d.backlog,
+                                            late_p50_us=late_percentile(d.stats.late_hist, 50),
+                                            late_p99_us=late_percentile(d.stats.late_hist, 99)) for d in dirs},
     )  # fmt: skip
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -234,8 +273,13 @@ def run(cfg: DelayLineConfig) -> None:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    with contextlib.suppress(OSError):
-        os.nice(cfg.nice)  # the line must not starve behind the workers
+    # The line must not wait behind the workers for a CPU: a frame that waits is late. Real-
+    # time scheduling where the host allows it (root, no RT limit), a high nice value otherwise.
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(cfg.rt_priority))
+    except (OSError, AttributeError):
+        with contextlib.suppress(OSError):
+            os.nice(cfg.nice)  # the line must not starve behind the workers
     gc.disable()  # no collector pauses in the forwarding loop; frames hold no cycles
     rng = random.Random(cfg.seed)
     ports = {name: open_port(ifname) for name, ifname in cfg.ports.items()}
@@ -259,6 +303,7 @@ def run(cfg: DelayLineConfig) -> None:
     ready_path = cfg.ready_path
     if ready_path:
         open(ready_path, "w").close()
+    clock_offset = time.time() - time.monotonic()
     while not stop:
         now = time.monotonic()
         for d in dirs:
@@ -266,6 +311,7 @@ def run(cfg: DelayLineConfig) -> None:
         if now >= next_stats:
             write_stats(stats_path, dirs, started, final=False)
             next_stats = now + STATS_PERIOD_S
+            clock_offset = time.time() - time.monotonic()  # follows clock adjustments
         timeout = min(0.2, next_stats - now)
         for d in dirs:
             due = d.next_due()
@@ -278,7 +324,7 @@ def run(cfg: DelayLineConfig) -> None:
             continue
         now = time.monotonic()
         for fd in readable:
-            by_fd[fd].ingest(now)
+            by_fd[fd].ingest(now, clock_offset)
     write_stats(stats_path, dirs, started, final=True)
 
 

@@ -69,6 +69,19 @@ class NetworkPlan:
     dcs: dict[str, DcPlan]
     wan_between: tuple[str, str]
     wan_shaping: dict[tuple[str, str], Shaping]  # (src_dc, dst_dc) -> shaping
+    wan_mtu: int = 0  # 0 = mtu
+
+    @property
+    def wan_frame_mtu(self) -> int:
+        return self.wan_mtu or self.mtu
+
+    def bdp_frames(self, src: str, dst: str) -> float | None:
+        """Frames in flight to fill the ``src -> dst`` line for one round trip (None: unshaped)."""
+        s, r = self.wan_shaping[(src, dst)], self.wan_shaping[(dst, src)]
+        if not s.rate_bps:
+            return None
+        rtt_s = (s.delay_ms + r.delay_ms) / 1000
+        return s.rate_bps / 8 * rtt_s / (self.wan_frame_mtu + FRAME_OVERHEAD)
 
     @property
     def namespaces(self) -> list[str]:
@@ -134,8 +147,9 @@ def make_plan(scenario: Scenario, prefix: str) -> NetworkPlan:
             )
     a, b = scenario.wan.between
     mtu = scenario.network.mtu
+    wan_mtu = min(scenario.network.wan_mtu or mtu, mtu)
     shaping = {
-        (a, b): size_shaping(scenario.wan.forward, scenario.wan.reverse, mtu),
-        (b, a): size_shaping(scenario.wan.reverse, scenario.wan.forward, mtu),
+        (a, b): size_shaping(scenario.wan.forward, scenario.wan.reverse, wan_mtu),
+        (b, a): size_shaping(scenario.wan.reverse, scenario.wan.forward, wan_mtu),
     }
-    return NetworkPlan(prefix, mtu, f"{prefix}-wan", hosts, dcs, (a, b), shaping)
+    return NetworkPlan(prefix, mtu, f"{prefix}-wan", hosts, dcs, (a, b), shaping, wan_mtu)

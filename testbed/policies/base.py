@@ -12,15 +12,20 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from pydantic import Field
+
 from workers.contracts import Contract
 from workers.control import DecodeCmd, Event, HandoffCmd, PrefillDone, RequestHints
 
 
 class PolicyContext(Contract):
-    """Facts about the deployment a policy may need (from the scenario and the model)."""
+    """Facts about the deployment a policy may need (from the scenario and the model). Rates,
+    round trips and KV bytes are the wire's (what the router sees in real time); divide a
+    real duration by ``dilation`` to compare it with an option given in emulated seconds."""
 
     wan_rate_bps: float | None = None  # forward direction (prefill side -> other side); None = unshaped
     wan_rtt_s: float = 0.0
+    dilation: float = Field(default=1.0, gt=0)
     kv_bytes_per_token: int = 0
     block_size: int = 16
     decode_cache_tokens: int = 0

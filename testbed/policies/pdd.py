@@ -72,7 +72,7 @@ class Pdd(Policy):
         have = index.match(req.prompt) if self.drc else 0
         delta = max(0, req.prompt_len - have)
         delta_bytes = delta * self.ctx.kv_bytes_per_token
-        wait = self.wan.wait_s(delta_bytes)
+        wait = self.wan.wait_s(delta_bytes) / self.ctx.dilation  # emulated seconds, as relay_s
         info = PlanInfo(md_have_tokens=have, delta_tokens=delta, delta_bytes=delta_bytes, est_wan_wait_s=wait,
                         wan_backlog_bytes=self.wan.backlog_bytes(), wan_efficiency=self.wan.efficiency)
         if o.filter == "predict" and req.hints.short_output and delta >= o.low_hit * req.prompt_len:

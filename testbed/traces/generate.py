@@ -185,8 +185,9 @@ def generate_file(cfg: GenConfig, output: Path, as_format: str = "sessions") -> 
     from testbed.traces.formats import sessions_workload
     from testbed.traces.stats import format_stats, trace_stats
 
-    if not (0 <= cfg.above_95 <= 1 and 0 <= cfg.anomalous_share < 0.5 and cfg.sessions >= 1):
-        raise InputError("trace gen: --above-95 must be in [0, 1], --anomalous in [0, 0.5), --sessions >= 1")
+    if not (0 <= cfg.above_95 <= 1 and 0 <= cfg.anomalous_share < 0.5 and cfg.sessions >= 1 and cfg.turns_max >= 3):
+        raise InputError("trace gen: --above-95 must be in [0, 1], --anomalous in [0, 0.5), --sessions >= 1, "
+                         "--turns-max >= 3")
     sessions, header = generate(cfg)
     if as_format == "mooncake":
         # Mooncake has no sessions: closed-loop turns are placed at their estimated send time.

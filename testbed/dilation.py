@@ -1,0 +1,122 @@
+"""``--dilation auto``: the smallest time dilation at which this host keeps up.
+
+A short calibration runs the real small model, in this process, on work shaped like the
+replayed trace: prefills of the trace's 10th, 50th and 90th-percentile missed tokens on
+top of its median context (small prefills are where fixed costs dominate); decode steps
+at batch 1, 8 and 24 over the median context; an extend of 64 tokens. Each real time is
+compared with the modeled time of the same emulated work on the device of that role that
+leaves the least room (``D`` = 1). The worst ratio, times the CPU contention of the
+workers that compute at once (workers / cores, at least 1) and a safety margin, is the
+dilation: every paced step then has room to finish inside ``D`` x its modeled time. The
+reason is printed and saved with the run.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from testbed.emulation import EmulationPlan, round_up
+from testbed.scenario import Role, Scenario
+from testbed.traces.workload import RequestSpec, synth_tokens
+from workers.contracts import DeviceSpec, Scales
+from workers.device import Pacer, make_pacer
+
+MARGIN = 1.25
+DECODE_BATCHES = (1, 8, 24)
+EXTEND_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class Probe:
+    what: str
+    real_s: float
+    modeled_s: float  # emulated seconds (D = 1) on the device that leaves the least room
+
+    @property
+    def ratio(self) -> float:
+        return self.real_s / self.modeled_s if self.modeled_s > 0 else 0.0
+
+
+def _timed(fn: Callable[[], object], reps: int = 3) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _pacers(sc: Scenario, plan: EmulationPlan, roles: tuple[Role, ...]) -> list[Pacer]:
+    names = {sc.datacenters[sc.datacenter_of(h)].hosts[h].device for r in roles for h in sc.hosts_with_role(r)}
+    out = []
+    for name in sorted(names):
+        dev = sc.devices.get(name)
+        spec = DeviceSpec(name=name, **(dev.model_dump() if dev else {}))
+        p = make_pacer(spec, plan.cost(), Scales(s_in=plan.scales.s_in, s_out=plan.scales.s_out, dilation=1.0))
+        if not p.native:
+            out.append(p)
+    return out
+
+
+def probes(sc: Scenario, plan: EmulationPlan, specs: list[RequestSpec], new_tokens: list[int],
+           model_path: str, dtype: str) -> list[Probe]:
+    """Real vs modeled time of trace-shaped work (see the module docstring)."""
+    from workers.model import DecodeBatch, ModelRunner
+
+    runner = ModelRunner(model_path, dtype, sc.workers.threads)
+    ctx = int(np.median([len(s.prompt) for s in specs]))
+    prompt = synth_tokens("calibrate", ctx)
+    base_kv, _ = runner.prefill(prompt, None, sc.workers.prefill_chunk)
+    out: list[Probe] = []
+    prefill_pacers = _pacers(sc, plan, (Role.PREFILL,))
+    decode_pacers = _pacers(sc, plan, (Role.DECODE, Role.RELAY_DECODE))
+    for q in (10, 50, 90) if prefill_pacers else ():
+        new = max(1, min(ctx, int(np.percentile(new_tokens, q))))
+        cached = ctx - new
+        head = base_kv[:, :, :, :cached] if cached else None
+        real = _timed(lambda head=head: runner.prefill(prompt, head, sc.workers.prefill_chunk))  # type: ignore[misc]
+        modeled = min(p.prefill_time(new, cached) for p in prefill_pacers)
+        out.append(Probe(f"prefill of {new} tokens after {cached}", real, modeled))
+    if decode_pacers:
+        for b in DECODE_BATCHES:
+            batch = DecodeBatch(runner, [base_kv] * b, headroom=8)
+            real = _timed(lambda batch=batch, b=b: batch.step([5] * b))  # type: ignore[misc]
+            modeled = min(p.decode_time([ctx] * b) for p in decode_pacers)
+            out.append(Probe(f"decode step at batch {b}, context {ctx}", real, modeled))
+        toks = [5] * EXTEND_TOKENS
+        real = _timed(lambda: runner.extend(base_kv, toks))
+        modeled = min(p.extend_time(ctx, EXTEND_TOKENS) for p in decode_pacers)
+        out.append(Probe(f"extend of {EXTEND_TOKENS} tokens, context {ctx}", real, modeled))
+    return out
+
+
+def concurrent_workers(sc: Scenario) -> int:
+    """Workers that compute at once under one policy: every prefill and relay host and one
+    decoder (a policy decodes in one datacenter at a time)."""
+    n = len(sc.hosts_with_role(Role.PREFILL)) + len(sc.hosts_with_role(Role.RELAY_DECODE))
+    return n + (1 if sc.hosts_with_role(Role.DECODE) else 0)
+
+
+def choose_dilation(found: list[Probe], workers: int, cpus: int) -> tuple[float, str]:
+    """The dilation for these probes and that much contention, and why."""
+    if not found:
+        return 1.0, "auto: no paced device, nothing to dilate"
+    worst = max(found, key=lambda p: p.ratio)
+    contention = max(1.0, workers / max(1, cpus))
+    d = round_up(max(1.0, worst.ratio * contention * MARGIN))
+    why = (f"auto: {worst.what} takes {1000 * worst.real_s:.0f} ms here vs {1000 * worst.modeled_s:.0f} ms "
+           f"emulated ({worst.ratio:.2f}x) x {contention:.2f} contention ({workers} computing workers on "
+           f"{cpus} cores) x {MARGIN} margin")
+    return d, why
+
+
+def calibrate_dilation(sc: Scenario, plan: EmulationPlan, specs: list[RequestSpec], new_tokens: list[int],
+                       model_path: str, dtype: str) -> tuple[float, str]:
+    found = probes(sc, plan, specs, new_tokens, model_path, dtype)
+    return choose_dilation(found, concurrent_workers(sc), os.cpu_count() or 1)

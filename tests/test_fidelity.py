@@ -1,0 +1,289 @@
+"""Emulated time: pacing arithmetic, the wire-rate derivation, dilation of every kind of
+time, the fidelity verdict (unit), and on a live cluster: tokens unchanged by pacing, no
+WAN round trip on the decode path, exit 3 on a forced overrun (root)."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from testbed.client import ClientRecord
+from testbed.cluster import worker_configs
+from testbed.contracts import RequestRecord
+from testbed.dilation import Probe, choose_dilation
+from testbed.emulation import EmulationPlan, round_up
+from testbed.experiment import run_policy
+from testbed.fidelity import judge
+from testbed.metrics import itls, request_rows, summarize
+from testbed.net.delayline import LATE_EDGES_US, DelayLineReport, DirectionReport, late_percentile
+from testbed.net.plan import make_plan
+from testbed.policies import parse_policy
+from testbed.scenario import ModelCard, deep_merge
+from testbed.traces.workload import RequestSpec, synth_tokens
+from testbed.verify import compare
+from workers.contracts import BrokerInfo, DeviceReport, DeviceSpec, ModelCost, Scales, WorkerStats
+from workers.control import Extended, KvSent
+from workers.device import make_pacer
+from workers.model import ModelRunner, ensure_default_model
+
+from .conftest import ROOT, TOPOLOGIES, needs_root, scenario_with
+
+# A 7B-class card: 2 x 28 x 4 x 128 x 2 B = 57,344 B of KV per token.
+CARD = ModelCard(layers=28, heads=28, kv_heads=4, head_dim=128, params=7.61e9, dtype_bytes=2)
+COST = ModelCost(params=7.61e9, layers=28, hidden=3584, kv_bytes_per_token=57344, weight_bytes=7.61e9 * 2)
+DEV = DeviceSpec(name="gpu", peak_tflops=989, mem_gbps=3350, step_overhead_ms=2.0)
+
+
+def _roofline(flops: float, nbytes: float, dev: DeviceSpec = DEV) -> float:
+    assert dev.peak_tflops and dev.mem_gbps
+    return dev.step_overhead_ms / 1e3 + max(flops / (dev.peak_tflops * 1e12), nbytes / (dev.mem_gbps * 1e9))
+
+
+# ------------------------------------------------------------------------- pacing arithmetic
+def test_prefill_is_priced_as_scaled_emulated_tokens_in_chunks() -> None:
+    p = make_pacer(DEV, COST, Scales(s_in=4, s_out=4, dilation=2.0))
+    # 250 replayed new tokens after 125 cached = 1000 emulated after 500, one pass.
+    flops = 2 * 7.61e9 * 1000 + 4 * 28 * 3584 * 1000 * (500 + 500)
+    nbytes = 7.61e9 * 2 + 57344 * 1500
+    assert p.prefill_time(250, 125) == pytest.approx(2.0 * _roofline(flops, nbytes), rel=1e-12)
+    chunked = make_pacer(DEV.model_copy(update={"prefill_chunk": 512}), COST, Scales(s_in=4, s_out=4))
+    first = _roofline(2 * 7.61e9 * 512 + 4 * 28 * 3584 * 512 * (500 + 256), 7.61e9 * 2 + 57344 * 1012)
+    tail = _roofline(2 * 7.61e9 * 488 + 4 * 28 * 3584 * 488 * (1012 + 244), 7.61e9 * 2 + 57344 * 1500)
+    assert chunked.prefill_time(250, 125) == pytest.approx(first + tail, rel=1e-12)  # a tail chunk pays a step
+
+
+def test_decode_step_is_s_out_emulated_steps_at_the_emulated_context() -> None:
+    p = make_pacer(DEV, COST, Scales(s_in=4, s_out=4, dilation=3.0))
+    want = 0.0
+    for j in range(4):  # two requests at 400 and 1200 emulated tokens, growing one per step
+        ctx = 1600 + 2 * j
+        want += _roofline(2 * 7.61e9 * 2 + 4 * 28 * 3584 * ctx, 7.61e9 * 2 + 57344 * ctx)
+    assert p.decode_time([100, 300]) == pytest.approx(3.0 * want, rel=1e-12)
+    # Memory-bound: the weights dominate, as on a real accelerator at small batch.
+    assert p.decode_time([100]) / 3.0 == pytest.approx(4 * (0.002 + (15.22e9 + 57344 * 401.5) / 3.35e12), rel=1e-3)
+
+
+def test_extend_is_one_pass_over_k_times_s_out_tokens() -> None:
+    p = make_pacer(DEV, COST, Scales(s_in=4, s_out=4, dilation=1.5))
+    flops = 2 * 7.61e9 * 32 + 4 * 28 * 3584 * 32 * (800 + 16)
+    assert p.extend_time(200, 8) == pytest.approx(1.5 * _roofline(flops, 7.61e9 * 2 + 57344 * 832), rel=1e-12)
+
+
+def test_mixture_of_experts_and_mla_are_priced_by_active_parameters_and_latent_kv() -> None:
+    moe = ModelCard(layers=61, heads=128, kv_heads=128, head_dim=128, params=671e9, active_params=37e9,
+                    dtype_bytes=1, kv_latent_dim=576)
+    assert moe.kv_bytes_per_token == 61 * 576 and moe.compute_params == 37e9
+    sc = scenario_with(emulated=True)
+    sc = sc.model_copy(update={"models": {"ds": moe}, "emulation": sc.emulation.model_copy(update={"model": "ds"})})
+    cost = EmulationPlan.make(sc, 1, 1.0, 4096).cost()
+    assert cost is not None and cost.params == 37e9 and cost.weight_bytes == 37e9 and cost.hidden == 128 * 128
+    p = make_pacer(DEV, cost, Scales())
+    flops = 2 * 37e9 * 100 + 4 * 61 * 16384 * 100 * 50
+    assert p.prefill_time(100, 0) == pytest.approx(_roofline(flops, 37e9 + 61 * 576 * 100), rel=1e-12)
+
+
+def test_native_device_and_overruns_are_accounted() -> None:
+    assert make_pacer(DeviceSpec(), COST).native and make_pacer(DEV, None).native
+    p = make_pacer(DEV, COST, Scales())
+    assert p.account("decode", 0.001, 0.004) == pytest.approx(0.003) and p.overruns == 0
+    assert p.account("prefill", 0.05, 0.01) == 0.0
+    rep = p.report()
+    assert (rep.steps, rep.overruns, rep.by_kind) == (2, 1, {"decode": (1, 0), "prefill": (1, 1)})
+    assert rep.overrun_s == pytest.approx(0.04) and rep.overrun_fraction == 0.5 and not rep.native
+
+
+# ------------------------------------------------------------------------- wire derivation
+def test_wire_rates_delays_and_buffers_follow_the_formula() -> None:
+    sc = scenario_with({"wan": {"forward": {"rate_mbit": 10000, "queue_bytes": 57344 * 1000}},
+                        "datacenters": {"a": {"lan": {"rate_mbit": 400000}}}}, emulated=True)
+    plan = EmulationPlan.make(sc, token_scale=16, dilation=2.0, b_r=4096)
+    assert plan.b_e == 57344 and plan.byte_factor == pytest.approx(4096 / (16 * 57344))
+    r_wire = 10e9 * 4096 / (16 * 57344) / 2.0
+    assert plan.wire_rate_bps(10e9) == pytest.approx(r_wire)
+    wire = plan.wire_scenario(sc)
+    assert wire.wan.forward.rate_mbit == pytest.approx(r_wire / 1e6)
+    assert wire.wan.forward.delay_ms == pytest.approx(2.0 * sc.wan.forward.delay_ms)
+    assert wire.wan.forward.jitter_ms == pytest.approx(2.0 * sc.wan.forward.jitter_ms)
+    assert wire.wan.forward.queue_bytes == int(57344 * 1000 * plan.byte_factor)  # 1000 tokens of buffer
+    assert wire.datacenters["a"].lan.rate_mbit == pytest.approx(400e9 * 4096 / (16 * 57344) / 2.0 / 1e6)
+    # n replayed tokens of KV take D x their emulated transfer time on the wire.
+    n = 3000
+    assert n * 4096 * 8 / r_wire == pytest.approx(2.0 * n * 16 * 57344 * 8 / 10e9)
+    # The WAN MTU keeps >= 64 frames per round trip of the wire line.
+    net = make_plan(wire, "pddtest")
+    assert 1280 <= net.wan_frame_mtu < sc.network.mtu
+    assert net.bdp_frames("a", "b") == pytest.approx(64, rel=0.02) or net.bdp_frames("a", "b") >= 64
+    assert plan.summary(sc)["wan_forward"]["wire_rate_mbit"] == pytest.approx(r_wire / 1e6)
+    # Without an emulation the plan is the identity.
+    plain = scenario_with()
+    ident = EmulationPlan.make(plain, token_scale=16, dilation=5.0, b_r=4096)
+    assert not ident.emulating and ident.wire_scenario(plain) is plain and ident.dilation == 1.0
+
+
+# ------------------------------------------------------------------------- dilation of every time
+def _client(rid: str, sent: float, times: list[float]) -> ClientRecord:
+    r = ClientRecord(rid, 10, len(times), sent=sent, token_times=times, tokens=list(range(len(times))), done=True)
+    r.by_worker = {"relay": 2, "decode-b": len(times) - 2}
+    return r
+
+
+def test_every_reported_time_is_divided_by_the_dilation() -> None:
+    scales = Scales(s_in=4, s_out=4, dilation=2.0)
+    recs = {"r": _client("r", 100.0, [101.0, 101.8, 102.6, 103.4]), "q": _client("q", 104.0, [104.5, 104.9])}
+    kv = KvSent(rid="r", worker="prefill", t=1.0, to="decode-b", bytes=10, written=10, payload=10,
+                planned_payload=10, tokens=1, had=0, start=100.0, end=100.6)
+    ext = Extended(rid="r", worker="decode-b", t=1.0, tokens=2, start=0, final=True, mismatches=0, compute_s=0.1,
+                   t_start=1.0, since_kv_s=0.3)
+    router = {"r": RequestRecord(rid="r", pipeline="P-RLD-MD", prefill="prefill", decode="decode-b", relay="relay",
+                                 prefill_dc="a", decode_dc="b", events=[kv, ext])}
+    df = request_rows(recs, router, scales=scales).set_index("rid")
+    r = df.loc["r"]
+    assert r.ttft_s == pytest.approx(0.5) and r.e2e_s == pytest.approx(1.7)  # (101 - 100) / 2, (103.4 - 100) / 2
+    assert r.tpot_s == pytest.approx(0.8 / 3 * 3 / 8)  # 0.8 s per replayed token = 8 emulated s-units
+    assert r.kv_transfer_s == pytest.approx(0.3) and r.md_kv_to_handoff_s == pytest.approx(0.15)
+    assert df.loc["q"].sent_offset_s == pytest.approx(2.0)  # sent 4 s after r: 2 emulated s
+    assert r.eager_tokens == 8 and r.output_tokens_emulated == 16 and r.rld_share == pytest.approx(0.5)
+    assert itls(recs, scales) == pytest.approx([0.1, 0.1, 0.1, 0.05])
+    s = summarize(df.reset_index(), itls(recs, scales), recs=recs, scales=scales)
+    assert s["duration_s"] == pytest.approx((104.9 - 100.0) / 2) and s["rld_share"] == pytest.approx(8 / 24)
+    # Arrivals and think times are stretched by the dilation (speed / D), timeouts too.
+    wl_specs = [RequestSpec("a", [1], 1, at=3.0), RequestSpec("b", [1], 1, after="a", delay=1.5)]
+    from testbed.traces.workload import Segment, TraceRequest, Workload
+
+    wl = Workload(Path("t"), "sessions", [TraceRequest("a", [Segment("x", 4)], 1, at=3.0),
+                                          TraceRequest("b", [Segment("x", 4)], 1, after="a", delay=1.5)])
+    stretched = wl.specs(1.0 / 2.0)
+    assert (stretched[0].at, stretched[1].delay) == (6.0, 3.0) and len(wl_specs) == 2
+    sc = scenario_with(emulated=True)
+    plan = EmulationPlan.make(sc, 4, 2.0, 4096)
+    fake_net = SimpleNamespace(run=SimpleNamespace(run_id="abc", dir=Path("/tmp")), ip_of=lambda h: "10.213.1.10")
+    cfgs = worker_configs(sc, fake_net, BrokerInfo(host="h", port=1, username="u", password="p"),  # type: ignore[arg-type]
+                          "/m", emulation=plan)
+    assert cfgs["decode-b"].kv_timeout_s == 2.0 * sc.workers.kv_timeout_s
+    assert cfgs["decode-b"].scales == plan.scales and cfgs["decode-b"].device.name == "h20"
+    assert cfgs["prefill"].cost == plan.cost() and cfgs["prefill"].device.prefill_chunk == 8192
+
+
+def test_round_up_and_choose_dilation() -> None:
+    assert [round_up(x) for x in (1.0, 1.23, 2.38, 12.1)] == [1.0, 1.3, 2.4, 13.0]
+    probes = [Probe("prefill", 0.30, 0.20), Probe("decode", 0.01, 0.1)]
+    d, why = choose_dilation(probes, workers=3, cpus=2)
+    assert d == round_up(1.5 * 1.5 * 1.25) and "prefill" in why and "3 computing workers on 2 cores" in why
+    assert choose_dilation([Probe("decode", 0.01, 0.1)], workers=1, cpus=2)[0] == 1.0  # never compresses
+    assert choose_dilation([], 3, 2) == (1.0, "auto: no paced device, nothing to dilate")
+
+
+# ------------------------------------------------------------------------- verdict
+def _stats(name: str, steps: int, overruns: int, native: bool = False) -> WorkerStats:
+    return WorkerStats(worker=name, role="decode", device=DeviceReport(
+        device="native" if native else "h20", native=native, steps=steps, overruns=overruns, overrun_s=0.1 * overruns,
+        by_kind={"decode": (steps, overruns)}))
+
+
+def _link(p99_us: float) -> DelayLineReport:
+    hist = [0] * (len(LATE_EDGES_US) + 1)
+    hist[0] = 98
+    hist[LATE_EDGES_US.index(int(p99_us))] = 2
+    d = DirectionReport(frames_in=100, bytes_in=1, frames_out=100, bytes_out=1, drop_loss=0, drop_queue_full=0,
+                        drop_overflow=0, drop_error=0, backlog_max_bytes=0, late_max_us=p99_us, late_over_1ms=0,
+                        delay_sum_ms=0, backlog_bytes=0, late_hist=hist, late_p50_us=late_percentile(hist, 50),
+                        late_p99_us=late_percentile(hist, 99))
+    return DelayLineReport(pid=1, uptime_s=1, final=True, directions={"a->b": d})
+
+
+def test_verdict_fails_past_one_percent_overruns_or_one_ms_lateness() -> None:
+    assert judge({"w": _stats("w", 100, 1)}, _link(500), {"w": 5.0}, 10.0).passed
+    v = judge({"w": _stats("w", 100, 2), "n": _stats("n", 100, 90, native=True)}, _link(500), {}, 10.0)
+    assert not v.passed and len(v.reasons) == 1 and "w overran 2.0%" in v.reasons[0]  # native never judged
+    v = judge({"w": _stats("w", 100, 0)}, _link(2000), {}, 10.0)
+    assert not v.passed and "lateness P99" in v.reasons[0]
+    assert late_percentile([0, 0, 5], 50) == 50 and late_percentile([1] + [0] * len(LATE_EDGES_US), 99) == 10
+    assert math.isinf(late_percentile([0] * len(LATE_EDGES_US) + [3], 99))
+
+
+# ------------------------------------------------------------------------- live cluster (root)
+def _emulated(overrides: dict[str, Any] | None = None) -> Any:
+    return scenario_with(deep_merge({"datacenters": {"a": {"lan": {"rate_mbit": 400000}},
+                                                     "b": {"lan": {"rate_mbit": 400000}}}}, overrides or {}),
+                         emulated=True)
+
+
+def _plan(sc: Any, dilation: float) -> EmulationPlan:
+    from workers.model import kv_bytes_per_token
+
+    return EmulationPlan.make(sc, 1, dilation, kv_bytes_per_token(ensure_default_model(), "float64"))
+
+
+@needs_root
+def test_paced_and_dilated_pdd_produces_the_reference_tokens() -> None:
+    specs = [RequestSpec(f"p{i}", synth_tokens(f"paced-{i}", 40 + 30 * i), 12 + 4 * i, at=0.3 * i)
+             for i in range(6)]
+    runner = ModelRunner(ensure_default_model(), "float64")
+    refs = {s.rid: runner.reference(s.prompt, s.max_new) for s in specs}
+    sc = _emulated()
+    plan = _plan(sc, 8.0)  # slow enough that decode steps really wait for their modeled time
+    run = run_policy(sc, "auto", parse_policy("pdd:relay_s=0,handoff=catch-up,threshold=4"), specs,
+                     dtype="float64", timeout_s=240, emulation=plan)
+    assert compare(specs, refs, run.recs) == []
+    md = run.workers["decode-b"].device
+    assert not md.native and md.device == "h20" and md.steps > 0
+    assert md.modeled_s > md.real_s  # the worker waited for the emulated device
+    assert any(r.relay for r in run.router.values())
+
+
+def _tpot(sc: Any, policy: str, dilation: float) -> tuple[float, float]:
+    specs = [RequestSpec(f"t{i}", synth_tokens(f"tpot-{i}", 200), 30, at=1.2 * i) for i in range(5)]
+    plan = _plan(sc, dilation)
+    run = run_policy(sc, "auto", parse_policy(policy), [RequestSpec(s.rid, s.prompt, s.max_new, at=s.at * dilation)
+                                                        for s in specs], dtype="float64", timeout_s=240,
+                     emulation=plan)
+    df = request_rows(run.recs, run.router, specs, plan.scales)
+    assert df.ok.all(), df.error.tolist()
+    return float(np.median(df.tpot_s)), float(np.median(df.ttft_s))
+
+
+@needs_root
+def test_no_wan_round_trip_on_the_decode_path_and_reports_do_not_depend_on_dilation() -> None:
+    # Both decoders on the same device, a long idle WAN (60 ms each way): with nothing on the
+    # decode path waiting for the broker in datacenter a, cross-dc decodes as fast as same-dc.
+    sc = _emulated({"wan": {"forward": {"rate_mbit": 10000, "delay_ms": 60.0, "jitter_ms": 0.0},
+                            "reverse": {"rate_mbit": 10000, "delay_ms": 60.0, "jitter_ms": 0.0}},
+                    "datacenters": {"b": {"hosts": {"decode-b": {"device": "h100"}}}}})
+    same, _ = _tpot(sc, "same-dc", 4.0)
+    cross, cross_ttft = _tpot(sc, "cross-dc", 4.0)
+    assert cross == pytest.approx(same, rel=0.10), (same, cross)
+    # The emulated step: 7.6 B bf16 weights + KV at ~200 tokens from 3.35 TB/s, plus 2 ms.
+    assert same == pytest.approx(0.002 + 15.22e9 / 3.35e12, rel=0.15)
+    # Same work at another dilation reports the same emulated times (beyond noise).
+    cross8, cross8_ttft = _tpot(sc, "cross-dc", 8.0)
+    assert cross8 == pytest.approx(cross, rel=0.10) and cross8_ttft == pytest.approx(cross_ttft, rel=0.25)
+
+
+@needs_root
+def test_a_forced_overrun_fails_the_fidelity_verdict_with_exit_3(tmp_path: Path) -> None:
+    raw = yaml.safe_load((TOPOLOGIES / "two-dc.yaml").read_text())
+    for dev in raw["devices"].values():  # a device no CPU can keep up with
+        dev.update(peak_tflops=1e9, mem_gbps=1e9, step_overhead_ms=0.0)
+    raw["emulation"]["time_dilation"] = 1.0
+    scenario = tmp_path / "impossible.yaml"
+    scenario.write_text(yaml.safe_dump(raw))
+    args = [sys.executable, "-m", "testbed", "run", "--scenario", str(scenario), "--trace",
+            str(ROOT / "traces" / "sample-requests.jsonl"), "--limit", "4", "--policies", "same-dc"]
+    res = subprocess.run([*args, "--out", str(tmp_path / "a")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 3, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "fidelity same-dc: FAILED" in res.stdout and "overran" in res.stdout
+    assert "fidelity FAILED" in res.stderr
+    summary = yaml.safe_load((tmp_path / "a" / "summary.json").read_text())
+    assert summary["policies"]["same-dc"]["fidelity"]["passed"] is False
+    assert summary["emulation"]["dilation"] == 1.0 and summary["emulation"]["b_e"] == 57344
+    res = subprocess.run([*args, "--allow-infidelity", "--out", str(tmp_path / "b")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0 and "fidelity same-dc: FAILED" in res.stdout, res.stderr[-2000:]
