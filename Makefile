@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 DEB_PACKAGES := iproute2 mosquitto
 SCENARIO ?= topologies/two-dc.yaml
 # The default trace is written at production lengths; TOKEN_SCALE shrinks it for a CPU model.
-# agentic-quick: 211 requests in 57 short sessions (<= 5 turns), so that the three policies
+# agentic-quick: 117 requests in 36 short sessions (<= 4 turns), so that the three policies
 # fit in ~15 minutes at the dilation this 2-core host needs (agentic-default: 353 requests
 # in sessions of up to 14 turns, about three times as long).
 TRACE ?= traces/agentic-quick.jsonl

@@ -114,9 +114,9 @@ def cmd_bench_handoff(args: argparse.Namespace) -> int:
     from testbed.bench.handoff import format_result, run_handoff_bench
     from testbed.experiment import network_session
 
-    sc = load_scenario(args.scenario)
     if args.reps < 1 or args.tokens < 1 or args.prompt < 1 or args.load_streams < 0:
         raise InputError("bench handoff: --reps, --tokens and --prompt must be >= 1, --load-streams >= 0")
+    sc = _wire_scenario(args)
     with network_session(sc, args.impairment) as net:
         result = run_handoff_bench(net, args.reps, args.tokens, args.prompt, args.load_streams)
     print(json.dumps(result, indent=2) if args.json else format_result(result))

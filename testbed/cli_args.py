@@ -118,6 +118,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.set_defaults(command="bench net")
     p = bsub.add_parser("handoff", help="relay -> main decoder handoff: ship KV vs token IDs + recompute")
     scenario_opts(p)
+    wire_opts(p)
     p.add_argument("--reps", type=int, default=50, help="repetitions of each method (default 50)")
     p.add_argument("--tokens", type=int, default=100, help="generated tokens handed over (default 100)")
     p.add_argument("--prompt", type=int, default=1024, help="prompt tokens the main decoder holds (default 1024)")

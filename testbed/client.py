@@ -23,7 +23,7 @@ import aiomqtt
 from testbed import netns
 from testbed.traces.workload import RequestSpec
 from workers.contracts import BrokerInfo
-from workers.control import QOS, Request, RouterStatus, Tokens, Topics
+from workers.control import QOS, Request, RouterStatus, Tokens, Topics, no_delay
 
 
 @dataclass
@@ -67,6 +67,7 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
     pending: set[asyncio.Task[None]] = set()
     async with aiomqtt.Client(broker.host, broker.port, username=broker.username, password=broker.password,
                               identifier=f"{topics.root}-client", keepalive=10) as client:
+        no_delay(client)
         await client.subscribe(topics.all_tokens, qos=QOS)
         await client.subscribe(topics.router_status, qos=QOS)
         ready = asyncio.Event()

@@ -1,9 +1,10 @@
 """``--dilation auto``: the smallest time dilation at which this host keeps up.
 
 A short calibration runs the real small model, in this process, on work shaped like the
-replayed trace: prefills of the trace's 10th, 50th and 90th-percentile missed tokens on
+replayed trace: prefills of the trace's 1st, 10th, 50th and 90th-percentile missed tokens on
 top of its median context (small prefills are where fixed costs dominate); decode steps
-at batch 1, 8 and 24 over the median context; an extend of 64 tokens. Each real time is
+at batch 1, 8 and 24 over the median context; an extend of 64 tokens on a main decoder
+(a decoder outside the prefill's datacenter: the only one that extends). Each real time is
 compared with the modeled time of the same emulated work on the device of that role that
 leaves the least room (``D`` = 1). The worst ratio, times the CPU contention of the
 workers that compute at once (workers / cores, at least 1) and a safety margin, is the
@@ -52,8 +53,17 @@ def _timed(fn: Callable[[], object], reps: int = 3) -> float:
     return statistics.median(times)
 
 
-def _pacers(sc: Scenario, plan: EmulationPlan, roles: tuple[Role, ...]) -> list[Pacer]:
-    names = {sc.datacenters[sc.datacenter_of(h)].hosts[h].device for r in roles for h in sc.hosts_with_role(r)}
+def _main_decoders(sc: Scenario) -> list[str]:
+    """Decoders outside every prefill's datacenter: the ones that extend (PDD's MD)."""
+    prefill_dcs = {sc.datacenter_of(h) for h in sc.hosts_with_role(Role.PREFILL)}
+    decoders = sc.hosts_with_role(Role.DECODE)
+    return [h for h in decoders if sc.datacenter_of(h) not in prefill_dcs] or decoders
+
+
+def _pacers(sc: Scenario, plan: EmulationPlan, roles: tuple[Role, ...], hosts: list[str] | None = None
+            ) -> list[Pacer]:
+    hosts = hosts if hosts is not None else [h for r in roles for h in sc.hosts_with_role(r)]
+    names = {sc.datacenters[sc.datacenter_of(h)].hosts[h].device for h in hosts}
     out = []
     for name in sorted(names):
         dev = sc.devices.get(name)
@@ -76,7 +86,7 @@ def probes(sc: Scenario, plan: EmulationPlan, specs: list[RequestSpec], new_toke
     out: list[Probe] = []
     prefill_pacers = _pacers(sc, plan, (Role.PREFILL,))
     decode_pacers = _pacers(sc, plan, (Role.DECODE, Role.RELAY_DECODE))
-    for q in (10, 50, 90) if prefill_pacers else ():
+    for q in (1, 10, 50, 90) if prefill_pacers else ():
         new = max(1, min(ctx, int(np.percentile(new_tokens, q))))
         cached = ctx - new
         head = base_kv[:, :, :, :cached] if cached else None
@@ -89,9 +99,11 @@ def probes(sc: Scenario, plan: EmulationPlan, specs: list[RequestSpec], new_toke
             real = _timed(lambda batch=batch, b=b: batch.step([5] * b))  # type: ignore[misc]
             modeled = min(p.decode_time([ctx] * b) for p in decode_pacers)
             out.append(Probe(f"decode step at batch {b}, context {ctx}", real, modeled))
+    extend_pacers = _pacers(sc, plan, (), _main_decoders(sc))
+    if extend_pacers:
         toks = [5] * EXTEND_TOKENS
         real = _timed(lambda: runner.extend(base_kv, toks))
-        modeled = min(p.extend_time(ctx, EXTEND_TOKENS) for p in decode_pacers)
+        modeled = min(p.extend_time(ctx, EXTEND_TOKENS) for p in extend_pacers)
         out.append(Probe(f"extend of {EXTEND_TOKENS} tokens, context {ctx}", real, modeled))
     return out
 

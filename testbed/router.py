@@ -37,6 +37,7 @@ from workers.control import (
     Status,
     Tokens,
     Topics,
+    no_delay,
     parse_event,
     rid_of,
     why_invalid,
@@ -71,6 +72,7 @@ class Router:
         async with aiomqtt.Client(b.host, b.port, username=b.username, password=b.password,
                                   identifier=f"{self.cfg.run_id}-router", keepalive=5) as client:
             self.client = client
+            no_delay(client)
             for t in (self.topics.requests, self.topics.all_status, self.topics.events):
                 await client.subscribe(t, qos=QOS)
             reader = asyncio.create_task(self._read(client))

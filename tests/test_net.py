@@ -187,11 +187,18 @@ def test_kill9_then_clean_leaves_nothing() -> None:
 def test_net_check_cli_json() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "testbed", "net", "check", "--scenario", str(TOPOLOGIES / "two-dc.yaml"),
-         "--json", "--samples", "20", "--seconds", "1.5"],
+         "--json", "--samples", "20", "--seconds", "2", "--token-scale", "16", "--dilation", "2"],
         capture_output=True, text=True, cwd=ROOT, timeout=120,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     data = json.loads(out.stdout)
     assert data["passed"] and data["impairment"] in ("netem", "delayline")
-    metrics = {(r["path"].split()[0], r["metric"]) for r in data["rows"]}
-    assert {("wan", "rtt median"), ("lan", "rtt median"), ("wan", "goodput"), ("lan", "goodput")} <= metrics
+    rows = {(r["path"].split()[0], r["metric"]): r for r in data["rows"]}
+    want = {("wan", "rtt median"), ("lan", "rtt median"), ("wan", "goodput"), ("lan", "goodput"), ("wan", "bdp")}
+    assert want <= set(rows)
+    # The emulated 10 Gbit/s, 15 ms line at token scale 16 and dilation 2 on the wire:
+    # 10e9 x 4096 / (16 x 57344) / 2 = 22.3 Mbit/s, 30 ms each way, an MTU small enough for
+    # 64 frames per round trip (hosts use MTU 65000 and learn the WAN's by path-MTU discovery).
+    assert rows[("wan", "goodput")]["configured"] == pytest.approx(10e9 * 4096 / (16 * 57344) / 2 / 1e6)
+    assert rows[("wan", "rtt median")]["configured"] == pytest.approx(60.0)
+    assert rows[("wan", "bdp")]["measured"] >= 64

@@ -186,18 +186,22 @@ class DecodeWorker(HandoffMixin, Worker):
                 self.wake.clear()
                 await self.wake.wait()
                 continue
-            contexts = [s.n for s in batch]
-            build = 0.0
-            if self.dbatch is None or self.dbatch_rows != batch or self.dbatch.full:
-                # Members changed: copy their KV into a new batch buffer (once, not every step).
-                self.dbatch, build = await self.run_compute(DecodeBatch, self.runner, [s.kv for s in batch])
-                self.dbatch_rows = batch
-                self.batch_builds += 1
-            results, real = await self.run_compute(self.dbatch.step, [s.out[-1] for s in batch])
-            real += build
-            modeled = None if self.pacer.native else self.pacer.decode_time(contexts)
-            self.step_log.append((len(batch), real))
-            await self.pace("decode", real, modeled)
+            async with self.device:
+                batch = [s for s in batch if self.running.get(s.rid) is s and not s.paused]
+                if not batch:
+                    continue
+                contexts = [s.n for s in batch]
+                build = 0.0
+                if self.dbatch is None or self.dbatch_rows != batch or self.dbatch.full:
+                    # Members changed: copy their KV into a new batch buffer (once, not every step).
+                    self.dbatch, build = await self.run_compute(DecodeBatch, self.runner, [s.kv for s in batch])
+                    self.dbatch_rows = batch
+                    self.batch_builds += 1
+                results, real = await self.run_compute(self.dbatch.step, [s.out[-1] for s in batch])
+                real += build
+                modeled = None if self.pacer.native else self.pacer.decode_time(contexts)
+                self.step_log.append((len(batch), real))
+                await self.pace("decode", real, modeled)
             for seq, (new_kv, tok) in zip(batch, results, strict=True):
                 if self.running.get(seq.rid) is not seq:
                     continue  # cancelled while the step ran

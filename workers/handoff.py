@@ -63,6 +63,7 @@ class DecodeSide(Protocol):
     topics: Topics
     runner: ModelRunner
     pacer: Pacer
+    device: asyncio.Lock
     waiting: dict[str, Seq]
     running: dict[str, Seq]
     held: dict[str, Seq]
@@ -183,9 +184,10 @@ class HandoffMixin:
         t0 = time.time()
         real = 0.0
         if toks:
-            (new_kv, preds), real = await self.run_compute(self.runner.extend, seq.kv, toks)
-            modeled = None if self.pacer.native else self.pacer.extend_time(seq.n, len(toks))
-            await self.pace("extend", real, modeled)
+            async with self.device:
+                (new_kv, preds), real = await self.run_compute(self.runner.extend, seq.kv, toks)
+                modeled = None if self.pacer.native else self.pacer.extend_time(seq.n, len(toks))
+                await self.pace("extend", real, modeled)
             if self.held.get(cmd.rid) is not seq:
                 return  # cancelled while extending
             wrong = int(toks[0] != ms.pred) + sum(int(p != t) for p, t in zip(preds[:-1], toks[1:], strict=True))

@@ -153,7 +153,9 @@ class ModelRunner:
         for start in range(done, len(tokens), chunk):
             piece = torch.tensor([tokens[start : start + chunk]])
             pos = torch.arange(start, start + piece.shape[1])[None]
-            out = self.model(input_ids=piece, position_ids=pos, past_key_values=cache, use_cache=True)
+            # Only the last position's logits are used: skip the vocabulary projection elsewhere.
+            out = self.model(input_ids=piece, position_ids=pos, past_key_values=cache, use_cache=True,
+                             logits_to_keep=1)
             cache = out.past_key_values
             logits = out.logits[0, -1]
         assert logits is not None

@@ -26,7 +26,19 @@ import torch
 from pydantic import ValidationError
 
 from workers.contracts import CacheReport, ModelCost, WorkerConfig, WorkerStats
-from workers.control import QOS, Command, Event, Failed, Status, Tokens, Topics, parse_command, rid_of, why_invalid
+from workers.control import (
+    QOS,
+    Command,
+    Event,
+    Failed,
+    Status,
+    Tokens,
+    Topics,
+    no_delay,
+    parse_command,
+    rid_of,
+    why_invalid,
+)
 from workers.device import Pacer, make_pacer
 from workers.model import ModelRunner
 from workers.radix_cache import RadixCache
@@ -49,6 +61,10 @@ class Worker:
         self.pacer: Pacer = make_pacer(cfg.device, cfg.cost or own, cfg.scales)
         self.cache: RadixCache | None = None  # a role with a prefix cache sets it
         self.compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torch")
+        # The emulated device runs one forward pass at a time: a step holds it for its real
+        # compute and its pacing wait, so an extend waits for the decode step in flight (as
+        # on an accelerator) and its overrun counts only its own compute.
+        self.device = asyncio.Lock()
         self.client: aiomqtt.Client | None = None
         self.stopping = asyncio.Event()
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -152,6 +168,7 @@ class Worker:
             will=will, keepalive=5, max_inflight_messages=1000,
         ) as client:  # fmt: skip
             self.client = client
+            no_delay(client)
             await self.start()
             await client.subscribe(self.topics.cmd(self.cfg.name), qos=QOS)
             await self.publish_status()

@@ -34,6 +34,7 @@ import collections
 import contextlib
 import errno
 import gc
+import json
 import os
 import random
 import select
@@ -55,6 +56,7 @@ SOCK_BUF = 64 * 1024 * 1024
 RECV_SIZE = 65536 + 64
 BATCH = 256
 STATS_PERIOD_S = 1.0
+STATS_QUIET_S = 0.005
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # kernel receive time (CLOCK_REALTIME) per frame
 ANC_SIZE = socket.CMSG_SPACE(16)
 # Lateness histogram bucket upper edges, microseconds (the last bucket is everything above).
@@ -252,15 +254,17 @@ def open_port(ifname: str) -> socket.socket:
 
 
 def write_stats(path: str, dirs: list[Direction], started: float, final: bool) -> None:
-    report = DelayLineReport(
-        pid=os.getpid(), uptime_s=time.monotonic() - started, final=final,
-        directions={d.name: DirectionReport(**asdict(d.stats), backlog_bytes=d.backlog,
-                                            late_p50_us=late_percentile(d.stats.late_hist, 50),
-                                            late_p99_us=late_percentile(d.stats.late_hist, 99)) for d in dirs},
-    )  # fmt: skip
+    # Plain json here (the forwarding loop waits while this runs); the reader validates it
+    # as a DelayLineReport.
+    report = {
+        "pid": os.getpid(), "uptime_s": time.monotonic() - started, "final": final,
+        "directions": {d.name: {**asdict(d.stats), "backlog_bytes": d.backlog,
+                                "late_p50_us": late_percentile(d.stats.late_hist, 50),
+                                "late_p99_us": late_percentile(d.stats.late_hist, 99)} for d in dirs},
+    }  # fmt: skip
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        f.write(report.model_dump_json())
+        json.dump(report, f)
     os.replace(tmp, path)
 
 
@@ -279,7 +283,13 @@ def run(cfg: DelayLineConfig) -> None:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(cfg.rt_priority))
     except (OSError, AttributeError):
         with contextlib.suppress(OSError):
-            os.nice(cfg.nice)  # the line must not starve behind the workers
+            os.nice(cfg.nice)
+    # Nor wait for an idle CPU to wake up (a halted virtual CPU takes ~1 ms): while this
+    # file stays open the kernel keeps CPUs in shallow idle states (PM QoS, released on exit).
+    qos = None
+    with contextlib.suppress(OSError):
+        qos = os.open("/dev/cpu_dma_latency", os.O_WRONLY)
+        os.write(qos, struct.pack("i", 0))  # the line must not starve behind the workers
     gc.disable()  # no collector pauses in the forwarding loop; frames hold no cycles
     rng = random.Random(cfg.seed)
     ports = {name: open_port(ifname) for name, ifname in cfg.ports.items()}
@@ -308,11 +318,15 @@ def run(cfg: DelayLineConfig) -> None:
         now = time.monotonic()
         for d in dirs:
             d.release(now)
-        if now >= next_stats:
+        # Statistics are written when no frame is due within STATS_QUIET_S (a frame must not
+        # wait for a file write), or when they are a whole period overdue.
+        soonest = min((due for d in dirs if (due := d.next_due()) is not None), default=None)
+        quiet = soonest is None or soonest - now > STATS_QUIET_S
+        if (now >= next_stats and quiet) or now >= next_stats + STATS_PERIOD_S:
             write_stats(stats_path, dirs, started, final=False)
-            next_stats = now + STATS_PERIOD_S
+            next_stats = time.monotonic() + STATS_PERIOD_S
             clock_offset = time.time() - time.monotonic()  # follows clock adjustments
-        timeout = min(0.2, next_stats - now)
+        timeout = 0.2 if now >= next_stats else min(0.2, next_stats - now)
         for d in dirs:
             due = d.next_due()
             if due is not None and not d.blocked:
@@ -326,6 +340,8 @@ def run(cfg: DelayLineConfig) -> None:
         for fd in readable:
             by_fd[fd].ingest(now, clock_offset)
     write_stats(stats_path, dirs, started, final=True)
+    if qos is not None:
+        os.close(qos)
 
 
 if __name__ == "__main__":
