@@ -62,7 +62,9 @@ def test_bad_trace_exits_2_naming_line_and_field_and_starts_nothing(tmp_path: Pa
 def test_closed_loop_sessions_replay_and_results_are_saved(tmp_path: Path) -> None:
     trace = _sessions(tmp_path / "s.jsonl", n=3, turns=3)
     out = tmp_path / "out"
-    res = _testbed("run", "--trace", str(trace), "--policies", "same-dc", "--token-scale", "2", "--out", str(out))
+    # About replay and saved results, not fidelity (tests/test_fidelity.py): any verdict is fine.
+    res = _testbed("run", "--trace", str(trace), "--policies", "same-dc", "--token-scale", "2", "--out", str(out),
+                   "--allow-infidelity")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "same-dc" in res.stdout and "TTFT p50 ms" in res.stdout
     for name in ("requests.csv", "requests.parquet", "summary.json", "latency.png"):
