@@ -57,6 +57,7 @@ RECV_SIZE = 65536 + 64
 BATCH = 256
 STATS_PERIOD_S = 1.0
 STATS_QUIET_S = 0.005
+SPIN_S = 0.002
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # kernel receive time (CLOCK_REALTIME) per frame
 ANC_SIZE = socket.CMSG_SPACE(16)
 # Lateness histogram bucket upper edges, microseconds (the last bucket is everything above).
@@ -330,7 +331,9 @@ def run(cfg: DelayLineConfig) -> None:
         for d in dirs:
             due = d.next_due()
             if due is not None and not d.blocked:
-                timeout = min(timeout, due - now)
+                # Wake SPIN_S before a frame is due and poll from there: an idle (virtual) CPU
+                # can take a millisecond to wake, which would make sparse traffic late.
+                timeout = min(timeout, max(0.0, due - now - SPIN_S))
         wlist = [d.dst for d in dirs if d.blocked]
         try:
             readable, _, _ = select.select(list(by_fd), wlist, [], max(0.0, timeout))
