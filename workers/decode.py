@@ -222,8 +222,8 @@ class DecodeWorker(HandoffMixin, Worker):
         self.registered.pop(seq.rid, None)
         relayed = seq.relay is not None  # finished here, on the relay: no handoff
         self.emit(Done(**self.stamp(seq.rid), output_tokens=len(seq.out), kv_bytes=seq.kv_bytes,
-                             handed_off=False if relayed else None, eager=seq.streamed if relayed else None,
-                             taken_over_at=seq.main.extended if seq.main is not None else None))
+                       handed_off=False if relayed else None, eager=seq.streamed if relayed else None,
+                       taken_over_at=seq.main.extended if seq.main is not None else None))
 
     async def drop(self, rid: str) -> Seq | None:
         seq = self.waiting.pop(rid, None) or self.running.pop(rid, None) or self.held.pop(rid, None)

@@ -152,7 +152,7 @@ class HandoffMixin:
             await self._send_extend(seq, pending, final=True)
             self.registered.pop(seq.rid, None)
             self.emit(Done(**self.stamp(seq.rid), handed_off=True, eager=seq.streamed, batches=rs.batches,
-                                 output_tokens=seq.streamed))
+                           output_tokens=seq.streamed))
         else:
             rs.awaiting_ack = True
             rs.last_pending = len(pending)
@@ -168,7 +168,7 @@ class HandoffMixin:
         # Spawned like the token publishes before it, so the broker gets them in order.
         self.spawn(self.publish(self.topics.cmd(rs.main), cmd.dump()))
         self.emit(HandoffSent(**self.stamp(seq.rid), tokens=len(tokens), start=rs.handed - len(tokens),
-                                    final=final, to=rs.main))
+                              final=final, to=rs.main))
 
     # ----------------------------------------------------------------- main side
     async def on_extend(self: DecodeSide, cmd: ExtendCmd) -> None:
@@ -199,8 +199,8 @@ class HandoffMixin:
             ms.extended += len(toks)
         self.extends_done += 1
         self.emit(Extended(**self.stamp(cmd.rid), tokens=len(toks), start=cmd.start, final=cmd.final,
-                                 mismatches=ms.mismatches, compute_s=real, t_start=t0,
-                                 since_kv_s=time.time() - seq.kv_arrived))
+                           mismatches=ms.mismatches, compute_s=real, t_start=t0,
+                           since_kv_s=time.time() - seq.kv_arrived))
         if not cmd.final:
             # Spawned, not awaited: the ack crosses the WAN and must not hold this worker up.
             self.spawn(self.publish(self.topics.cmd(ms.relay), HandoffAck(rid=cmd.rid, extended=ms.extended).dump()))

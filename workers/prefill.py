@@ -99,7 +99,7 @@ class PrefillWorker(Worker):
         finally:
             self.cache.unlock(path)
         self.emit(PrefillDone(**self.stamp(cmd.rid), hit_tokens=hit, computed=len(tokens) - hit,
-                                    first_token=first, start=t0, end=time.time(), real_s=real, modeled_s=modeled))
+                              first_token=first, start=t0, end=time.time(), real_s=real, modeled_s=modeled))
         self.pending_ships[cmd.rid] = len(cmd.kv_to)
         if not cmd.kv_to:
             self.cancels.pop(cmd.rid, None)
@@ -124,7 +124,7 @@ class PrefillWorker(Worker):
                                        self.cfg.block_size, cancel=cancel, corrupt_block=corrupt)
         except kv_wire.KVTransferError as e:
             self.emit(Failed(**self.stamp(cmd.rid), reason=f"KV transfer to {target.worker}: {e}",
-                                   target=target.worker))
+                             target=target.worker))
             return
         finally:
             watcher.cancel()
@@ -133,5 +133,5 @@ class PrefillWorker(Worker):
         self.transfers = TransferTotals(count=t.count + 1, bytes=t.bytes + st.bytes_acked,
                                         cancelled=t.cancelled + int(st.cancelled))
         self.emit(KvSent(**self.stamp(cmd.rid), to=target.worker, bytes=st.bytes_acked, written=st.bytes_sent,
-                               payload=st.payload_bytes, planned_payload=st.planned_payload, tokens=st.tokens_sent,
-                               had=st.receiver_had, start=st.start, end=st.end, cancelled=st.cancelled))
+                         payload=st.payload_bytes, planned_payload=st.planned_payload, tokens=st.tokens_sent,
+                         had=st.receiver_had, start=st.start, end=st.end, cancelled=st.cancelled))
