@@ -42,14 +42,14 @@ def _require_root() -> None:
 def _wire_scenario(args: argparse.Namespace) -> Scenario:
     """The scenario in wire units (an emulation's rates and delays at this scale and dilation)."""
     from testbed.emulation import EmulationPlan
-    from workers.model import ensure_default_model, kv_bytes_per_token
+    from workers.model import kv_bytes_per_token
 
     sc = load_scenario(args.scenario)
     if sc.emulation is None:
         return sc
     if args.token_scale < 1 or not 0.1 <= args.dilation <= 1000:
         raise InputError("--token-scale must be >= 1 and --dilation between 0.1 and 1000")
-    model = str(sc.workers.model) if sc.workers.model else str(ensure_default_model())
+    model = sc.model_dir()
     plan = EmulationPlan.make(sc, args.token_scale, args.dilation, kv_bytes_per_token(model, sc.workers.dtype))
     if not getattr(args, "json", False):
         print(plan.describe(sc))

@@ -28,7 +28,7 @@ from testbed.scenario import Role, Scenario
 from testbed.traces.workload import RequestSpec
 from workers.contracts import BrokerInfo, DeviceSpec, Scales, WorkerConfig, WorkerFaults, WorkerRole, WorkerStats
 from workers.control import Topics
-from workers.model import ensure_default_model, kv_bytes_per_token
+from workers.model import kv_bytes_per_token
 
 KV_PORT = 7070
 WORKER_ROLES: dict[Role, WorkerRole] = {Role.PREFILL: "prefill", Role.DECODE: "decode",
@@ -91,7 +91,7 @@ class Cluster:
         _, broker = start_broker(net, routers[0])
         cl = cls(net, policy, broker)
         ws = sc.workers
-        model = str(ws.model) if ws.model else str(ensure_default_model())
+        model = sc.model_dir()
         cl.workers = worker_configs(sc, net, broker, model, dtype, faults, emulation)
         d = emulation.dilation if emulation else 1.0
         for host, cfg in cl.workers.items():

@@ -128,9 +128,9 @@ def emulation_plan(sc: Scenario, wl: Workload, specs: list[RequestSpec], dilatio
     dilation given, the scenario's, or (``auto``) calibrated on this host."""
     from testbed.dilation import calibrate_dilation
     from testbed.traces.stats import hit_rates
-    from workers.model import ensure_default_model, kv_bytes_per_token
+    from workers.model import kv_bytes_per_token
 
-    model = str(sc.workers.model) if sc.workers.model else str(ensure_default_model())
+    model = sc.model_dir()
     dtype = dtype or sc.workers.dtype
     b_r = kv_bytes_per_token(model, dtype)
     wanted = dilation if dilation is not None else (sc.emulation.time_dilation if sc.emulation else 1.0)

@@ -208,6 +208,13 @@ class Scenario(_Strict):
     def hosts_with_role(self, role: Role) -> list[str]:
         return [h for dc in self.datacenters.values() for h, spec in dc.hosts.items() if spec.role == role]
 
+    def model_dir(self) -> str:
+        """The small real model the workers run: ``workers.model``, or the default one
+        (created on first use)."""
+        from workers.model import ensure_default_model
+
+        return str(self.workers.model) if self.workers.model else str(ensure_default_model())
+
     def wan_direction(self, src_dc: str, dst_dc: str) -> WanDirection:
         a, b = self.wan.between
         if (src_dc, dst_dc) == (a, b):

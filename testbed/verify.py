@@ -69,12 +69,12 @@ def run_verify(sc: Scenario, impairment: str, policies: list[PolicySpec], prompt
     tokens must not change."""
     from testbed.emulation import EmulationPlan
     from testbed.experiment import run_policy
-    from workers.model import ModelRunner, ensure_default_model, kv_bytes_per_token
+    from workers.model import ModelRunner, kv_bytes_per_token
 
     if not 0.1 <= dilation <= 1000:
         raise InputError(f"--dilation: must be between 0.1 and 1000, got {dilation:g}")
     specs = verification_prompts(prompts, seed)
-    model = str(sc.workers.model) if sc.workers.model else str(ensure_default_model())
+    model = sc.model_dir()
     plan = EmulationPlan.make(sc, 1, dilation, kv_bytes_per_token(model, dtype))
     for s in specs:
         s.at *= plan.dilation
