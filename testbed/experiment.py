@@ -103,8 +103,9 @@ def run_policy(sc: Scenario, impairment: Impairment | str, policy: PolicySpec, s
         cpu = {p.name: s for p in net.run.processes if (s := cpu_seconds(p.pid)) is not None}
         router = cl.router_records()
         workers = cl.worker_stats()
+        policy_report = cl.policy_stats()  # read before the run directory goes with the network
     verdict = judge(workers, net.delayline_stats_final, cpu, wall)
-    return PolicyRun(recs, router, workers, cl.policy_stats(), verdict)
+    return PolicyRun(recs, router, workers, policy_report, verdict)
 
 
 @dataclass(frozen=True)

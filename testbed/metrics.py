@@ -69,6 +69,7 @@ def request_rows(recs: dict[str, ClientRecord], router: dict[str, RequestRecord]
             "wan_kv_cancelled_bytes": sum(max(0, e.planned_payload - e.payload) for e in wan if e.cancelled),
             "wan_cut_off": any(e.cancelled for e in wan),
             "kv_transfer_s": max(e.end - e.start for e in kv_sent) / d if kv_sent else np.nan,
+            "kv_queued_s": max(e.queued_s for e in kv_sent) / d if kv_sent else np.nan,
             "relay": relay, "eager_tokens": eager * sc.s_out,
             "rld_share": eager / len(r.tokens) if r.tokens else np.nan,
             "handoffs": len(handoffs), "handoff_sizes": "+".join(str(e.tokens * sc.s_out) for e in handoffs),

@@ -105,6 +105,10 @@ class WorkerSettings(_Strict):
     decode_cache_tokens: int = Field(default=262144, ge=0)
     max_batch: int = Field(default=32, ge=1)
     kv_timeout_s: float = Field(default=120.0, gt=0)
+    kv_streams_per_peer: int = Field(
+        default=1, ge=1, le=64,
+        description="KV transfers a sender runs at once to one receiver; later ones wait their turn in "
+                    "arrival order (a transfer engine's queue per peer)")
     request_timeout_s: float = Field(default=600.0, gt=0)
 
 

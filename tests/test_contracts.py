@@ -175,7 +175,7 @@ def test_policy_spec_is_parsed_once_and_crosses_as_a_typed_spec() -> None:
     assert isinstance(pdd, PddSpec) and pdd.options.threshold == 32 and pdd.options.load == 4
     back = spec_from_json(pdd.model_dump_json())
     assert back == pdd and isinstance(back, PddSpec)
-    assert pdd.describe().startswith("pdd:handoff=catch-up,threshold=32,load=4,relay_s=0.2,drc=on")
+    assert pdd.describe().startswith("pdd:handoff=catch-up,threshold=32,load=4,relay_s=0.5,drc=on")
     policy = make_policy(back)
     assert isinstance(policy, Pdd) and policy.opts.handoff == "catch-up" and policy.describe() == pdd.describe()
     assert parse_policy("same-dc") == SameDcSpec()

@@ -18,7 +18,7 @@ import yaml
 from testbed.client import ClientRecord
 from testbed.cluster import worker_configs
 from testbed.contracts import RequestRecord
-from testbed.dilation import MARGIN, Probe, choose_dilation
+from testbed.dilation import DELAYLINE_CPUS, MARGIN, Probe, choose_dilation
 from testbed.emulation import EmulationPlan, round_up
 from testbed.experiment import run_policy
 from testbed.fidelity import judge
@@ -176,7 +176,8 @@ def test_round_up_and_choose_dilation() -> None:
     assert [round_up(x) for x in (1.0, 1.23, 2.38, 12.1)] == [1.0, 1.3, 2.4, 13.0]
     probes = [Probe("prefill", 0.30, 0.20), Probe("decode", 0.01, 0.1)]
     d, why = choose_dilation(probes, workers=3, cpus=2)
-    assert d == round_up(1.5 * 1.5 * MARGIN) and "prefill" in why and "3 computing workers on 2 cores" in why
+    assert d == round_up(1.5 * (3 + DELAYLINE_CPUS) / 2 * MARGIN) and "prefill" in why
+    assert "3 computing workers and the delay line on 2 cores" in why
     assert choose_dilation([Probe("decode", 0.01, 0.1)], workers=1, cpus=2)[0] == 1.0  # never compresses
     assert choose_dilation([], 3, 2) == (1.0, "auto: no paced device, nothing to dilate")
 
@@ -239,6 +240,8 @@ def test_paced_and_dilated_pdd_produces_the_reference_tokens() -> None:
     assert md.modeled_s > md.real_s  # the worker waited for the emulated device
     assert any(r.relay for r in run.router.values()) and any(
         isinstance(e, Extended) and e.final for r in run.router.values() for e in r.events)
+    # The policy's own counters reach the run's results (read before the run directory goes).
+    assert run.policy.counts.get("P-RLD-MD", 0) == sum(1 for r in run.router.values() if r.relay)
 
 
 def _tpot(sc: Any, policy: str, dilation: float) -> tuple[float, float]:

@@ -195,3 +195,11 @@ def test_shipped_generated_traces_are_reproducible_from_their_header(name: str) 
     sessions, hdr = generate(GenConfig(**fields))
     expected = [json.dumps(hdr)] + [json.dumps(s, separators=(",", ":")) for s in sessions]
     assert path.read_text().splitlines() == expected
+
+
+def test_request_list_prompt_ids_must_be_in_the_models_vocabulary(tmp_path: Path) -> None:
+    ok = {"rid": "r0", "prompt": [5, 6, 7], "output_length": 2, "arrival_s": 0}
+    bad = {"rid": "r1", "prompt": [5, 9000], "output_length": 2, "arrival_s": 0.1}
+    assert load_trace(_write(tmp_path, "ok.jsonl", [ok]), "requests").requests[0].input_len == 3
+    with pytest.raises(InputError, match=r"r.jsonl:2: .*token id 9000 is outside the default model's vocabulary"):
+        load_trace(_write(tmp_path, "r.jsonl", [ok, bad]), "requests")

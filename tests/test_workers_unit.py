@@ -105,7 +105,7 @@ def test_wire_detects_corrupted_block() -> None:
 
 def test_batched_decode_and_extend_equal_reference(runner64: ModelRunner) -> None:
     rng = random.Random(3)
-    prompts = [[rng.randrange(3, 32000) for _ in range(n)] for n in (16, 90, 333)]
+    prompts = [[rng.randrange(3, 8192) for _ in range(n)] for n in (16, 90, 333)]
     refs = [runner64.reference(p, 12) for p in prompts]
     states = []
     for p in prompts:
@@ -123,7 +123,48 @@ def test_batched_decode_and_extend_equal_reference(runner64: ModelRunner) -> Non
 
 
 def test_prefill_on_cached_prefix_equals_full(runner64: ModelRunner) -> None:
-    p = [random.Random(5).randrange(3, 32000) for _ in range(100)]
+    p = [random.Random(5).randrange(3, 8192) for _ in range(100)]
     full, t1 = runner64.prefill(p, None, chunk=512)
     part, t2 = runner64.prefill(p, full[:, :, :, :64], chunk=16)
     assert t1 == t2 and torch.allclose(full, part, atol=1e-10)
+    # The prefix given as radix-cache blocks gives the very same result as given whole.
+    blocks, t3 = runner64.prefill(p, [full[:, :, :, i : i + 16] for i in range(0, 64, 16)], chunk=16)
+    assert t3 == t2 and torch.equal(blocks, part)
+
+
+def test_peer_queues_take_turns_in_arrival_order_and_skip_cut_off_transfers() -> None:
+    from workers.kv_queue import PeerQueues
+
+    async def scenario(streams: int) -> tuple[list[str], int]:
+        q = PeerQueues(streams)
+        order: list[str] = []
+        running, most = 0, 0
+        cancels = {name: asyncio.Event() for name in "abcde"}
+
+        async def transfer(name: str, peer: str = "md") -> None:
+            nonlocal running, most
+            if not await q.turn(peer, cancels[name]):
+                order.append(f"{name}:cut")
+                return
+            running += 1
+            most = max(most, running)
+            order.append(name)
+            await asyncio.sleep(0.02)
+            running -= 1
+            q.release(peer)
+
+        tasks = []
+        for name in "abcde":
+            tasks.append(asyncio.ensure_future(transfer(name)))
+            await asyncio.sleep(0.001)  # arrival order a, b, c, d, e
+        assert q.waiting("md") == 5 - streams
+        cancels["c"].set()  # cut off while it waits: never takes a turn, holds nothing
+        await asyncio.gather(*tasks)
+        other = asyncio.Event()
+        assert await q.turn("other-peer", other)  # each receiver has its own queue
+        return order, most
+
+    order, most = asyncio.run(scenario(1))
+    assert order == ["a", "c:cut", "b", "d", "e"] and most == 1
+    order, most = asyncio.run(scenario(2))
+    assert [o for o in order if o != "c:cut"] == ["a", "b", "d", "e"] and most == 2

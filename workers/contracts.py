@@ -92,6 +92,7 @@ class WorkerConfig(Contract):
     cache_tokens: int = Field(default=262144, ge=0)
     max_batch: int = Field(default=32, ge=1)
     kv_timeout_s: float = Field(default=120.0, gt=0)
+    kv_streams_per_peer: int = Field(default=1, ge=1)
     device: DeviceSpec = DeviceSpec()
     cost: ModelCost | None = None  # the emulated model; None: price the real model's own work
     scales: Scales = Scales()

@@ -213,8 +213,9 @@ class KvSent(_Event):
     planned_payload: int = Field(ge=0)
     tokens: int = Field(ge=0)
     had: int = Field(ge=0)  # tokens the receiver already held
-    start: float
+    start: float  # the transfer began (after its turn in the sender's queue for this peer)
     end: float
+    queued_s: float = Field(default=0.0, ge=0)  # waited in that queue (real seconds)
     cancelled: bool = False
 
 

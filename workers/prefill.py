@@ -3,7 +3,8 @@
 Requests are prefilled one at a time in arrival order (prefill is compute-bound; chunking
 bounds a step's length). The matched prefix is locked for the duration of the request so
 eviction cannot pull it away; the prompt's full blocks are inserted afterwards. The KV is
-then shipped to every target of the command concurrently while the next prefill runs.
+then shipped to every target of the command concurrently while the next prefill runs;
+transfers to one receiver take turns (``kv_streams_per_peer`` at a time, in arrival order).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from workers import kv_wire
 from workers.contracts import PrefillCounters, TransferTotals, WorkerConfig, WorkerStats
 from workers.control import CancelCmd, Command, Failed, KvSent, KVTarget, PrefillCmd, PrefillDone
+from workers.kv_queue import PeerQueues
 from workers.radix_cache import RadixCache
 from workers.runtime import Worker
 
@@ -31,6 +33,7 @@ class PrefillWorker(Worker):
         # Per request: one cancel event per KV target ("" = the request as a whole).
         self.cancels: dict[str, dict[str, asyncio.Event]] = {}
         self.pending_ships: dict[str, int] = {}  # transfers of a request still running
+        self.peers = PeerQueues(cfg.kv_streams_per_peer)  # transfers to one receiver take turns
         self.busy = 0
 
     async def start(self) -> None:
@@ -87,7 +90,7 @@ class PrefillWorker(Worker):
             path = path[:-1]
         self.cache.lock(path)
         try:
-            cached = self.cache.kv_of(path)
+            cached = self.cache.blocks_of(path)  # the runner copies them in once
             hit = len(path) * self.cfg.block_size
             t0 = time.time()
             (kv, first), real = await self.run_compute(self.runner.prefill, tokens, cached, self.cfg.prefill_chunk)
@@ -119,9 +122,20 @@ class PrefillWorker(Worker):
             cancel.set()
 
         watcher = asyncio.ensure_future(relay_cancel())
+        queued = time.time()
         try:
-            st = await kv_wire.send_kv(target.host, target.port, cmd.rid, cmd.prompt, kv, first,
-                                       self.cfg.block_size, cancel=cancel, corrupt_block=corrupt)
+            if not await self.peers.turn(target.worker, cancel):
+                self._count_transfer(0, cancelled=True)
+                self.emit(KvSent(**self.stamp(cmd.rid), to=target.worker, bytes=0, written=0, payload=0,
+                                 planned_payload=0, tokens=0, had=0, start=queued, end=time.time(),
+                                 queued_s=time.time() - queued, cancelled=True))
+                return
+            waited = time.time() - queued
+            try:
+                st = await kv_wire.send_kv(target.host, target.port, cmd.rid, cmd.prompt, kv, first,
+                                           self.cfg.block_size, cancel=cancel, corrupt_block=corrupt)
+            finally:
+                self.peers.release(target.worker)
         except kv_wire.KVTransferError as e:
             self.emit(Failed(**self.stamp(cmd.rid), reason=f"KV transfer to {target.worker}: {e}",
                              target=target.worker))
@@ -129,9 +143,12 @@ class PrefillWorker(Worker):
         finally:
             watcher.cancel()
             self._shipped(cmd.rid)
-        t = self.transfers
-        self.transfers = TransferTotals(count=t.count + 1, bytes=t.bytes + st.bytes_acked,
-                                        cancelled=t.cancelled + int(st.cancelled))
+        self._count_transfer(st.bytes_acked, st.cancelled)
         self.emit(KvSent(**self.stamp(cmd.rid), to=target.worker, bytes=st.bytes_acked, written=st.bytes_sent,
                          payload=st.payload_bytes, planned_payload=st.planned_payload, tokens=st.tokens_sent,
-                         had=st.receiver_had, start=st.start, end=st.end, cancelled=st.cancelled))
+                         had=st.receiver_had, start=st.start, end=st.end, queued_s=waited, cancelled=st.cancelled))
+
+    def _count_transfer(self, nbytes: int, cancelled: bool) -> None:
+        t = self.transfers
+        self.transfers = TransferTotals(count=t.count + 1, bytes=t.bytes + nbytes,
+                                        cancelled=t.cancelled + int(cancelled))

@@ -66,7 +66,13 @@ class RadixCache:
 
     @staticmethod
     def kv_of(path: list[Node]) -> torch.Tensor | None:
-        return torch.cat([n.kv for n in path], dim=3) if path else None  # type: ignore[misc]
+        """The KV of a matched path as one tensor (a copy)."""
+        return torch.cat(RadixCache.blocks_of(path), dim=3) if path else None
+
+    @staticmethod
+    def blocks_of(path: list[Node]) -> list[torch.Tensor]:
+        """The KV blocks of a matched path, in order (views, no copy)."""
+        return [n.kv for n in path if n.kv is not None]
 
     def lock(self, path: list[Node]) -> None:
         for n in path:

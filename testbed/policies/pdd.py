@@ -27,7 +27,7 @@ those off would keep the MD's cache cold and push every later turn onto the RLD.
 Options (``pdd:key=value,...``, parsed once into ``PddOptions`` in ``spec.py``):
 ``handoff`` one-shot | catch-up | adaptive (one-shot while the RLD has at least ``load``
 requests in flight, catch-up otherwise); ``threshold`` (catch-up batch, tokens, default
-64); ``load`` (default 4); ``relay_s`` (default 0.2); ``drc`` on | off; ``filter`` off |
+64); ``load`` (default 4); ``relay_s`` (default 0.5); ``drc`` on | off; ``filter`` off |
 predict; ``low_hit`` (default 0.5); ``cutoff`` all | anomalous | off; ``eager`` (start the
 handoff after exactly this many eager tokens, the relay holding there until the MD is
 ready; for experiments and tests; a request's ``eager`` hint overrides it).
@@ -122,7 +122,8 @@ class Pdd(Policy):
         if plan is None:
             return
         if isinstance(event, KvSent) and event.to == plan.decode:
-            self.wan.finished(req.rid, event.end - event.start, event.cancelled)
+            # From when it joined the sender's queue: the estimate counts the backlog ahead.
+            self.wan.finished(req.rid, event.queued_s + event.end - event.start, event.cancelled)
         elif (isinstance(event, KvReceived) and event.worker == plan.decode and self.drc
               and plan.pipeline != "P-RLD"):
             # Only now does the MD hold this prompt (a cut-off transfer never gets here).

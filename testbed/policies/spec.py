@@ -63,7 +63,7 @@ class PddOptions(BaseModel):
     handoff: Literal["one-shot", "catch-up", "adaptive"] = "adaptive"
     threshold: int = Field(default=64, ge=1, description="catch-up batch, tokens")
     load: int = Field(default=4, ge=1, description="adaptive: one-shot at this many relay requests")
-    relay_s: float = Field(default=0.2, ge=0, description="relay when the WAN wait exceeds this")
+    relay_s: float = Field(default=0.5, ge=0, description="relay when the WAN wait exceeds this")
     drc: Literal["on", "off"] = "on"
     filter: Literal["off", "predict"] = "off"
     low_hit: float = Field(default=0.5, ge=0, le=1, description="share of the prompt computed = low hit")

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from testbed.errors import InputError
 from testbed.traces.errors import from_validation, line_error, read_lines
-from testbed.traces.workload import Segment, TraceRequest, Workload, scale_len
+from testbed.traces.workload import VOCAB_HIGH, Segment, TraceRequest, Workload, scale_len
 from workers.control import RequestHints
 
 MOONCAKE_BLOCK = 512
@@ -259,6 +259,9 @@ class RequestLine(BaseModel):
             raise ValueError("give exactly one of prompt or input_length")
         if self.prompt is not None and not self.prompt:
             raise ValueError("prompt must not be empty")
+        if self.prompt is not None and not all(0 <= t < VOCAB_HIGH for t in self.prompt):
+            bad = next(t for t in self.prompt if not 0 <= t < VOCAB_HIGH)
+            raise ValueError(f"token id {bad} is outside the default model's vocabulary [0, {VOCAB_HIGH})")
         if self.input_length is not None and self.prefix_length > self.input_length:
             raise ValueError("prefix_length exceeds input_length")
         return self

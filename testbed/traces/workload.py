@@ -26,7 +26,7 @@ from typing import Any
 
 from workers.control import RequestHints
 
-VOCAB_LOW, VOCAB_HIGH = 3, 32000  # ids 0..2 are pad/bos/eos in the default model
+VOCAB_LOW, VOCAB_HIGH = 3, 8192  # ids 0..2 are pad/bos/eos in the default model (vocabulary 8192)
 
 
 def synth_tokens(key: str, n: int) -> list[int]:
