@@ -34,6 +34,15 @@ class Slo:
     tpot_s: float = 0.25
 
 
+def _kept_off(e: KvSent, planned_delta: int | None) -> int:
+    """KV bytes a cut-off kept off the line: what the receiver lacked minus what was sent. A
+    transfer cut off while it waited in the sender's queue never asked the receiver what it
+    lacked; the router's estimate at planning time stands in."""
+    if e.written == 0 and e.planned_payload == 0:
+        return planned_delta or 0
+    return max(0, e.planned_payload - e.payload)
+
+
 def request_rows(recs: dict[str, ClientRecord], router: dict[str, RequestRecord],
                  specs: list[RequestSpec] | None = None, scales: Scales | None = None) -> pd.DataFrame:
     sc = scales or Scales()
@@ -66,7 +75,7 @@ def request_rows(recs: dict[str, ClientRecord], router: dict[str, RequestRecord]
             "kv_bytes": sum(e.bytes for e in kv_sent),
             "kv_tokens_sent": sum(e.tokens for e in kv_sent),
             "wan_kv_bytes": sum(e.bytes for e in wan),
-            "wan_kv_cancelled_bytes": sum(max(0, e.planned_payload - e.payload) for e in wan if e.cancelled),
+            "wan_kv_cancelled_bytes": sum(_kept_off(e, rr.plan_info.delta_bytes) for e in wan if e.cancelled),
             "wan_cut_off": any(e.cancelled for e in wan),
             "kv_transfer_s": max(e.end - e.start for e in kv_sent) / d if kv_sent else np.nan,
             "kv_queued_s": max(e.queued_s for e in kv_sent) / d if kv_sent else np.nan,

@@ -290,3 +290,12 @@ def test_drc_off_md_caches_nothing_and_routing_uses_what_md_lacks() -> None:
     assert list(off.pipeline) == ["P-RLD-MD", "P-RLD-MD"]
     assert off.loc["d1"].plan_md_have_tokens == 0
     assert off_stats["workers"]["decode-b"].cache.hit_tokens == 0
+
+
+def test_kv_kept_off_the_wan_by_a_cut_off_in_the_queue_or_mid_transfer() -> None:
+    from testbed.metrics import _kept_off
+
+    queued = _kv_sent("q", "decode-b", 1.0, 1.0).model_copy(update={"cancelled": True})
+    assert _kept_off(queued, 5000) == 5000  # never started: the router's planned delta stands in
+    mid = queued.model_copy(update={"written": 3000, "payload": 2900, "planned_payload": 8000})
+    assert _kept_off(mid, 5000) == 5100  # what the receiver lacked minus what crossed
