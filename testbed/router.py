@@ -11,6 +11,7 @@ fails validation is logged and fails only the request it names.
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import sys
 import time
@@ -237,4 +238,6 @@ class Router:
 
 if __name__ == "__main__":
     cfg = RouterConfig.model_validate_json(Path(sys.argv[1]).read_text())
+    gc.collect()
+    gc.freeze()  # no full collector pass over the imports at a moment routing should happen
     asyncio.run(Router(cfg).main())
