@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -130,16 +130,16 @@ class ModelRunner:
         self.params = sum(p.numel() for p in self.model.parameters())
 
     # ----------------------------------------------------------------- helpers
-    @staticmethod
-    def _to_cache(kv: torch.Tensor) -> DynamicCache:
-        """(L, 2, H, T, D) for one request -> DynamicCache of batch 1."""
-        return DynamicCache.from_legacy_cache(tuple((kv[i, 0][None], kv[i, 1][None]) for i in range(kv.shape[0])))
-
-    @staticmethod
-    def _from_cache(cache: DynamicCache, row: int = 0, start: int = 0) -> torch.Tensor:
-        return torch.stack(
-            [torch.stack((layer.keys[row, :, start:], layer.values[row, :, start:])) for layer in cache.layers]
-        )
+    def _buffer(self, parts: list[torch.Tensor], total: int) -> tuple[torch.Tensor, Cache]:
+        """One (L, 2, H, ``total``, D) buffer holding ``parts`` (consecutive KV pieces) at its
+        start, and a cache whose forward passes write the following tokens into it in place."""
+        s = self.shape
+        kv = torch.empty((s.layers, 2, s.kv_heads, total, s.head_dim), dtype=s.dtype)
+        at = 0
+        for p in parts:
+            kv[:, :, :, at : at + p.shape[3]] = p
+            at += p.shape[3]
+        return kv, Cache(layers=[_PreallocatedLayer(kv[i, 0][None], kv[i, 1][None], at) for i in range(s.layers)])
 
     # ----------------------------------------------------------------- compute
     @torch.inference_mode()
@@ -157,13 +157,7 @@ class ModelRunner:
         done = sum(p.shape[3] for p in parts)
         if done >= len(tokens):
             raise ValueError("prefill needs at least one uncached token")
-        s = self.shape
-        kv = torch.empty((s.layers, 2, s.kv_heads, len(tokens), s.head_dim), dtype=s.dtype)
-        at = 0
-        for p in parts:
-            kv[:, :, :, at : at + p.shape[3]] = p
-            at += p.shape[3]
-        cache = Cache(layers=[_PreallocatedLayer(kv[i, 0][None], kv[i, 1][None], done) for i in range(s.layers)])
+        kv, cache = self._buffer(parts, len(tokens))
         logits = None
         for start in range(done, len(tokens), chunk):
             piece = torch.tensor([tokens[start : start + chunk]])
@@ -182,10 +176,8 @@ class ModelRunner:
         Returns the KV of the new tokens and the greedy token after each of them. The context
         is copied once into a buffer the pass writes into (as in ``prefill``).
         """
-        n, s = kv.shape[3], self.shape
-        buf = torch.empty((s.layers, 2, s.kv_heads, n + len(tokens), s.head_dim), dtype=s.dtype)
-        buf[:, :, :, :n] = kv
-        cache = Cache(layers=[_PreallocatedLayer(buf[i, 0][None], buf[i, 1][None], n) for i in range(s.layers)])
+        n = kv.shape[3]
+        buf, cache = self._buffer([kv], n + len(tokens))
         pos = torch.arange(n, n + len(tokens))[None]
         out = self.model(input_ids=torch.tensor([tokens]), position_ids=pos, past_key_values=cache, use_cache=True)
         return buf[:, :, :, n:].clone(), out.logits[0].argmax(-1).tolist()
