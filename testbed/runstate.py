@@ -1,7 +1,7 @@
 """Run registry: every kernel object and process a run creates is recorded before it exists.
 
 Each run gets an id and a name prefix (``pdd<6 hex>``) carried by all its namespaces. The
-manifest (``/run/pdd-testbed/<id>/manifest.json``) is written *before* the first namespace
+manifest (``<state root>/<id>/manifest.json``, in memory: see ``_state_root``) is written *before* the first namespace
 is created and updated as processes start, so a crash at any point leaves enough behind for
 ``clean_stale`` to undo it: a run whose owner process is gone is stale. Processes are only
 ever ended by PID (checked against their start time) or because they live inside one of
@@ -24,7 +24,29 @@ from typing import Any
 
 from testbed import netns
 
-STATE_ROOT = Path(os.environ.get("PDD_TESTBED_STATE", "/run/pdd-testbed"))
+
+def _tmpfs(path: str) -> bool:
+    """Whether ``path`` is a tmpfs mount point (/proc/self/mounts)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            fields = line.split()
+            if len(fields) > 2 and fields[1] == path and fields[2] == "tmpfs":
+                return True
+    return False
+
+
+def _state_root() -> Path:
+    """Where runs keep their manifest, configs, logs and stats files: in memory. Workers
+    and the delay line replace their stats file twice a second; on a disk filesystem
+    (ext4 here, where /run is not a tmpfs) a rename now and then waited 0.2-0.6 s for the
+    journal, with the event loop or the forwarding loop stopped: paced steps overran and
+    delay-line frames were late by that much."""
+    if env := os.environ.get("PDD_TESTBED_STATE"):
+        return Path(env)
+    return Path("/run/pdd-testbed") if _tmpfs("/run") else Path("/dev/shm/pdd-testbed")
+
+
+STATE_ROOT = _state_root()
 PREFIX_RE = re.compile(r"^pdd[0-9a-f]{6}-")
 
 

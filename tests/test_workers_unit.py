@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from workers import kv_wire
-from workers.model import ModelRunner, ensure_default_model
+from workers.model import DecodeBatch, ModelRunner, ensure_default_model
 from workers.radix_cache import RadixCache
 
 
@@ -120,6 +120,41 @@ def test_batched_decode_and_extend_equal_reference(runner64: ModelRunner) -> Non
     kv, first = runner64.prefill(prompts[1], None, chunk=512)
     new_kv, nxt = runner64.extend(kv, refs[1][:8])  # 8 known tokens in one pass
     assert nxt[:7] == refs[1][1:8] and new_kv.shape[3] == 8
+
+
+def test_decode_batch_members_join_and_leave_without_rebuilding(runner64: ModelRunner) -> None:
+    """Requests join a running batch (a shorter one into a spare row) and leave it (the last
+    row moves into the freed one); every request's tokens still equal its reference, and a
+    joiner longer than the batch's aligned end is refused (the worker rebuilds then)."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 8192) for _ in range(n)] for n in (40, 120, 75, 30, 200)]
+    refs = [runner64.reference(p, 10) for p in prompts]
+    state = {}
+    for i, p in enumerate(prompts):
+        kv, tok = runner64.prefill(p, None, chunk=64)
+        state[i] = [kv, [tok]]
+    b = DecodeBatch(runner64, [state[i][0] for i in (0, 1, 2)], headroom=32, spare=2)
+    rows = [0, 1, 2]
+
+    def step() -> None:
+        for i, (nkv, t) in zip(rows, b.step([state[i][1][-1] for i in rows]), strict=True):
+            state[i][0] = torch.cat([state[i][0], nkv], dim=3)
+            state[i][1].append(t)
+
+    step()
+    assert b.fits(state[3][0]) and not b.fits(state[4][0])  # 200 tokens > the aligned end
+    b.add(state[3][0])
+    rows.append(3)
+    for _ in range(3):
+        step()
+    b.remove(0)  # the last row (request 3) takes row 0
+    rows[0] = rows.pop()
+    for _ in range(5):
+        step()
+    assert b.rows == 3 and b.lens == [state[i][0].shape[3] for i in rows]
+    for i in (1, 2, 3):
+        assert state[i][1] == refs[i][: len(state[i][1])], i
+    assert len(state[1][1]) == 10 and state[0][1] == refs[0][:5]
 
 
 def test_prefill_on_cached_prefix_equals_full(runner64: ModelRunner) -> None:

@@ -4,8 +4,9 @@ Continuous batching: every step is *one* batched forward pass over all active re
 (up to ``max_batch``); requests join as soon as their KV has arrived and leave at EOS or
 their output length, between steps. Each request's KV lives in a buffer preallocated for
 prompt + output, so a step appends in place instead of copying the context; the batch's KV
-is kept in one left-padded buffer across steps (``DecodeBatch``) and rebuilt only when its
-members change.
+is kept in one left-padded buffer across steps (``DecodeBatch``): a joining request copies
+only its own KV in, a leaving one frees its row; the batch is rebuilt only when a joiner is
+longer than the batch's aligned end or the headroom is used up.
 
 The decode-side radix cache (DRC) keeps prompts' KV so a later request that shares a prefix
 needs only the missing part from the network: the receiver states its cached prefix before
@@ -43,6 +44,10 @@ from workers.model import DecodeBatch
 from workers.radix_cache import RadixCache
 from workers.runtime import Worker
 from workers.seq import Seq
+
+# Steps a batch can take before its buffer is full and it is rebuilt. Unused headroom and
+# spare rows cost no copying (the buffer is not zeroed); only memory that stays untouched.
+BATCH_HEADROOM = 256
 
 
 class DecodeWorker(HandoffMixin, Worker):
@@ -190,13 +195,8 @@ class DecodeWorker(HandoffMixin, Worker):
                 batch = [s for s in batch if self.running.get(s.rid) is s and not s.paused]
                 if not batch:
                     continue
+                (self.dbatch, batch), build = await self.run_compute(self._form_batch, batch)
                 contexts = [s.n for s in batch]
-                build = 0.0
-                if self.dbatch is None or self.dbatch_rows != batch or self.dbatch.full:
-                    # Members changed: copy their KV into a new batch buffer (once, not every step).
-                    self.dbatch, build = await self.run_compute(DecodeBatch, self.runner, [s.kv for s in batch])
-                    self.dbatch_rows = batch
-                    self.batch_builds += 1
                 results, real = await self.run_compute(self.dbatch.step, [s.out[-1] for s in batch])
                 real += build
                 modeled = None if self.pacer.native else self.pacer.decode_time(contexts)
@@ -217,6 +217,35 @@ class DecodeWorker(HandoffMixin, Worker):
                     self.complete(seq)
                 elif seq.relay is not None:
                     await self.maybe_hand_off(seq)
+
+    def _form_batch(self, wanted: list[Seq]) -> tuple[DecodeBatch, list[Seq]]:
+        """The decode batch for ``wanted`` and its members in row order (compute thread).
+
+        Leavers (and rows whose request's KV changed outside the batch) are removed and
+        joiners added one row at a time; the batch is rebuilt, with spare rows, only when
+        a joiner does not fit or the headroom is used up."""
+        rows, b = self.dbatch_rows, self.dbatch
+        if b is not None and not b.full:
+            keep = set(wanted)
+            for r in reversed(range(len(rows))):
+                if rows[r] not in keep or b.lens[r] != rows[r].n:
+                    b.remove(r)
+                    rows[r] = rows[-1]
+                    rows.pop()
+            present = set(rows)
+            joining = [s for s in wanted if s not in present]
+            for seq in joining:
+                if not b.fits(seq.kv):
+                    break
+                b.add(seq.kv)
+                rows.append(seq)
+            else:
+                return b, list(rows)
+        self.batch_builds += 1
+        spare = max(4, len(wanted) // 2)
+        self.dbatch = self.runner.batch([s.kv for s in wanted], headroom=BATCH_HEADROOM, spare=spare)
+        self.dbatch_rows = list(wanted)
+        return self.dbatch, list(wanted)
 
     def complete(self, seq: Seq) -> None:
         self.registered.pop(seq.rid, None)

@@ -182,6 +182,10 @@ class ModelRunner:
         out = self.model(input_ids=torch.tensor([tokens]), position_ids=pos, past_key_values=cache, use_cache=True)
         return buf[:, :, :, n:].clone(), out.logits[0].argmax(-1).tolist()
 
+    def batch(self, kvs: list[torch.Tensor], headroom: int = 64, spare: int = 0) -> DecodeBatch:
+        """A decode batch over these requests' KV, kept across steps (``DecodeBatch``)."""
+        return DecodeBatch(self, kvs, headroom=headroom, spare=spare)
+
     def decode_step(self, batch: list[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, int]]:
         """One batched forward pass: for each (kv, last_token) return (new-token KV, next token).
 
@@ -233,37 +237,78 @@ class _PreallocatedLayer(DynamicLayer):
 class DecodeBatch:
     """The KV of a decode batch, left-padded into one preallocated buffer per layer and kept
     across steps: every step appends one column for all rows (left padding keeps rows
-    aligned at the right), so the context is copied once when the batch is formed, not at
-    every step. A batch is rebuilt when its members change or its headroom is used up.
-    Padding is masked out and each row keeps its own position ids, so results equal
-    decoding each request alone (exactly, in float64)."""
+    aligned at the right), so the context is copied once, not at every step.
 
-    def __init__(self, runner: ModelRunner, kvs: list[torch.Tensor], headroom: int = 64) -> None:
+    Members come and go without copying the others: ``add`` copies one request's KV into a
+    spare row (when it is no longer than the batch's aligned end), ``remove`` moves the last
+    row into the freed one, so live rows stay ``[0, rows)`` and a step computes only those.
+    Rebuilding (copying every member, ~60 ms for 12 requests of 2.3K tokens here, three
+    decode steps) is left for when a request does not fit or the headroom is used up.
+    Padding is masked out and each row keeps its own position ids, so results equal
+    decoding each request alone (exactly, in float64). Padding need not be zero, only
+    finite: masked positions get weight 0, and 0 x NaN would not be 0."""
+
+    def __init__(self, runner: ModelRunner, kvs: list[torch.Tensor], headroom: int = 64, spare: int = 0) -> None:
         self.runner = runner
-        self.lens = [kv.shape[3] for kv in kvs]
-        self.end = max(self.lens)
+        self.end = max(kv.shape[3] for kv in kvs)
         s = runner.shape
-        bsz, cap = len(kvs), self.end + max(1, headroom)
-        self.starts = [self.end - n for n in self.lens]
-        self.bufs = []
-        for layer in range(s.layers):
-            k = torch.zeros((bsz, s.kv_heads, cap, s.head_dim), dtype=s.dtype)
-            v = torch.zeros_like(k)
-            for row, kv in enumerate(kvs):
-                k[row, :, self.starts[row] : self.end] = kv[layer, 0]
-                v[row, :, self.starts[row] : self.end] = kv[layer, 1]
-            self.bufs.append((k, v))
-        self.cap = cap
+        self.cap = self.end + max(1, headroom)
+        shape = (len(kvs) + spare, s.kv_heads, self.cap, s.head_dim)
+        # Columns past ``end`` are written by a step before any step reads them; padding is
+        # zeroed per row as rows are filled.
+        self.bufs = [(torch.empty(shape, dtype=s.dtype), torch.empty(shape, dtype=s.dtype)) for _ in range(s.layers)]
+        self.lens: list[int] = []
+        self.starts: list[int] = []
+        for kv in kvs:
+            self._fill(kv)
+
+    @property
+    def rows(self) -> int:
+        return len(self.lens)
 
     @property
     def full(self) -> bool:
         return self.end >= self.cap
 
+    def fits(self, kv: torch.Tensor) -> bool:
+        return self.rows < self.bufs[0][0].shape[0] and kv.shape[3] <= self.end and not self.full
+
+    def add(self, kv: torch.Tensor) -> None:
+        """Copy one more request's KV ``(layers, 2, kv_heads, n, head_dim)`` in as the last row."""
+        if not self.fits(kv):
+            raise ValueError("request does not fit this decode batch")
+        self._fill(kv)
+
+    def remove(self, row: int) -> None:
+        """Drop ``row``; the last row takes its place (callers mirror that move)."""
+        last = self.rows - 1
+        if row != last:
+            a = self.starts[last]
+            for k, v in self.bufs:
+                k[row, :, a : self.end] = k[last, :, a : self.end]
+                v[row, :, a : self.end] = v[last, :, a : self.end]
+            self.starts[row], self.lens[row] = a, self.lens[last]
+        self.starts.pop()
+        self.lens.pop()
+
+    def _fill(self, kv: torch.Tensor) -> None:
+        row, n = self.rows, kv.shape[3]
+        start = self.end - n
+        for layer, (k, v) in enumerate(self.bufs):
+            k[row, :, :start] = 0
+            v[row, :, :start] = 0
+            k[row, :, start : self.end] = kv[layer, 0]
+            v[row, :, start : self.end] = kv[layer, 1]
+        self.starts.append(start)
+        self.lens.append(n)
+
     @torch.inference_mode()
     def step(self, tokens: list[int]) -> list[tuple[torch.Tensor, int]]:
         """Feed each row's last token; returns each row's (new-token KV, next greedy token)."""
         bsz = len(tokens)
-        cache = Cache(layers=[_PreallocatedLayer(k, v, self.end) for k, v in self.bufs])
+        assert bsz == self.rows, (bsz, self.rows)
+        views = [(k[:bsz], v[:bsz]) for k, v in self.bufs]
+        cache = Cache(layers=[_PreallocatedLayer(k, v, self.end) for k, v in views])
         mask = torch.zeros((bsz, self.end + 1), dtype=torch.long)
         for row, start in enumerate(self.starts):
             mask[row, start:] = 1
@@ -276,6 +321,6 @@ class DecodeBatch:
         self.end += 1
         self.lens = [n + 1 for n in self.lens]
         return [
-            (torch.stack([torch.stack((k[r, :, e : e + 1], v[r, :, e : e + 1])) for k, v in self.bufs]), nxt[r])
+            (torch.stack([torch.stack((k[r, :, e : e + 1], v[r, :, e : e + 1])) for k, v in views]), nxt[r])
             for r in range(bsz)
         ]
