@@ -15,7 +15,7 @@ TOKEN_SCALE ?= 16
 POLICIES ?= same-dc,cross-dc,pdd
 RUN_ARGS ?=
 
-.PHONY: setup debs test lint run-trace bench-net bench-handoff clean distclean
+.PHONY: setup debs test lint run-trace run-cluster bench-net bench-handoff clean distclean
 
 setup: debs $(STAMP)
 
@@ -44,6 +44,12 @@ test: setup
 run-trace: setup
 	$(VENV)/bin/testbed clean
 	$(VENV)/bin/testbed run --scenario $(SCENARIO) --trace $(TRACE) --token-scale $(TOKEN_SCALE) \
+	  --policies $(POLICIES) $(RUN_ARGS)
+
+# The report's device counts (75 emulated accelerators for PDD) as modeled instances.
+run-cluster: setup
+	$(VENV)/bin/testbed clean
+	$(VENV)/bin/testbed run --scenario topologies/cluster-modeled.yaml --trace $(TRACE) --token-scale $(TOKEN_SCALE) \
 	  --policies $(POLICIES) $(RUN_ARGS)
 
 lint: setup

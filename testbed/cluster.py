@@ -26,7 +26,7 @@ from testbed.net.build import Network
 from testbed.policies.spec import PolicySpec
 from testbed.scenario import Role, Scenario
 from testbed.traces.workload import RequestSpec
-from workers.contracts import BrokerInfo, DeviceSpec, Scales, WorkerConfig, WorkerFaults, WorkerRole, WorkerStats
+from workers.contracts import BrokerInfo, Scales, WorkerConfig, WorkerFaults, WorkerRole, WorkerStats
 from workers.control import Topics
 from workers.model import kv_bytes_per_token
 
@@ -47,11 +47,10 @@ def worker_configs(sc: Scenario, net: Network, broker: BrokerInfo, model: str, d
             role = WORKER_ROLES.get(spec.role)
             if role is None:
                 continue
-            dev = sc.devices.get(spec.device)
-            device = DeviceSpec(name=spec.device, **(dev.model_dump() if dev else {}))
+            device = sc.device_spec(host)
             out[host] = WorkerConfig(
                 name=host, role=role, run_id=net.run.run_id, host_ip=net.ip_of(host), kv_port=KV_PORT,
-                broker=broker, model_path=model, dtype=dtype or ws.dtype, threads=ws.threads,
+                broker=broker, model_path=model, compute=spec.compute, dtype=dtype or ws.dtype, threads=ws.threads,
                 block_size=ws.block_size, prefill_chunk=ws.prefill_chunk,
                 cache_tokens=ws.prefill_cache_tokens if role == "prefill" else ws.decode_cache_tokens,
                 max_batch=ws.max_batch, kv_timeout_s=ws.kv_timeout_s * d, kv_streams_per_peer=ws.kv_streams_per_peer,

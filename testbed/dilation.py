@@ -26,7 +26,7 @@ import numpy as np
 from testbed.emulation import EmulationPlan, round_up
 from testbed.scenario import Role, Scenario
 from testbed.traces.workload import RequestSpec, synth_tokens
-from workers.contracts import DeviceSpec, Scales
+from workers.contracts import Scales
 from workers.device import Pacer, make_pacer
 
 # Taking the fastest probe leaves the margin to cover what a step meets under load. Most
@@ -75,11 +75,9 @@ def _main_decoders(sc: Scenario) -> list[str]:
 def _pacers(sc: Scenario, plan: EmulationPlan, roles: tuple[Role, ...], hosts: list[str] | None = None
             ) -> list[Pacer]:
     hosts = hosts if hosts is not None else [h for r in roles for h in sc.hosts_with_role(r)]
-    names = {sc.datacenters[sc.datacenter_of(h)].hosts[h].device for h in hosts}
+    specs = {sc.device_spec(h) for h in hosts if sc.host(h).compute == "real"}  # modeled: nothing to keep up with
     out = []
-    for name in sorted(names):
-        dev = sc.devices.get(name)
-        spec = DeviceSpec(name=name, **(dev.model_dump() if dev else {}))
+    for spec in sorted(specs, key=lambda d: d.name):
         p = make_pacer(spec, plan.cost(), Scales(s_in=plan.scales.s_in, s_out=plan.scales.s_out, dilation=1.0))
         if not p.native:
             out.append(p)
@@ -124,16 +122,22 @@ DELAYLINE_CPUS = 0.5  # the userspace delay line under dense WAN traffic: measur
 
 
 def concurrent_workers(sc: Scenario) -> int:
-    """Workers that compute at once under one policy: every prefill and relay host and one
-    decoder (a policy decodes in one datacenter at a time)."""
-    n = len(sc.hosts_with_role(Role.PREFILL)) + len(sc.hosts_with_role(Role.RELAY_DECODE))
-    return n + (1 if sc.hosts_with_role(Role.DECODE) else 0)
+    """Workers that compute for real at once under one policy: every prefill and relay host
+    and the decoders of one datacenter (a policy decodes in one datacenter at a time).
+    Modeled workers do no forward pass and are not counted."""
+    def real(role: Role) -> list[str]:
+        return [h for h in sc.hosts_with_role(role) if sc.host(h).compute == "real"]
+
+    per_dc: dict[str, int] = {}
+    for h in real(Role.DECODE):
+        per_dc[sc.datacenter_of(h)] = per_dc.get(sc.datacenter_of(h), 0) + 1
+    return len(real(Role.PREFILL)) + len(real(Role.RELAY_DECODE)) + max(per_dc.values(), default=0)
 
 
 def choose_dilation(found: list[Probe], workers: int, cpus: int) -> tuple[float, str]:
     """The dilation for these probes and that much contention, and why."""
     if not found:
-        return 1.0, "auto: no paced device, nothing to dilate"
+        return 1.0, "auto: no worker computes for real on a paced device (modeled or native): nothing to dilate"
     worst = max(found, key=lambda p: p.ratio)
     contention = max(1.0, (workers + DELAYLINE_CPUS) / max(1, cpus))
     d = round_up(max(1.0, worst.ratio * contention * MARGIN))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,6 +181,9 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
         workers[name] = run.workers
         verdicts[name] = run.verdict
         print(format_summary(name, summaries[name]) + f"  [{time.monotonic() - t0:.0f} s]", flush=True)
+        if max(Counter(w.role for w in run.workers.values()).values(), default=0) > 1:
+            print("    requests by instance: " + ", ".join(
+                f"{w} {n}" for w, n in summaries[name]["requests_by_worker"].items()), flush=True)
         for rid, why in list(summaries[name]["failures"].items())[:5]:
             print(f"    failed {rid}: {why}")
     summary: dict[str, Any] = {

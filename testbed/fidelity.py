@@ -50,9 +50,10 @@ def judge(workers: dict[str, WorkerStats], delayline: DelayLineReport | None, cp
     v = Verdict()
     for name, st in sorted(workers.items()):
         d = st.device
-        v.workers[name] = {"device": d.device, "native": d.native, "steps": d.steps, "overruns": d.overruns,
-                           "overrun_fraction": d.overrun_fraction, "overrun_s": d.overrun_s,
-                           "by_kind": {k: list(c) for k, c in d.by_kind.items()}}
+        v.workers[name] = {"device": d.device, "native": d.native, "compute": st.compute, "steps": d.steps,
+                           "overruns": d.overruns, "overrun_fraction": d.overrun_fraction, "overrun_s": d.overrun_s,
+                           "by_kind": {k: list(c) for k, c in d.by_kind.items()},
+                           "worst": [w.model_dump() for w in d.worst]}
         if not d.native and d.overrun_fraction > MAX_OVERRUN_FRACTION:
             v.passed = False
             kinds = ", ".join(f"{k} {o}/{n}" for k, (n, o) in d.by_kind.items() if o)
@@ -80,8 +81,11 @@ def format_verdict(label: str, v: Verdict) -> str:
         if w["native"]:
             lines.append(f"  {name:10} host CPU, not an emulated device ({w['steps']} steps)")
         else:
-            lines.append(f"  {name:10} {w['device']:8} {w['steps']:6} steps, overruns {w['overruns']} "
+            lines.append(f"  {name:10} {w['device']:8} {w['compute']:7} {w['steps']:6} steps, overruns {w['overruns']} "
                          f"({100 * w['overrun_fraction']:.2f}%), {w['overrun_s']:.2f} s over")
+            for o in w.get("worst", [])[:3]:
+                lines.append(f"      {o['kind']} {1000 * (o['real_s'] - o['modeled_s']):.0f} ms over "
+                             f"({1000 * o['real_s']:.0f} vs {1000 * o['modeled_s']:.0f} ms; {o['detail']})")
     for name, d in v.links.items():
         drops = d["drop_loss"] + d["drop_queue_full"] + d["drop_overflow"] + d["drop_error"]
         lines.append(f"  wan {name}: {d['frames_out']} frames, {drops} dropped (loss {d['drop_loss']}, "

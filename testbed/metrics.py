@@ -65,6 +65,7 @@ def request_rows(recs: dict[str, ClientRecord], router: dict[str, RequestRecord]
         eager = r.by_worker.get(relay, 0) if relay else 0
         row: dict[str, Any] = {
             "rid": rid, "ok": r.ok, "error": r.error, "pipeline": rr.pipeline,
+            "prefill_worker": rr.prefill, "decode_worker": rr.decode,
             "prompt_tokens": r.prompt_len, "output_tokens": len(r.tokens), "max_new": r.max_new,
             "session": h.session, "turn": h.turn, "short_output": h.short_output,
             "output_tokens_emulated": len(r.tokens) * sc.s_out,
@@ -141,7 +142,18 @@ def summarize(df: pd.DataFrame, itl: list[float], slo: Slo | None = None,
         "relayed": int((df.pipeline == "P-RLD-MD").sum()),
         "handoff_p50_s": _pct(ok.md_kv_to_handoff_s, 50), "handoff_p99_s": _pct(ok.md_kv_to_handoff_s, 99),
         "handoff_mismatches": int(df.handoff_mismatches.sum()),
+        "requests_by_worker": requests_by_worker(df),
     }  # fmt: skip
+
+
+def requests_by_worker(df: pd.DataFrame) -> dict[str, int]:
+    """How many requests each instance served (prefill, decoder, relay): the balance across
+    instances of a role."""
+    counts: dict[str, int] = {}
+    for row in df[["prefill_worker", "decode_worker", "relay"]].itertuples(index=False):
+        for name in {w for w in row if isinstance(w, str)}:
+            counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def format_summary(name: str, s: dict[str, Any]) -> str:

@@ -53,7 +53,9 @@ class Router:
         self.topics = Topics(cfg.run_id)
         self.policy: Policy = make_policy(cfg.policy)
         self.policy.bind(cfg.context)
-        self.view = ClusterView({n: WorkerView(n, w.role, w.dc, w.host, w.kv_port) for n, w in cfg.workers.items()})
+        self.view = ClusterView({n: WorkerView(n, w.role, w.dc, w.host, w.kv_port) for n, w in cfg.workers.items()},
+                                block_size=cfg.context.block_size,
+                                cache_tokens=cfg.context.decode_cache_tokens or 262144)
         self.inflight: dict[str, RequestState] = {}
         self.finished: dict[str, RequestRecord] = {}  # rid -> record (late events still land)
         self.ended: dict[str, RequestState] = {}  # finished requests, for the policy's late events
@@ -147,6 +149,7 @@ class Router:
         req.plan = plan
         for w in plan.workers:
             self.view.workers[w].assigned += 1
+            self.view.remember(w, r.prompt)
         # Decoders first: they must know the request before its KV arrives.
         targets = []
         for w in filter(None, (plan.relay, plan.decode)):

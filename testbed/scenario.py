@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from testbed.errors import InputError
+from workers.contracts import DeviceSpec
 
 NAME_RE = r"^[a-z][a-z0-9]{0,11}(-[a-z0-9]{1,11})*$"
 HostName = Annotated[str, Field(pattern=NAME_RE, max_length=16)]
@@ -41,6 +42,12 @@ class _Strict(BaseModel):
 class Host(_Strict):
     role: Role
     device: str = Field(default="native", description="a key of `devices`, or native (no pacing)")
+    devices: int = Field(default=1, ge=1, le=64, description=(
+        "accelerators in this instance (tensor parallel): peak FLOP/s and bandwidth scale with it, the "
+        "per-step overhead does not"))
+    compute: Literal["real", "modeled"] = Field(
+        default="real", description="real: the small model computes every token; modeled: no forward pass, "
+                                    "deterministic tokens, KV of the real size, paced by the device (cluster scale)")
 
 
 class DeviceProfile(_Strict):
@@ -192,6 +199,11 @@ class Scenario(_Strict):
             for host, spec in dc.hosts.items():
                 if spec.device != "native" and spec.device not in self.devices:
                     raise ValueError(f"host {host!r} uses unknown device profile {spec.device!r}")
+        for dc in self.datacenters.values():
+            for host, spec in dc.hosts.items():
+                if spec.compute == "modeled" and (self.emulation is None or spec.device == "native"):
+                    raise ValueError(f"host {host!r}: compute: modeled needs an emulation and a device profile "
+                                     "(a modeled step lasts only as long as the emulated device takes)")
         if self.emulation is not None and self.emulation.model not in self.models:
             raise ValueError(f"emulation.model names unknown model {self.emulation.model!r}")
         a, b = self.wan.between
@@ -208,6 +220,26 @@ class Scenario(_Strict):
             if host in dc.hosts:
                 return dc_name
         raise KeyError(host)
+
+    def host(self, name: str) -> Host:
+        return self.datacenters[self.datacenter_of(name)].hosts[name]
+
+    def device_spec(self, host: str) -> DeviceSpec:
+        """The roofline ``host``'s worker is paced to: its device profile times its device
+        count (an ideal tensor-parallel instance), or native."""
+        spec = self.host(host)
+        dev = self.devices.get(spec.device)
+        if dev is None:
+            return DeviceSpec(name=spec.device)
+        n = spec.devices
+        return DeviceSpec(name=spec.device if n == 1 else f"{n}x{spec.device}", peak_tflops=dev.peak_tflops * n,
+                          mem_gbps=dev.mem_gbps * n, step_overhead_ms=dev.step_overhead_ms,
+                          prefill_chunk=dev.prefill_chunk)
+
+    def emulated_devices(self) -> int:
+        """Accelerators the scenario's workers stand for (native hosts count none)."""
+        return sum(h.devices for dc in self.datacenters.values() for h in dc.hosts.values()
+                   if h.device in self.devices)
 
     def hosts_with_role(self, role: Role) -> list[str]:
         return [h for dc in self.datacenters.values() for h, spec in dc.hosts.items() if spec.role == role]

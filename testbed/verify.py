@@ -73,6 +73,11 @@ def run_verify(sc: Scenario, impairment: str, policies: list[PolicySpec], prompt
 
     if not 0.1 <= dilation <= 1000:
         raise InputError(f"--dilation: must be between 0.1 and 1000, got {dilation:g}")
+    modeled = [h for dc in sc.datacenters.values() for h, spec in dc.hosts.items() if spec.compute == "modeled"]
+    if modeled:
+        where = f" ({sc.source})" if sc.source else ""
+        raise InputError(f"scenario {sc.name}{where}: verify needs real compute, but {', '.join(modeled)} "
+                         "run compute: modeled (their tokens come from no model)")
     specs = verification_prompts(prompts, seed)
     model = sc.model_dir()
     plan = EmulationPlan.make(sc, 1, dilation, kv_bytes_per_token(model, dtype))

@@ -98,6 +98,12 @@ def test_native_device_and_overruns_are_accounted() -> None:
     rep = p.report()
     assert (rep.steps, rep.overruns, rep.by_kind) == (2, 1, {"decode": (1, 0), "prefill": (1, 1)})
     assert rep.overrun_s == pytest.approx(0.04) and rep.overrun_fraction == 0.5 and not rep.native
+    # The largest overruns are kept (five), largest first, with what the step was.
+    for i in range(7):
+        p.account("decode", 0.1 + 0.01 * i, 0.01, f"batch {i}")
+    worst = p.report().worst
+    assert [w.detail for w in worst] == ["batch 6", "batch 5", "batch 4", "batch 3", "batch 2"]
+    assert worst[0].kind == "decode" and worst[0].real_s == pytest.approx(0.16)
 
 
 # ------------------------------------------------------------------------- wire derivation
@@ -179,7 +185,7 @@ def test_round_up_and_choose_dilation() -> None:
     assert d == round_up(1.5 * (3 + DELAYLINE_CPUS) / 2 * MARGIN) and "prefill" in why
     assert "3 computing workers and the delay line on 2 cores" in why
     assert choose_dilation([Probe("decode", 0.01, 0.1)], workers=1, cpus=2)[0] == 1.0  # never compresses
-    assert choose_dilation([], 3, 2) == (1.0, "auto: no paced device, nothing to dilate")
+    assert choose_dilation([], 3, 2)[0] == 1.0  # nothing computes for real on a paced device
 
 
 # ------------------------------------------------------------------------- verdict

@@ -123,17 +123,18 @@ def test_batched_decode_and_extend_equal_reference(runner64: ModelRunner) -> Non
 
 
 def test_decode_batch_members_join_and_leave_without_rebuilding(runner64: ModelRunner) -> None:
-    """Requests join a running batch (a shorter one into a spare row) and leave it (the last
-    row moves into the freed one); every request's tokens still equal its reference, and a
-    joiner longer than the batch's aligned end is refused (the worker rebuilds then)."""
+    """Requests join a running batch (a shorter one into a spare row; a longer one moves the
+    batch's end, leaving the others a masked hole) and leave it (the last row moves into the
+    freed one); every request's tokens still equal its reference; with no spare row left a
+    joiner is refused (the worker rebuilds then, into the same buffers)."""
     rng = random.Random(7)
-    prompts = [[rng.randrange(3, 8192) for _ in range(n)] for n in (40, 120, 75, 30, 200)]
-    refs = [runner64.reference(p, 10) for p in prompts]
+    prompts = [[rng.randrange(3, 8192) for _ in range(n)] for n in (40, 120, 75, 30, 200, 50)]
+    refs = [runner64.reference(p, 14) for p in prompts]
     state = {}
     for i, p in enumerate(prompts):
         kv, tok = runner64.prefill(p, None, chunk=64)
         state[i] = [kv, [tok]]
-    b = DecodeBatch(runner64, [state[i][0] for i in (0, 1, 2)], headroom=32, spare=2)
+    b = DecodeBatch(runner64, [state[i][0] for i in (0, 1, 2)], headroom=128, spare=2)
     rows = [0, 1, 2]
 
     def step() -> None:
@@ -142,19 +143,24 @@ def test_decode_batch_members_join_and_leave_without_rebuilding(runner64: ModelR
             state[i][1].append(t)
 
     step()
-    assert b.fits(state[3][0]) and not b.fits(state[4][0])  # 200 tokens > the aligned end
-    b.add(state[3][0])
-    rows.append(3)
-    for _ in range(3):
-        step()
-    b.remove(0)  # the last row (request 3) takes row 0
+    for joiner in (3, 4):  # 30 tokens: below the end; 200: past it (a hole for the others)
+        assert b.fits(state[joiner][0])
+        b.add(state[joiner][0])
+        rows.append(joiner)
+        for _ in range(3):
+            step()
+    assert b.holes[0] == [(124, 200)] and b.holes[4] == [] and not b.fits(state[5][0])  # no spare row
+    b.remove(0)  # the last row (request 4) takes row 0
     rows[0] = rows.pop()
-    for _ in range(5):
+    for _ in range(4):
         step()
-    assert b.rows == 3 and b.lens == [state[i][0].shape[3] for i in rows]
-    for i in (1, 2, 3):
+    assert b.rows == 4 and b.lens == [state[i][0].shape[3] for i in rows]
+    for i in (1, 2, 3, 4):
         assert state[i][1] == refs[i][: len(state[i][1])], i
-    assert len(state[1][1]) == 10 and state[0][1] == refs[0][:5]
+    assert len(state[1][1]) == 12 and state[0][1] == refs[0][:8]
+    again = DecodeBatch(runner64, [state[i][0] for i in rows], headroom=64, reuse=b)
+    assert again.bufs is b.bufs  # rebuilt into the same memory
+    assert [t for _, t in again.step([state[i][1][-1] for i in rows])] == [refs[i][len(state[i][1])] for i in rows]
 
 
 def test_prefill_on_cached_prefix_equals_full(runner64: ModelRunner) -> None:

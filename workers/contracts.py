@@ -85,6 +85,8 @@ class WorkerConfig(Contract):
     kv_port: int = Field(default=7070, ge=1, le=65535)
     broker: BrokerInfo
     model_path: str
+    # real: the small model computes every token; modeled: no forward pass (workers/modeled.py)
+    compute: Literal["real", "modeled"] = "real"
     dtype: Literal["float32", "float64", "bfloat16"] = "float32"
     threads: int = Field(default=1, ge=1)
     block_size: int = Field(default=16, ge=1)
@@ -101,6 +103,14 @@ class WorkerConfig(Contract):
 
 
 # ------------------------------------------------------------------------- statistics file
+class WorstOverrun(Contract):
+    kind: str
+    real_s: float
+    modeled_s: float
+    t: float  # unix time the step ended
+    detail: str = ""  # e.g. a decode step's batch size and whether the batch was rebuilt
+
+
 class DeviceReport(Contract):
     """Pacing totals (real seconds): steps, how many overran their modeled time and by how
     much; per kind of step (prefill, decode, extend) the same counts."""
@@ -113,6 +123,7 @@ class DeviceReport(Contract):
     modeled_s: float = 0.0
     real_s: float = 0.0
     by_kind: dict[str, tuple[int, int]] = {}  # kind -> (steps, overruns)
+    worst: list[WorstOverrun] = []  # the largest overruns, largest first
 
     @property
     def overrun_fraction(self) -> float:
@@ -154,6 +165,7 @@ class DecodeCounters(Contract):
 class WorkerStats(Contract):
     worker: str
     role: WorkerRole
+    compute: Literal["real", "modeled"] = "real"
     device: DeviceReport
     cache: CacheReport | None = None
     prefill: PrefillCounters | None = None

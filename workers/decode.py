@@ -5,8 +5,8 @@ Continuous batching: every step is *one* batched forward pass over all active re
 their output length, between steps. Each request's KV lives in a buffer preallocated for
 prompt + output, so a step appends in place instead of copying the context; the batch's KV
 is kept in one left-padded buffer across steps (``DecodeBatch``): a joining request copies
-only its own KV in, a leaving one frees its row; the batch is rebuilt only when a joiner is
-longer than the batch's aligned end or the headroom is used up.
+only its own KV in, a leaving one frees its row; the batch is rebuilt only when it has no
+spare row or its headroom is used up.
 
 The decode-side radix cache (DRC) keeps prompts' KV so a later request that shares a prefix
 needs only the missing part from the network: the receiver states its cached prefix before
@@ -41,13 +41,15 @@ from workers.control import (
 )
 from workers.handoff import HandoffMixin
 from workers.model import DecodeBatch
+from workers.modeled import ModeledBatch
 from workers.radix_cache import RadixCache
 from workers.runtime import Worker
 from workers.seq import Seq
 
-# Steps a batch can take before its buffer is full and it is rebuilt. Unused headroom and
-# spare rows cost no copying (the buffer is not zeroed); only memory that stays untouched.
-BATCH_HEADROOM = 256
+# Columns a batch can grow by (steps, and joiners longer than its end) before it is rebuilt.
+# Unused headroom and spare rows cost no copying (the buffer is not zeroed), only memory that
+# stays untouched.
+BATCH_HEADROOM = 512
 
 
 class DecodeWorker(HandoffMixin, Worker):
@@ -62,7 +64,7 @@ class DecodeWorker(HandoffMixin, Worker):
         self.step_log: deque[tuple[int, float]] = deque(maxlen=2000)  # (batch size, real seconds), recent
         self.server: asyncio.Server | None = None
         self.tokens_out = 0
-        self.dbatch: DecodeBatch | None = None  # the running batch's KV, kept across steps
+        self.dbatch: DecodeBatch | ModeledBatch | None = None  # the running batch's KV, kept across steps
         self.dbatch_rows: list[Seq] = []
         self.batch_builds = 0
         self.handoffs_sent = 0
@@ -195,13 +197,15 @@ class DecodeWorker(HandoffMixin, Worker):
                 batch = [s for s in batch if self.running.get(s.rid) is s and not s.paused]
                 if not batch:
                     continue
+                builds = self.batch_builds
                 (self.dbatch, batch), build = await self.run_compute(self._form_batch, batch)
                 contexts = [s.n for s in batch]
                 results, real = await self.run_compute(self.dbatch.step, [s.out[-1] for s in batch])
-                real += build
                 modeled = None if self.pacer.native else self.pacer.decode_time(contexts)
                 self.step_log.append((len(batch), real))
-                await self.pace("decode", real, modeled)
+                detail = (f"batch {len(batch)}, step {1000 * real:.0f} ms, forming the batch {1000 * build:.0f} ms"
+                          + (" (rebuilt)" if self.batch_builds > builds else ""))
+                await self.pace("decode", real + build, modeled, detail)
             for seq, (new_kv, tok) in zip(batch, results, strict=True):
                 if self.running.get(seq.rid) is not seq:
                     continue  # cancelled while the step ran
@@ -218,12 +222,12 @@ class DecodeWorker(HandoffMixin, Worker):
                 elif seq.relay is not None:
                     await self.maybe_hand_off(seq)
 
-    def _form_batch(self, wanted: list[Seq]) -> tuple[DecodeBatch, list[Seq]]:
+    def _form_batch(self, wanted: list[Seq]) -> tuple[DecodeBatch | ModeledBatch, list[Seq]]:
         """The decode batch for ``wanted`` and its members in row order (compute thread).
 
         Leavers (and rows whose request's KV changed outside the batch) are removed and
         joiners added one row at a time; the batch is rebuilt, with spare rows, only when
-        a joiner does not fit or the headroom is used up."""
+        there is no spare row or the headroom is used up."""
         rows, b = self.dbatch_rows, self.dbatch
         if b is not None and not b.full:
             keep = set(wanted)
@@ -243,7 +247,9 @@ class DecodeWorker(HandoffMixin, Worker):
                 return b, list(rows)
         self.batch_builds += 1
         spare = max(4, len(wanted) // 2)
-        self.dbatch = self.runner.batch([s.kv for s in wanted], headroom=BATCH_HEADROOM, spare=spare)
+        old = self.dbatch if isinstance(self.dbatch, DecodeBatch) else None
+        self.dbatch = self.runner.batch([s.kv for s in wanted], headroom=BATCH_HEADROOM, spare=spare,
+                                        reuse=old)
         self.dbatch_rows = list(wanted)
         return self.dbatch, list(wanted)
 

@@ -22,9 +22,13 @@ CPU is the device).
 
 from __future__ import annotations
 
+import heapq
+import time
 from dataclasses import dataclass, field
 
-from workers.contracts import DeviceReport, DeviceSpec, ModelCost, Scales
+from workers.contracts import DeviceReport, DeviceSpec, ModelCost, Scales, WorstOverrun
+
+WORST_KEPT = 5
 
 
 @dataclass
@@ -42,6 +46,8 @@ class Pacer:
     modeled_s: float = 0.0
     real_s: float = 0.0
     by_kind: dict[str, list[int]] = field(default_factory=dict)
+    # the largest overruns: (over, kind, real, modeled, t, detail)
+    worst: list[tuple[float, str, float, float, float, str]] = field(default_factory=list)
 
     @property
     def native(self) -> bool:
@@ -99,7 +105,7 @@ class Pacer:
         return s.dilation * self.extend_emulated(context * s.s_in, tokens * s.s_out)
 
     # ----------------------------------------------------------------- accounting
-    def account(self, kind: str, real_s: float, modeled_s: float | None) -> float:
+    def account(self, kind: str, real_s: float, modeled_s: float | None, detail: str = "") -> float:
         """Record a step; returns how long to wait so the step lasts ``modeled_s``."""
         self.steps += 1
         self.real_s += real_s
@@ -113,13 +119,19 @@ class Pacer:
             self.overruns += 1
             counts[1] += 1
             self.overrun_s += real_s - modeled_s
+            # The largest few, with when they happened: what a reader needs to find the cause.
+            heapq.heappush(self.worst, (real_s - modeled_s, kind, real_s, modeled_s, time.time(), detail))
+            if len(self.worst) > WORST_KEPT:
+                heapq.heappop(self.worst)
             return 0.0
         return modeled_s - real_s
 
     def report(self) -> DeviceReport:
         return DeviceReport(device=self.name, native=self.native, steps=self.steps, overruns=self.overruns,
                             overrun_s=round(self.overrun_s, 4), modeled_s=round(self.modeled_s, 4),
-                            real_s=round(self.real_s, 4), by_kind={k: (v[0], v[1]) for k, v in self.by_kind.items()})
+                            real_s=round(self.real_s, 4), by_kind={k: (v[0], v[1]) for k, v in self.by_kind.items()},
+                            worst=[WorstOverrun(kind=k, real_s=round(r, 4), modeled_s=round(m, 4), t=t, detail=d)
+                                   for _, k, r, m, t, d in sorted(self.worst, reverse=True)])
 
 
 def make_pacer(dev: DeviceSpec, cost: ModelCost | None, scales: Scales | None = None) -> Pacer:

@@ -95,7 +95,7 @@ class PrefillWorker(Worker):
             t0 = time.time()
             (kv, first), real = await self.run_compute(self.runner.prefill, tokens, cached, self.cfg.prefill_chunk)
             modeled = None if self.pacer.native else self.pacer.prefill_time(len(tokens) - hit, hit)
-            await self.pace("prefill", real, modeled)
+            await self.pace("prefill", real, modeled, f"{len(tokens) - hit} tokens after {hit}")
             self.computed_tokens += len(tokens) - hit
             self.reused_tokens += hit
             self.cache.insert(tokens, kv)

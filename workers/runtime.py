@@ -41,6 +41,7 @@ from workers.control import (
 )
 from workers.device import Pacer, make_pacer
 from workers.model import ModelRunner
+from workers.modeled import ModeledRunner
 from workers.radix_cache import RadixCache
 
 T = TypeVar("T")
@@ -50,15 +51,11 @@ class Worker:
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
         self.topics = Topics(cfg.run_id)
-        self.runner = ModelRunner(cfg.model_path, cfg.dtype, cfg.threads)
-        mc = self.runner.model.config
+        self.runner: ModelRunner | ModeledRunner = (
+            ModeledRunner(cfg.model_path, cfg.dtype) if cfg.compute == "modeled"
+            else ModelRunner(cfg.model_path, cfg.dtype, cfg.threads))
         # Steps are priced as the emulated model's; without one, as the real model's own work.
-        own = ModelCost(
-            params=self.runner.params, layers=mc.num_hidden_layers, hidden=mc.hidden_size,
-            kv_bytes_per_token=self.runner.shape.kv_bytes_per_token,
-            weight_bytes=self.runner.params * torch.finfo(self.runner.shape.dtype).bits // 8,
-        )  # fmt: skip
-        self.pacer: Pacer = make_pacer(cfg.device, cfg.cost or own, cfg.scales)
+        self.pacer: Pacer = make_pacer(cfg.device, cfg.cost or self._own_cost(), cfg.scales)
         self.cache: RadixCache | None = None  # a role with a prefix cache sets it
         self.compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torch")
         # The emulated device runs one forward pass at a time: a step holds it for its real
@@ -70,6 +67,18 @@ class Worker:
         self.tasks: set[asyncio.Task[Any]] = set()
         self.cache_series: list[tuple[float, int, int]] = []  # (t, hit tokens, lookup tokens)
 
+    def _own_cost(self) -> ModelCost | None:
+        """The real model's own work (a scenario that emulates no model); modeled compute
+        has no model of its own and is always given the emulated one."""
+        if not isinstance(self.runner, ModelRunner):
+            return None
+        mc = self.runner.model.config
+        return ModelCost(
+            params=self.runner.params, layers=mc.num_hidden_layers, hidden=mc.hidden_size,
+            kv_bytes_per_token=self.runner.shape.kv_bytes_per_token,
+            weight_bytes=self.runner.params * torch.finfo(self.runner.shape.dtype).bits // 8,
+        )  # fmt: skip
+
     # ----------------------------------------------------------------- helpers for roles
     async def run_compute(self, fn: Callable[..., T], *args: Any) -> tuple[T, float]:
         """Run torch work on the compute thread; returns (result, real seconds)."""
@@ -78,8 +87,8 @@ class Worker:
         res = await loop.run_in_executor(self.compute, fn, *args)
         return res, time.perf_counter() - t0
 
-    async def pace(self, kind: str, real_s: float, modeled_s: float | None) -> None:
-        wait = self.pacer.account(kind, real_s, modeled_s)
+    async def pace(self, kind: str, real_s: float, modeled_s: float | None, detail: str = "") -> None:
+        wait = self.pacer.account(kind, real_s, modeled_s, detail)
         if wait > 0:
             await asyncio.sleep(wait)
 
@@ -136,8 +145,8 @@ class Worker:
 
     def stats(self) -> WorkerStats:
         """This worker's statistics file; roles add their counters."""
-        return WorkerStats(worker=self.cfg.name, role=self.cfg.role, device=self.pacer.report(),
-                           cache=self.cache_report())
+        return WorkerStats(worker=self.cfg.name, role=self.cfg.role, compute=self.cfg.compute,
+                           device=self.pacer.report(), cache=self.cache_report())
 
     def cache_report(self) -> CacheReport | None:
         """Prefix-cache counters and their history (sampled each second when they change)."""
@@ -156,7 +165,17 @@ class Worker:
             self.cache_series.append((round(time.time(), 3), c.hit_tokens, c.lookup_tokens))
 
     # ----------------------------------------------------------------- main loop
+    def warm_up(self) -> None:
+        """One small prefill, decode step and extend on the compute thread before the worker
+        reports itself up: a first call pays one-time costs (the thread, first allocations,
+        kernel selection) that would otherwise land in the first paced steps (a modeled 3 ms
+        prefill took 7-30 ms in a fresh process)."""
+        kv, first = self.runner.prefill(list(range(3, 3 + 2 * self.cfg.block_size)), None, self.cfg.prefill_chunk)
+        self.runner.batch([kv]).step([first])
+        self.runner.extend(kv, [first])
+
     async def main(self) -> None:
+        await self.run_compute(self.warm_up)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from pydantic import Field
 
+from testbed.policies.prefix_index import PrefixIndex
 from workers.contracts import Contract
 from workers.control import DecodeCmd, Event, HandoffCmd, PrefillDone, RequestHints
 
@@ -62,26 +63,53 @@ class WorkerView:
     assigned: int = 0  # requests the router has in flight on this worker (fresher than status)
 
 
+AFFINITY_SLACK = 4  # requests more than the least-loaded worker that a prefix match may cost
+
+
+def _load(w: WorkerView) -> tuple[int, int, str]:
+    return (w.assigned, w.active + w.queued, w.name)
+
+
 @dataclass
 class ClusterView:
-    """What the router knows about the workers right now (from their status messages)."""
+    """What the router knows about the workers right now (from their status messages), and
+    what each worker's prefix cache probably holds (prompts the router sent it)."""
 
     workers: dict[str, WorkerView] = field(default_factory=dict)
+    block_size: int = 16
+    cache_tokens: int = 262144
+    held: dict[str, PrefixIndex] = field(default_factory=dict)
 
-    def pick(self, role: str, dc: str | None = None) -> WorkerView:
-        """The least-loaded live worker of a role (optionally in one datacenter)."""
+    def pick(self, role: str, dc: str | None = None, prompt: list[int] | None = None) -> WorkerView:
+        """A live worker of a role (optionally in one datacenter): the least loaded; given a
+        prompt, the one expected to hold the longest prefix of it (prefix-cache affinity),
+        unless that one has more than ``AFFINITY_SLACK`` requests beyond the least loaded."""
         cands = [w for w in self.workers.values() if w.role == role and w.up and (dc is None or w.dc == dc)]
         if not cands:
             where = f" in datacenter {dc}" if dc else ""
             raise LookupError(f"no live {role} worker{where}")
-        return min(cands, key=lambda w: (w.assigned, w.active + w.queued, w.name))
+        least = min(cands, key=_load)
+        if prompt is None or len(cands) == 1:
+            return least
+        have = {w.name: self._index(w.name).match(prompt) for w in cands}
+        best = min(cands, key=lambda w: (-have[w.name], *_load(w)))
+        if have[best.name] == 0 or best.assigned - least.assigned > AFFINITY_SLACK:
+            return least
+        return best
 
-    def pick_outside(self, role: str, dc: str) -> WorkerView:
-        """The least-loaded live worker of a role in the first other datacenter that has one."""
+    def pick_outside(self, role: str, dc: str, prompt: list[int] | None = None) -> WorkerView:
+        """As ``pick``, in the first other datacenter that has a live worker of the role."""
         remote = sorted({w.dc for w in self.workers.values() if w.role == role and w.dc != dc and w.up})
         if not remote:
             raise LookupError(f"no live {role} worker outside datacenter {dc}")
-        return self.pick(role, dc=remote[0])
+        return self.pick(role, dc=remote[0], prompt=prompt)
+
+    def remember(self, worker: str, prompt: list[int]) -> None:
+        """``worker`` was given ``prompt``: its prefix cache will hold it (affinity hint)."""
+        self._index(worker).insert(prompt)
+
+    def _index(self, worker: str) -> PrefixIndex:
+        return self.held.setdefault(worker, PrefixIndex(self.block_size, self.cache_tokens))
 
 
 @dataclass(frozen=True)

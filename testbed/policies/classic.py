@@ -15,8 +15,8 @@ class SameDc(Policy):
     name = "same-dc"
 
     def plan(self, req: RequestState, cluster: ClusterView) -> Plan:
-        p = cluster.pick("prefill")
-        d = cluster.pick("decode", dc=p.dc)
+        p = cluster.pick("prefill", prompt=req.prompt)
+        d = cluster.pick("decode", dc=p.dc, prompt=req.prompt)
         return Plan(f"P-D({d.dc})", p.name, d.name)
 
 
@@ -24,6 +24,6 @@ class CrossDc(Policy):
     name = "cross-dc"
 
     def plan(self, req: RequestState, cluster: ClusterView) -> Plan:
-        p = cluster.pick("prefill")
-        d = cluster.pick_outside("decode", p.dc)
+        p = cluster.pick("prefill", prompt=req.prompt)
+        d = cluster.pick_outside("decode", p.dc, prompt=req.prompt)
         return Plan(f"P-D({d.dc})", p.name, d.name)

@@ -66,8 +66,8 @@ class Pdd(Policy):
     # ----------------------------------------------------------------- routing
     def plan(self, req: RequestState, cluster: ClusterView) -> Plan:
         o = self.opts
-        p = cluster.pick("prefill")
-        md = cluster.pick_outside("decode", p.dc)
+        p = cluster.pick("prefill", prompt=req.prompt)
+        md = cluster.pick_outside("decode", p.dc, prompt=req.prompt)
         index = self.indexes.setdefault(md.name, PrefixIndex(self.ctx.block_size, self.ctx.decode_cache_tokens))
         have = index.match(req.prompt) if self.drc else 0
         delta = max(0, req.prompt_len - have)

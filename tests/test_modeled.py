@@ -1,0 +1,122 @@
+"""Modeled compute and several instances per role (issue #10, cluster scale)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from testbed.dilation import concurrent_workers
+from testbed.errors import InputError
+from testbed.policies.base import ClusterView, WorkerView
+from testbed.policies.spec import parse_policy
+from testbed.scenario import load_scenario
+from testbed.verify import run_verify
+from workers.model import ModelRunner, ensure_default_model
+from workers.modeled import ModeledRunner
+
+from .conftest import ROOT, TOPOLOGIES, needs_root
+
+CLUSTER = TOPOLOGIES / "cluster-modeled.yaml"
+
+
+def test_modeled_runner_gives_real_sized_kv_and_consistent_tokens() -> None:
+    path = ensure_default_model()
+    real, modeled = ModelRunner(path), ModeledRunner(path)
+    assert modeled.shape == real.shape
+    prompt = list(range(3, 103))
+    kv, first = modeled.prefill(prompt, None, 512)
+    assert kv.shape == (real.shape.layers, 2, real.shape.kv_heads, 100, real.shape.head_dim)
+    assert kv.numel() * kv.element_size() == 100 * real.shape.kv_bytes_per_token
+    # Decoding step by step (a relay) and extending by the same tokens (a main decoder)
+    # predict the same tokens; nothing ends early; the same prompt gives the same stream.
+    batch = modeled.batch([kv])
+    out = [first]
+    for _ in range(20):
+        [(new, tok)] = batch.step([out[-1]])
+        assert new.shape[3] == 1
+        out.append(tok)
+    ext_kv, preds = modeled.extend(kv, out[:20])
+    assert preds == out[1:21] and ext_kv.shape[3] == 20
+    assert modeled.eos_token_id is None and all(3 <= t < modeled.vocab for t in out)
+    assert modeled.prefill(prompt, None, 512)[1] == first
+
+
+def test_modeled_batch_rows_come_and_go() -> None:
+    m = ModeledRunner(ensure_default_model())
+    b = m.batch([m.kv(10), m.kv(20)])
+    b.add(m.kv(5))
+    b.remove(0)  # the last row takes its place
+    assert b.lens == [5, 20]
+    assert [t for _, t in b.step([7, 8])] == [m.next_token(7, 5), m.next_token(8, 20)]
+
+
+def test_scenario_counts_devices_and_rejects_modeled_without_emulation() -> None:
+    sc = load_scenario(CLUSTER)
+    pdd_side = sum(sc.host(h).devices for h in sc.datacenters["a"].hosts if h.startswith(("prefill", "relay")))
+    assert pdd_side == 43 and sum(h.devices for h in sc.datacenters["b"].hosts.values()) == 32
+    d = sc.device_spec("prefill-1")
+    assert d.name == "8xh100" and d.peak_tflops == 8 * 989 and d.mem_gbps == 8 * 3350 and d.step_overhead_ms == 2.0
+    assert concurrent_workers(sc) == 0  # modeled workers do not compete for the host's cores
+    with pytest.raises(InputError, match="host 'prefill-1': compute: modeled needs an emulation"):
+        load_scenario(CLUSTER, {"emulation": None})
+    with pytest.raises(InputError, match="verify needs real compute, but prefill-1, prefill-2"):
+        run_verify(sc, "auto", [parse_policy("same-dc")])
+
+
+def test_router_prefers_the_instance_holding_the_prefix_within_a_load_slack() -> None:
+    view = ClusterView({n: WorkerView(n, "prefill", "a", n, 1, up=True) for n in ("p1", "p2")}, block_size=4)
+    prompt = list(range(100))
+    first = view.pick("prefill", prompt=prompt)
+    assert first.name == "p1"  # nothing cached anywhere: the least loaded
+    view.remember("p1", prompt)
+    view.workers["p1"].assigned = 3
+    assert view.pick("prefill", prompt=prompt + [7, 7]).name == "p1"  # affinity beats a small imbalance
+    assert view.pick("prefill", prompt=[9] * 50).name == "p2"  # no prefix anywhere: least loaded
+    view.workers["p1"].assigned = 9
+    assert view.pick("prefill", prompt=prompt).name == "p2"  # too busy for affinity
+
+
+@needs_root
+def test_modeled_cluster_replays_with_balanced_instances_and_a_passing_verdict(tmp_path: Path) -> None:
+    raw = yaml.safe_load(CLUSTER.read_text())  # the shipped cluster, two instances per role
+    keep = {"client", "router", "prefill-1", "prefill-2", "relay", "decode-a1", "decode-a2", "decode-b1", "decode-b2"}
+    for dc in raw["datacenters"].values():
+        dc["hosts"] = {h: spec for h, spec in dc["hosts"].items() if h in keep}
+    sc_path = tmp_path / "small-cluster.yaml"
+    sc_path.write_text(yaml.safe_dump(raw))
+    sessions = [{"session": f"s{i}", "start_s": 0.3 * i, "shared_prefix": {"id": f"tools-{i % 2}", "tokens": 3000},
+                 "turns": [{"new_tokens": 400, "output_tokens": 160},
+                           {"new_tokens": 200, "output_tokens": 160, "delay_s": 0.5}]} for i in range(6)]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps(s) + "\n" for s in sessions))
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, "-m", "testbed", "run", "--scenario", str(sc_path), "--trace", str(trace),
+                          "--token-scale", "16", "--policies", "same-dc,pdd", "--out", str(out), "--dilation", "10"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "requests by instance: " in res.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    df = pd.read_parquet(out / "requests.parquet")
+    for policy in ("same-dc", "pdd"):
+        s = summary["policies"][policy]
+        assert s["completed"] == 12, s["failures"]
+        assert s["fidelity"]["passed"], s["fidelity"]
+        workers = summary["workers"][policy]
+        assert {w["compute"] for w in workers.values()} == {"modeled"}
+        by = s["requests_by_worker"]
+        assert by["prefill-1"] > 0 and by["prefill-2"] > 0  # both instances served
+        rows = df[df.policy == policy]
+        for i in range(6):  # a session's second turn goes where its first turn's prefix is
+            turns = rows[rows.session == f"s{i}"]
+            assert turns.prefill_worker.nunique() == 1, turns[["rid", "prefill_worker"]]
+    # KV of the real model's size: 4096 B per replayed token the decoder lacked (+ framing).
+    sent = df[df.kv_tokens_sent > 0]
+    assert len(sent) > 0
+    assert (sent.kv_bytes >= 4096 * sent.kv_tokens_sent).all()
+    assert (sent.kv_bytes <= 1.02 * 4096 * sent.kv_tokens_sent + 8192).all()
