@@ -11,7 +11,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from testbed.dilation import concurrent_workers
+from testbed.dilation import MARGIN, MODELED_STEP_S, Probe, choose_dilation, concurrent_workers
+from testbed.emulation import round_up
 from testbed.errors import InputError
 from testbed.policies.base import ClusterView, WorkerView
 from testbed.policies.spec import parse_policy
@@ -62,11 +63,18 @@ def test_scenario_counts_devices_and_rejects_modeled_without_emulation() -> None
     assert pdd_side == 43 and sum(h.devices for h in sc.datacenters["b"].hosts.values()) == 32
     d = sc.device_spec("prefill-1")
     assert d.name == "8xh100" and d.peak_tflops == 8 * 989 and d.mem_gbps == 8 * 3350 and d.step_overhead_ms == 2.0
-    assert concurrent_workers(sc) == 0  # modeled workers do not compete for the host's cores
+    assert concurrent_workers(sc) == 5 + 1 + 6  # prefills, the relay, one datacenter's decoders
     with pytest.raises(InputError, match="host 'prefill-1': compute: modeled needs an emulation"):
         load_scenario(CLUSTER, {"emulation": None})
     with pytest.raises(InputError, match="verify needs real compute, but prefill-1, prefill-2"):
         run_verify(sc, "auto", [parse_policy("same-dc")])
+
+
+def test_modeled_steps_leave_room_for_the_host_floor_without_the_contention_factor() -> None:
+    tiny = Probe("modeled prefill", MODELED_STEP_S, MODELED_STEP_S / 5, contended=False)
+    d, why = choose_dilation([tiny, Probe("decode", 0.001, 0.01)], workers=12, cpus=2)
+    assert d == round_up(5 * MARGIN) and "measured under load" in why
+    assert choose_dilation([Probe("prefill", 0.004, 0.003)], workers=12, cpus=2)[0] > d  # real: contended
 
 
 def test_router_prefers_the_instance_holding_the_prefix_within_a_load_slack() -> None:

@@ -54,7 +54,7 @@ def test_radix_never_evicts_locked() -> None:
     assert len(c.match_prefix([1, 2, 3, 4])) == 2
 
 
-def _transfer(kv: torch.Tensor, tokens: list[int], have: int, corrupt: int | None = None):
+def _transfer(kv: torch.Tensor, tokens: list[int], have: int, corrupt: int | None = None, frame: int = 16):
     async def main():
         got: dict[str, object] = {}
 
@@ -70,7 +70,8 @@ def _transfer(kv: torch.Tensor, tokens: list[int], have: int, corrupt: int | Non
         server = await kv_wire.serve_kv("127.0.0.1", 0, offer, done, fail)
         port = server.sockets[0].getsockname()[1]
         try:
-            st = await kv_wire.send_kv("127.0.0.1", port, "r1", tokens, kv, 42, 16, corrupt_block=corrupt)
+            st = await kv_wire.send_kv("127.0.0.1", port, "r1", tokens, kv, 42, 16, corrupt_block=corrupt,
+                                       frame_tokens=frame)
         except kv_wire.KVTransferError as e:
             got["send_error"] = str(e)
             st = None
@@ -158,7 +159,7 @@ def test_decode_batch_members_join_and_leave_without_rebuilding(runner64: ModelR
     for i in (1, 2, 3, 4):
         assert state[i][1] == refs[i][: len(state[i][1])], i
     assert len(state[1][1]) == 12 and state[0][1] == refs[0][:8]
-    again = DecodeBatch(runner64, [state[i][0] for i in rows], headroom=64, reuse=b)
+    again = DecodeBatch(runner64, [state[i][0] for i in rows], headroom=16, reuse=b)
     assert again.bufs is b.bufs  # rebuilt into the same memory
     assert [t for _, t in again.step([state[i][1][-1] for i in rows])] == [refs[i][len(state[i][1])] for i in rows]
 

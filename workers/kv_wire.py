@@ -7,9 +7,10 @@ type, reserved, payload length. A transfer is one TCP connection from sender to 
    kv_heads, head_dim, block size.
 2. ``OFFER`` (receiver -> sender, JSON): ``{"have": k}`` — the receiver's cached prefix
    length in tokens (or ``{"error": ...}``). Only tokens ``[k, n)`` are sent.
-3. ``BLOCK`` (sender -> receiver), one per KV block of at most ``block_size`` tokens, all
-   layers: a fixed header ``!IIIHHHHBxxxI`` (block index, first token, tokens, layer start,
-   layer end, kv_heads, head_dim, dtype code, crc32 of the payload) and the raw tensor
+3. ``BLOCK`` (sender -> receiver), one per frame of whole KV blocks (``FRAME_TOKENS``, 256
+   tokens by default; the last may be shorter), all layers: a fixed header
+   ``!IIIHHHHBxxxI`` (frame index, first token, tokens, layer start, layer end, kv_heads,
+   head_dim, dtype code, crc32 of the payload) and the raw tensor
    ``(layers, 2, kv_heads, tokens, head_dim)`` in C order, native little-endian.
 4. ``END`` (sender -> receiver, JSON): the first generated token and the total count.
 5. ``ACK`` (receiver -> sender, JSON): ``{"ok": true}`` or ``{"error": ...}``.
@@ -45,6 +46,7 @@ MAGIC = b"PDKV"
 VERSION = 1
 HDR = struct.Struct("!4sBBHI")
 BLOCK_HDR = struct.Struct("!IIIHHHHBxxxI")
+FRAME_TOKENS = 256
 HELLO, OFFER, BLOCK, END, ACK, EXTEND = 1, 2, 3, 4, 5, 6
 DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3, torch.float16: 4}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
@@ -145,9 +147,13 @@ def decode_block(payload: bytes, layers: int, heads: int, head_dim: int, dtype: 
 async def send_kv(
     host: str, port: int, request_id: str, tokens: list[int], kv: torch.Tensor, first_token: int,
     block_size: int, cancel: asyncio.Event | None = None, corrupt_block: int | None = None,
-    on_progress: Callable[[TransferStats], None] | None = None,
+    on_progress: Callable[[TransferStats], None] | None = None, frame_tokens: int = 0,
 ) -> TransferStats:
-    """Send the part of ``kv`` (for ``tokens``) the receiver lacks. Raises KVTransferError."""
+    """Send the part of ``kv`` (for ``tokens``) the receiver lacks, in frames of whole blocks
+    (``frame_tokens``, default ``FRAME_TOKENS``). Raises KVTransferError."""
+    # Frames of many blocks: the sender's event loop runs beside a compute thread that needs
+    # the GIL after every torch op, so Python work per frame is time taken from a paced step.
+    per_frame = max(block_size, (frame_tokens or FRAME_TOKENS) // block_size * block_size)
     st = TransferStats(request_id, f"{host}:{port}", time.time())
     layers, _, heads, n, head_dim = kv.shape
     try:
@@ -176,11 +182,13 @@ async def send_kv(
         have = int(offer["have"])
         st.receiver_had = have
         st.planned_payload = (n - have) * kv[:, :, :, :1].numel() * kv.element_size()
-        for idx, start in enumerate(range(have, n, block_size)):
+        for idx, start in enumerate(range(have, n, per_frame)):
             if st.cancelled:
                 break
-            part = kv[:, :, :, start : start + block_size]
-            frame, nbytes = encode_block(idx, start, part, corrupt=corrupt_block == idx)
+            part = kv[:, :, :, start : start + per_frame]
+            # Fault injection names a block; its frame is the one corrupted.
+            hit = corrupt_block is not None and start <= corrupt_block * block_size < start + per_frame
+            frame, nbytes = encode_block(idx, start, part, corrupt=hit)
             st.bytes_sent += await _write(writer, BLOCK, frame)
             st.payload_bytes += nbytes
             st.tokens_sent += part.shape[3]

@@ -235,6 +235,9 @@ class _PreallocatedLayer(DynamicLayer):
         return self.keys, self.values
 
 
+REUSE_MIN_ROOM = 64  # columns a reused buffer must have left past the new end
+
+
 class DecodeBatch:
     """The KV of a decode batch, left-padded into one preallocated buffer per layer and kept
     across steps: every step appends one column for all rows (left padding keeps rows
@@ -256,7 +259,8 @@ class DecodeBatch:
         self.end = max(kv.shape[3] for kv in kvs)
         s = runner.shape
         rows, cap = len(kvs) + spare, self.end + max(1, headroom)
-        room = reuse is not None and reuse.bufs[0][0].shape[0] >= len(kvs) and reuse.cap >= self.end + headroom // 2
+        room = (reuse is not None and reuse.bufs[0][0].shape[0] >= len(kvs)
+                and reuse.cap >= self.end + min(headroom, REUSE_MIN_ROOM))
         if reuse is not None and room:
             self.bufs, self.cap = reuse.bufs, reuse.cap
         else:
