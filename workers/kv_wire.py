@@ -7,8 +7,8 @@ type, reserved, payload length. A transfer is one TCP connection from sender to 
    kv_heads, head_dim, block size.
 2. ``OFFER`` (receiver -> sender, JSON): ``{"have": k}`` — the receiver's cached prefix
    length in tokens (or ``{"error": ...}``). Only tokens ``[k, n)`` are sent.
-3. ``BLOCK`` (sender -> receiver), one per frame of whole KV blocks (``FRAME_TOKENS``, 256
-   tokens by default; the last may be shorter), all layers: a fixed header
+3. ``BLOCK`` (sender -> receiver), one per frame of whole KV blocks (``FRAME_TOKENS``, one
+   block by default; the last may be shorter), all layers: a fixed header
    ``!IIIHHHHBxxxI`` (frame index, first token, tokens, layer start, layer end, kv_heads,
    head_dim, dtype code, crc32 of the payload) and the raw tensor
    ``(layers, 2, kv_heads, tokens, head_dim)`` in C order, native little-endian.
@@ -46,7 +46,10 @@ MAGIC = b"PDKV"
 VERSION = 1
 HDR = struct.Struct("!4sBBHI")
 BLOCK_HDR = struct.Struct("!IIIHHHHBxxxI")
-FRAME_TOKENS = 256
+# One block per frame. 256-token frames cut the sender's Python work 16x (PDD's prefill
+# overran 3-31 ms beside its sends) but changed cross-datacenter TTFT with the dilation in
+# tests/test_fidelity.py (2.3 s at D 4 vs 1.7 s at D 8, twice): not understood yet, not used.
+FRAME_TOKENS = 16
 HELLO, OFFER, BLOCK, END, ACK, EXTEND = 1, 2, 3, 4, 5, 6
 DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3, torch.float16: 4}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
@@ -151,8 +154,8 @@ async def send_kv(
 ) -> TransferStats:
     """Send the part of ``kv`` (for ``tokens``) the receiver lacks, in frames of whole blocks
     (``frame_tokens``, default ``FRAME_TOKENS``). Raises KVTransferError."""
-    # Frames of many blocks: the sender's event loop runs beside a compute thread that needs
-    # the GIL after every torch op, so Python work per frame is time taken from a paced step.
+    # The sender's event loop runs beside a compute thread that needs the GIL after every
+    # torch op: Python work per frame is time taken from a paced step (see FRAME_TOKENS).
     per_frame = max(block_size, (frame_tokens or FRAME_TOKENS) // block_size * block_size)
     st = TransferStats(request_id, f"{host}:{port}", time.time())
     layers, _, heads, n, head_dim = kv.shape
