@@ -157,7 +157,14 @@ def test_net_up_tears_down_on_signal(sig: signal.Signals) -> None:
     try:
         assert _run_leftovers(run_id)
         proc.send_signal(sig)
-        assert proc.wait(timeout=20) != 0
+        # 20 s ran out twice for SIGINT in full clean-clone suites (never alone: 8 of 8 in
+        # about 5 s); cause not found yet, so the wait is longer and the output is kept.
+        try:
+            rc = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError(f"net up ignored {sig.name} for 60 s: {proc.communicate()[0][-2000:]}") from None
+        assert rc != 0
         assert not _run_leftovers(run_id)
     finally:
         if proc.poll() is None:
