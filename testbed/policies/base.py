@@ -105,8 +105,11 @@ class ClusterView:
         return self.pick(role, dc=remote[0], prompt=prompt)
 
     def remember(self, worker: str, prompt: list[int]) -> None:
-        """``worker`` was given ``prompt``: its prefix cache will hold it (affinity hint)."""
-        self._index(worker).insert(prompt)
+        """``worker`` was given ``prompt``: its prefix cache will hold it (affinity hint). A
+        role with one instance has no choice to make: nothing is hashed for it."""
+        role = self.workers[worker].role
+        if sum(w.role == role for w in self.workers.values()) > 1:
+            self._index(worker).insert(prompt)
 
     def _index(self, worker: str) -> PrefixIndex:
         return self.held.setdefault(worker, PrefixIndex(self.block_size, self.cache_tokens))
