@@ -199,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, _raise_terminated)
     signal.signal(signal.SIGHUP, _raise_terminated)
+    # Python leaves SIGINT ignored when it started ignored (a background job of a
+    # non-interactive shell, some CI runners); Ctrl-C or `kill -INT` must still tear down.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if args.command in NEEDS_ROOT:
             _require_root()

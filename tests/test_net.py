@@ -18,6 +18,7 @@ from testbed import netns, runstate
 from testbed.errors import BuildError, CapabilityError
 from testbed.net import check, measure, shaping
 from testbed.net.build import Network
+from testbed.net.delayline import STATS_PERIOD_S
 
 from .conftest import ROOT, TOPOLOGIES, built, needs_root, small_wan
 
@@ -44,12 +45,21 @@ def test_jitter_spread_matches_configuration() -> None:
     delay, jitter = 10.0, 4.0
     with built(small_wan(delay, None, jitter_ms=jitter)) as net:
         res = measure.ping(net.ns_of("ha"), net.ip_of("hc"), count=250, interval_s=0.02)
+        time.sleep(2 * STATS_PERIOD_S)  # statistics that include the last echo
+        stats = net.delayline_stats()
     expected = math.sqrt(2 * jitter**2 / 3)  # two independent uniform(-j, j) legs
     assert res.received == 250
     assert abs(res.median_ms - 2 * delay) < 1.0
     assert 0.75 * expected <= res.stdev_ms <= 1.25 * expected, (res.stdev_ms, expected)
     assert min(res.rtts_ms) >= 2 * (delay - jitter) - 0.05
-    assert max(res.rtts_ms) <= 2 * (delay + jitter) + 1.5
+    # A frame is never held longer than delay + jitter; it may leave late when the host did not
+    # schedule the delay line in time (CI once saw one echo 1.6 ms past the bound), and the
+    # delay line must then have reported that lateness: nothing late goes unreported.
+    assert stats is not None
+    late_ms = sum(d.late_max_us for d in stats.directions.values()) / 1000
+    bound = 2 * (delay + jitter) + 1.5
+    assert max(res.rtts_ms) <= bound + late_ms, (max(res.rtts_ms), bound, stats.summary())
+    assert sum(r > bound for r in res.rtts_ms) <= 0.02 * len(res.rtts_ms)
 
 
 def test_loss_matches_configuration() -> None:
