@@ -40,7 +40,7 @@ test: setup
 	$(PY) -m pytest -q
 
 # Replays the default agentic trace under each policy, prints the side-by-side table and
-# saves requests.csv/.parquet, summary.json and latency.png under runs/<timestamp>/.
+# saves requests.csv/.parquet, summary.json, report.md and plots under runs/<timestamp>/ (`testbed report DIR` rebuilds them).
 run-trace: setup
 	$(VENV)/bin/testbed clean
 	$(VENV)/bin/testbed run --scenario $(SCENARIO) --trace $(TRACE) --token-scale $(TOKEN_SCALE) \

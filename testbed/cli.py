@@ -183,9 +183,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return run_verify(sc, args.impairment, policies, args.prompts, args.seed, args.dtype, args.json, args.dilation)
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from testbed.report import rebuild
+
+    paths = rebuild(args.run_dir)
+    print((args.run_dir / "report.md").read_text())
+    print(f"written: {', '.join(str(p) for p in paths)}")
+    return 0
+
+
 COMMANDS = {
     "net up": cmd_net_up, "net down": cmd_net_down, "net check": cmd_net_check, "clean": cmd_clean,
     "run": cmd_run, "trace stats": cmd_trace_stats, "trace gen": cmd_trace_gen, "verify": cmd_verify,
+    "report": cmd_report,
     "bench net": cmd_bench_net, "bench handoff": cmd_bench_handoff,
 }  # fmt: skip
 # Commands that build namespaces need root (``clean`` decides for itself: nothing to clean needs none).

@@ -108,6 +108,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(command="verify")
 
+    p = sub.add_parser("report", help="rebuild report.md and the plots of a saved run (nothing is re-run)")
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a folder written by `testbed run`")
+    p.set_defaults(command="report")
+
     bench = sub.add_parser("bench", help="benchmarks (slow; not part of make test)")
     bsub = bench.add_subparsers(dest="bench_cmd", required=True)
     p = bsub.add_parser("net", help="highest WAN goodput, RTT error, up/down time")

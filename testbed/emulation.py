@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from testbed.net.plan import FRAME_OVERHEAD
-from testbed.scenario import ModelCard, Scenario
+from testbed.scenario import ModelCard, Scenario, WanDirection
 from workers.contracts import ModelCost, Scales
+
+if TYPE_CHECKING:
+    from testbed.results import EmulationSummary
 
 MIN_FRAMES_IN_FLIGHT = 64
 MIN_MTU = 1280
@@ -120,41 +123,43 @@ class EmulationPlan:
         return max(MIN_MTU, min(sc.network.mtu, int(bdp / MIN_FRAMES_IN_FLIGHT) - FRAME_OVERHEAD))
 
     # ----------------------------------------------------------------- what is printed and saved
-    def summary(self, sc: Scenario) -> dict[str, Any]:
+    def summary(self, sc: Scenario) -> EmulationSummary:
+        from testbed.results import EmulationSummary, LinkScale
+
         wire = self.wire_scenario(sc)
         s = self.scales
-        out: dict[str, Any] = {
-            "emulating": self.emulating, "model": self.card_name, "s_in": s.s_in, "s_out": s.s_out,
-            "dilation": s.dilation, "dilation_reason": self.dilation_reason, "b_r": self.b_r, "b_e": self.b_e,
-            "formula": "r_wire = r_e * b_r / (s_in * b_e) / D; d_wire = D * d_e",
-            "wan_mtu": wire.network.wan_mtu or wire.network.mtu,
-        }  # fmt: skip
-        for name, emu, w in (("wan_forward", sc.wan.forward, wire.wan.forward),
-                             ("wan_reverse", sc.wan.reverse, wire.wan.reverse)):
-            out[name] = {"rate_mbit": emu.rate_mbit, "delay_ms": emu.delay_ms,
-                         "wire_rate_mbit": w.rate_mbit, "wire_delay_ms": w.delay_ms}
-        for dc, d in sc.datacenters.items():
-            out[f"lan_{dc}"] = {"rate_mbit": d.lan.rate_mbit, "wire_rate_mbit": wire.datacenters[dc].lan.rate_mbit}
-        return out
+
+        def wan(emu: WanDirection, w: WanDirection) -> LinkScale:
+            return LinkScale(rate_mbit=emu.rate_mbit, wire_rate_mbit=w.rate_mbit, delay_ms=emu.delay_ms,
+                             wire_delay_ms=w.delay_ms)
+
+        return EmulationSummary(
+            emulating=self.emulating, model=self.card_name, s_in=s.s_in, s_out=s.s_out, dilation=s.dilation,
+            dilation_reason=self.dilation_reason, b_r=self.b_r, b_e=self.b_e,
+            formula="r_wire = r_e * b_r / (s_in * b_e) / D; d_wire = D * d_e",
+            wan_mtu=wire.network.wan_mtu or wire.network.mtu,
+            wan_forward=wan(sc.wan.forward, wire.wan.forward), wan_reverse=wan(sc.wan.reverse, wire.wan.reverse),
+            lan={dc: LinkScale(rate_mbit=d.lan.rate_mbit, wire_rate_mbit=wire.datacenters[dc].lan.rate_mbit)
+                 for dc, d in sc.datacenters.items()},
+        )  # fmt: skip
 
     def describe(self, sc: Scenario) -> str:
-        s = self.summary(sc)
         if not self.emulating:
             return f"emulation: none ({self.dilation_reason}); rates and times as given"
+        s = self.summary(sc)
 
         def mbit(v: float | None) -> str:
             return "unshaped" if v is None else (f"{v / 1000:g} Gbit/s" if v >= 1000 else f"{v:.3g} Mbit/s")
 
-        f = s["wan_forward"]
+        f = s.wan_forward
         lines = [
             f"emulation: model {self.card_name} (KV {self.b_e} B/token) on the small model (KV {self.b_r} B/token); "
             f"s_in = s_out = {self.scales.s_in}, dilation D = {self.dilation:g} ({self.dilation_reason})",
-            f"  {s['formula']}: WAN {mbit(f['rate_mbit'])} -> wire {mbit(f['wire_rate_mbit'])}, "
-            f"delay {f['delay_ms']:g} -> {f['wire_delay_ms']:g} ms, WAN MTU {s['wan_mtu']}",
+            f"  {s.formula}: WAN {mbit(f.rate_mbit)} -> wire {mbit(f.wire_rate_mbit)}, "
+            f"delay {f.delay_ms:g} -> {f.wire_delay_ms:g} ms, WAN MTU {s.wan_mtu}",
         ]
-        for dc in sc.datacenters:
-            lan = s[f"lan_{dc}"]
-            lines.append(f"  LAN {dc}: {mbit(lan['rate_mbit'])} -> wire {mbit(lan['wire_rate_mbit'])}")
+        for dc, lan in s.lan.items():
+            lines.append(f"  LAN {dc}: {mbit(lan.rate_mbit)} -> wire {mbit(lan.wire_rate_mbit)}")
         return "\n".join(lines)
 
 

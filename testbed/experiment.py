@@ -18,7 +18,8 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+import pandas as pd
 
 from testbed import runstate
 from testbed.client import ClientRecord
@@ -29,6 +30,7 @@ from testbed.fidelity import Verdict, cpu_seconds, format_verdict, judge
 from testbed.metrics import Slo
 from testbed.net.build import Impairment, Network
 from testbed.policies.spec import PolicySpec
+from testbed.results import PolicySummary, RunSummary, TraceInfo
 from testbed.scenario import Scenario
 from testbed.traces.workload import RequestSpec, Workload
 from workers.contracts import WorkerFaults, WorkerStats
@@ -165,45 +167,44 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
     d = plan.dilation
     specs = wl.specs(opts.speed / d)  # arrivals and think times stretched by the dilation
     out = opts.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    info = wl.describe()
-    print(f"trace {info['trace']}: {len(specs)} requests ({info['format']}, token scale {wl.token_scale}, "
+    print(f"trace {wl.source}: {len(specs)} requests ({wl.format}, token scale {wl.token_scale}, "
           f"speed {opts.speed:g}); scenario {sc.name}; policies {', '.join(p.label for p in policies)}", flush=True)
     print(plan.describe(sc), flush=True)
-    frames, summaries, workers, verdicts = {}, {}, {}, {}
+    frames: dict[str, pd.DataFrame] = {}
+    summaries: dict[str, PolicySummary] = {}
+    workers: dict[str, dict[str, WorkerStats]] = {}
     for spec in policies:
         t0 = time.monotonic()
         run = run_policy(sc, opts.impairment, spec, specs, timeout_s=opts.timeout_s * d, emulation=plan)
         df = request_rows(run.recs, run.router, specs, plan.scales)
         name = spec.label
         frames[name] = df
-        summaries[name] = {**summarize(df, itls(run.recs, plan.scales), opts.slo, run.recs, plan.scales),
-                           "policy_stats": run.policy.model_dump(mode="json"), "fidelity": run.verdict.as_dict()}
+        measured = summarize(df, itls(run.recs, plan.scales), opts.slo, run.recs, plan.scales)
+        s = summaries[name] = PolicySummary(**dict(measured), policy_stats=run.policy, fidelity=run.verdict)
         workers[name] = run.workers
-        verdicts[name] = run.verdict
-        print(format_summary(name, summaries[name]) + f"  [{time.monotonic() - t0:.0f} s]", flush=True)
+        print(format_summary(name, s) + f"  [{time.monotonic() - t0:.0f} s]", flush=True)
         if max(Counter(w.role for w in run.workers.values()).values(), default=0) > 1:
-            print("    requests by instance: " + ", ".join(
-                f"{w} {n}" for w, n in summaries[name]["requests_by_worker"].items()), flush=True)
-        for rid, why in list(summaries[name]["failures"].items())[:5]:
+            print("    requests by instance: " + ", ".join(f"{w} {n}" for w, n in s.requests_by_worker.items()),
+                  flush=True)
+        for rid, why in list(s.failures.items())[:5]:
             print(f"    failed {rid}: {why}")
-    summary: dict[str, Any] = {
-        "trace": info, "speed": opts.speed, "limit": opts.limit, "window": opts.window,
-        "emulation": plan.summary(sc), "scenario": sc.model_dump(mode="json"), "policies": summaries,
-        "workers": {p: {w: s.model_dump(mode="json") for w, s in ws.items()} for p, ws in workers.items()},
-    }  # fmt: skip
-    paths = report.save(out, frames, summary, workers)
-    units = (f"emulated seconds (D = {d:g}); TPOT per emulated token (s_out = {plan.scales.s_out})"
-             if plan.emulating else "host seconds (no emulation)")
-    print(f"\ntimes in {units}")
-    print(report.comparison_table(summaries))
+    summary = RunSummary(
+        trace=TraceInfo(trace=str(wl.source), format=wl.format, requests=len(wl.requests),
+                        token_scale=wl.token_scale, block_size=wl.block_size, meta=wl.meta),
+        speed=opts.speed, limit=opts.limit, window=opts.window, emulation=plan.summary(sc), scenario=sc,
+        policies=summaries, workers=workers,
+    )  # fmt: skip
+    paths = report.save(out, frames, summary)
+    print(f"\ntimes in {summary.units}")
+    print(report.comparison_table(dict(summaries)))
     print()
-    print(report.comparison_table(summaries, report.PDD_COLUMNS))
+    print(report.comparison_table(dict(summaries), report.PDD_COLUMNS))
     print()
-    for name, v in verdicts.items():
-        print(format_verdict(name, v))
+    for name, s in summaries.items():
+        print(format_verdict(name, s.fidelity))
     print(f"\nsaved: {', '.join(str(p) for p in paths)}")
-    if not all(v.passed for v in verdicts.values()) and not opts.allow_infidelity:
+    if not all(s.fidelity.passed for s in summaries.values()) and not opts.allow_infidelity:
         print("fidelity FAILED: these latencies measure this host, not the emulated system "
               "(raise --dilation, or pass --allow-infidelity to exit 0 anyway)", file=sys.stderr)
         return 3
-    return 0 if all(s["failed"] == 0 for s in summaries.values()) else 1
+    return 0 if all(s.failed == 0 for s in summaries.values()) else 1

@@ -12,11 +12,11 @@ its latencies would then measure this host, not the emulated datacenters. A work
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
-from typing import Any
+
+from pydantic import BaseModel, ConfigDict
 
 from testbed.net.delayline import DelayLineReport
-from workers.contracts import WorkerStats
+from workers.contracts import WorkerStats, WorstOverrun
 
 MAX_OVERRUN_FRACTION = 0.01
 MAX_LATE_P99_US = 1000.0
@@ -33,16 +33,51 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
 
 
-@dataclass
-class Verdict:
-    passed: bool = True
-    reasons: list[str] = field(default_factory=list)
-    workers: dict[str, dict[str, Any]] = field(default_factory=dict)
-    links: dict[str, dict[str, Any]] = field(default_factory=dict)
-    cpu: dict[str, dict[str, float]] = field(default_factory=dict)
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+
+class WorkerFidelity(_Record):
+    """One worker's pacing: how many steps overran their modeled time, by kind, and the worst."""
+
+    device: str
+    native: bool
+    compute: str
+    steps: int
+    overruns: int
+    overrun_fraction: float
+    overrun_s: float
+    by_kind: dict[str, tuple[int, int]] = {}  # kind -> (steps, overruns)
+    worst: list[WorstOverrun] = []
+
+
+class LinkFidelity(_Record):
+    """One WAN direction of the delay line: frames, drops by cause, lateness (microseconds)."""
+
+    frames_out: int
+    drop_loss: int
+    drop_queue_full: int
+    drop_overflow: int
+    drop_error: int
+    late_p50_us: float
+    late_p99_us: float
+    late_max_us: float
+
+
+class CpuShare(_Record):
+    cpu_s: float
+    share: float  # of the run's wall time
+
+
+class Verdict(_Record):
+    """Saved with every policy's summary; ``format_verdict`` prints it the same from a live run
+    or a saved one."""
+
+    passed: bool = True
+    reasons: list[str] = []
+    workers: dict[str, WorkerFidelity] = {}
+    links: dict[str, LinkFidelity] = {}
+    cpu: dict[str, CpuShare] = {}
 
 
 def judge(workers: dict[str, WorkerStats], delayline: DelayLineReport | None, cpu: dict[str, float],
@@ -50,10 +85,9 @@ def judge(workers: dict[str, WorkerStats], delayline: DelayLineReport | None, cp
     v = Verdict()
     for name, st in sorted(workers.items()):
         d = st.device
-        v.workers[name] = {"device": d.device, "native": d.native, "compute": st.compute, "steps": d.steps,
-                           "overruns": d.overruns, "overrun_fraction": d.overrun_fraction, "overrun_s": d.overrun_s,
-                           "by_kind": {k: list(c) for k, c in d.by_kind.items()},
-                           "worst": [w.model_dump() for w in d.worst]}
+        v.workers[name] = WorkerFidelity(
+            device=d.device, native=d.native, compute=st.compute, steps=d.steps, overruns=d.overruns,
+            overrun_fraction=d.overrun_fraction, overrun_s=d.overrun_s, by_kind=d.by_kind, worst=d.worst)
         if not d.native and d.overrun_fraction > MAX_OVERRUN_FRACTION:
             v.passed = False
             kinds = ", ".join(f"{k} {o}/{n}" for k, (n, o) in d.by_kind.items() if o)
@@ -61,16 +95,13 @@ def judge(workers: dict[str, WorkerStats], delayline: DelayLineReport | None, cp
                              f"({d.overruns}/{d.steps}: {kinds}; {d.overrun_s:.2f} s in all)")
     if delayline is not None:
         for name, d in delayline.directions.items():
-            v.links[name] = {"frames_out": d.frames_out, "drop_loss": d.drop_loss,
-                             "drop_queue_full": d.drop_queue_full, "drop_overflow": d.drop_overflow,
-                             "drop_error": d.drop_error, "late_p50_us": d.late_p50_us, "late_p99_us": d.late_p99_us,
-                             "late_max_us": d.late_max_us}
+            v.links[name] = LinkFidelity(**{f: getattr(d, f) for f in LinkFidelity.model_fields})
             if d.frames_out and d.late_p99_us > MAX_LATE_P99_US:
                 v.passed = False
                 v.reasons.append(f"delay line {name}: lateness P99 above {d.late_p99_us / 1000:g} ms "
                                  f"(limit {MAX_LATE_P99_US / 1000:g} ms)")
     for name, secs in sorted(cpu.items()):
-        v.cpu[name] = {"cpu_s": round(secs, 2), "share": round(secs / wall_s, 3) if wall_s > 0 else 0.0}
+        v.cpu[name] = CpuShare(cpu_s=round(secs, 2), share=round(secs / wall_s, 3) if wall_s > 0 else 0.0)
     return v
 
 
@@ -78,21 +109,20 @@ def format_verdict(label: str, v: Verdict) -> str:
     lines = [f"fidelity {label}: {'passed' if v.passed else 'FAILED'}"]
     lines += [f"  FAILED: {r}" for r in v.reasons]
     for name, w in v.workers.items():
-        if w["native"]:
-            lines.append(f"  {name:10} host CPU, not an emulated device ({w['steps']} steps)")
+        if w.native:
+            lines.append(f"  {name:10} host CPU, not an emulated device ({w.steps} steps)")
         else:
-            lines.append(f"  {name:10} {w['device']:8} {w['compute']:7} {w['steps']:6} steps, overruns {w['overruns']} "
-                         f"({100 * w['overrun_fraction']:.2f}%), {w['overrun_s']:.2f} s over")
-            for o in w.get("worst", [])[:3]:
-                lines.append(f"      {o['kind']} {1000 * (o['real_s'] - o['modeled_s']):.0f} ms over "
-                             f"({1000 * o['real_s']:.0f} vs {1000 * o['modeled_s']:.0f} ms; {o['detail']})")
+            lines.append(f"  {name:10} {w.device:8} {w.compute:7} {w.steps:6} steps, overruns {w.overruns} "
+                         f"({100 * w.overrun_fraction:.2f}%), {w.overrun_s:.2f} s over")
+            for o in w.worst[:3]:
+                lines.append(f"      {o.kind} {1000 * (o.real_s - o.modeled_s):.0f} ms over "
+                             f"({1000 * o.real_s:.0f} vs {1000 * o.modeled_s:.0f} ms; {o.detail})")
     for name, d in v.links.items():
-        drops = d["drop_loss"] + d["drop_queue_full"] + d["drop_overflow"] + d["drop_error"]
-        lines.append(f"  wan {name}: {d['frames_out']} frames, {drops} dropped (loss {d['drop_loss']}, "
-                     f"queue {d['drop_queue_full'] + d['drop_overflow']}), lateness p50 <= "
-                     f"{d['late_p50_us'] / 1000:g} ms, p99 <= {d['late_p99_us'] / 1000:g} ms, "
-                     f"max {d['late_max_us'] / 1000:.2f} ms")
+        drops = d.drop_loss + d.drop_queue_full + d.drop_overflow + d.drop_error
+        lines.append(f"  wan {name}: {d.frames_out} frames, {drops} dropped (loss {d.drop_loss}, "
+                     f"queue {d.drop_queue_full + d.drop_overflow}), lateness p50 <= "
+                     f"{d.late_p50_us / 1000:g} ms, p99 <= {d.late_p99_us / 1000:g} ms, "
+                     f"max {d.late_max_us / 1000:.2f} ms")
     if v.cpu:
-        lines.append("  CPU: " + ", ".join(f"{n} {c['cpu_s']:.0f} s ({100 * c['share']:.0f}%)"
-                                           for n, c in v.cpu.items()))
+        lines.append("  CPU: " + ", ".join(f"{n} {c.cpu_s:.0f} s ({100 * c.share:.0f}%)" for n, c in v.cpu.items()))
     return "\n".join(lines)

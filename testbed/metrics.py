@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from pydantic import BaseModel, ConfigDict
 
 from testbed.client import ClientRecord
 from testbed.contracts import RequestRecord
@@ -79,6 +80,12 @@ def request_rows(recs: dict[str, ClientRecord], router: dict[str, RequestRecord]
             "wan_kv_cancelled_bytes": sum(_kept_off(e, rr.plan_info.delta_bytes) for e in wan if e.cancelled),
             "wan_cut_off": any(e.cancelled for e in wan),
             "kv_transfer_s": max(e.end - e.start for e in kv_sent) / d if kv_sent else np.nan,
+            "wan_transfer_s": max(e.end - e.start for e in wan) / d if wan else np.nan,
+            # When KV was on the WAN and when the main decoder took over (emulated seconds into
+            # the run): the report's throughput and load over time are rebuilt from these.
+            "wan_start_s": (min(e.start for e in wan) - t0) / d if wan else np.nan,
+            "wan_end_s": (max(e.end for e in wan) - t0) / d if wan else np.nan,
+            "handoff_at_s": (final_extend.t - t0) / d if final_extend else np.nan,
             "kv_queued_s": max(e.queued_s for e in kv_sent) / d if kv_sent else np.nan,
             "relay": relay, "eager_tokens": eager * sc.s_out,
             "rld_share": eager / len(r.tokens) if r.tokens else np.nan,
@@ -109,41 +116,91 @@ def _pct(s: pd.Series, q: float) -> float | None:
     return float(np.percentile(s, q)) if len(s) else None
 
 
+class Summary(BaseModel):
+    """One policy's measured summary of a replay (durations in emulated seconds under an
+    emulation; ``None`` where nothing was measured)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    slo: Slo
+    slo_met: int
+    slo_attainment: float | None
+    duration_s: float | None
+    goodput_rps: float | None
+    requests: int
+    completed: int
+    failed: int
+    failures: dict[str, str | None]
+    ttft_mean_s: float | None
+    ttft_p50_s: float | None
+    ttft_p90_s: float | None
+    ttft_p99_s: float | None
+    tpot_p50_s: float | None
+    tpot_p99_s: float | None
+    itl_p50_s: float | None
+    itl_p99_s: float | None
+    e2e_p50_s: float | None
+    e2e_p99_s: float | None
+    wan_kv_bytes: int
+    kv_bytes: int
+    wan_kv_cancelled_bytes: int
+    wan_cut_offs: int
+    wan_transfers: int
+    wan_transfer_min_s: float | None
+    wan_transfer_p50_s: float | None
+    wan_transfer_max_s: float | None
+    output_tokens: int
+    output_tokens_emulated: int
+    pipelines: dict[str, int]
+    eager_tokens: int
+    handoffs: int
+    rld_share: float | None
+    relayed: int
+    handoff_p50_s: float | None
+    handoff_p99_s: float | None
+    handoff_mismatches: int
+    requests_by_worker: dict[str, int]
+
+
 def summarize(df: pd.DataFrame, itl: list[float], slo: Slo | None = None,
-              recs: dict[str, ClientRecord] | None = None, scales: Scales | None = None) -> dict[str, Any]:
+              recs: dict[str, ClientRecord] | None = None, scales: Scales | None = None) -> Summary:
     slo = slo or Slo()
     ok = df[df.ok]
     failed = df[~df.ok]
     itl_s = pd.Series(itl, dtype=float)
     met = ok[(ok.ttft_s <= slo.ttft_s) & (ok.tpot_s.fillna(0) <= slo.tpot_s)]
+    wan_t = df.wan_transfer_s.dropna()
     span = None
     if recs:
         sends = [r.sent for r in recs.values() if r.sent]
         ends = [r.token_times[-1] for r in recs.values() if r.token_times]
         if sends and ends:
             span = (max(ends) - min(sends)) / (scales or Scales()).dilation
-    return {
-        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}, "slo_met": int(len(met)),
-        "slo_attainment": len(met) / len(df) if len(df) else None,
-        "duration_s": span, "goodput_rps": len(met) / span if span else None,
-        "requests": len(df), "completed": int(len(ok)), "failed": int(len(failed)),
-        "failures": {r.rid: r.error for r in failed.itertuples()},
-        "ttft_p50_s": _pct(ok.ttft_s, 50), "ttft_p90_s": _pct(ok.ttft_s, 90), "ttft_p99_s": _pct(ok.ttft_s, 99),
-        "tpot_p50_s": _pct(ok.tpot_s, 50), "tpot_p99_s": _pct(ok.tpot_s, 99),
-        "itl_p50_s": _pct(itl_s, 50), "itl_p99_s": _pct(itl_s, 99),
-        "e2e_p50_s": _pct(ok.e2e_s, 50), "e2e_p99_s": _pct(ok.e2e_s, 99),
-        "wan_kv_bytes": int(df.wan_kv_bytes.sum()), "kv_bytes": int(df.kv_bytes.sum()),
-        "wan_kv_cancelled_bytes": int(df.wan_kv_cancelled_bytes.sum()), "wan_cut_offs": int(df.wan_cut_off.sum()),
-        "output_tokens": int(ok.output_tokens.sum()), "output_tokens_emulated": int(ok.output_tokens_emulated.sum()),
-        "pipelines": {str(k): int(v) for k, v in df.pipeline.value_counts().items()},
-        "eager_tokens": int(ok.eager_tokens.sum()), "handoffs": int(df.handoffs.sum()),
-        "rld_share": (float(ok.eager_tokens.sum() / ok.output_tokens_emulated.sum())
-                      if ok.output_tokens_emulated.sum() else None),
-        "relayed": int((df.pipeline == "P-RLD-MD").sum()),
-        "handoff_p50_s": _pct(ok.md_kv_to_handoff_s, 50), "handoff_p99_s": _pct(ok.md_kv_to_handoff_s, 99),
-        "handoff_mismatches": int(df.handoff_mismatches.sum()),
-        "requests_by_worker": requests_by_worker(df),
-    }  # fmt: skip
+    return Summary(
+        slo=slo, slo_met=int(len(met)),
+        slo_attainment=len(met) / len(df) if len(df) else None,
+        duration_s=span, goodput_rps=len(met) / span if span else None,
+        requests=len(df), completed=int(len(ok)), failed=int(len(failed)),
+        failures={r.rid: r.error for r in failed.itertuples()},
+        ttft_mean_s=float(ok.ttft_s.mean()) if ok.ttft_s.notna().any() else None,
+        ttft_p50_s=_pct(ok.ttft_s, 50), ttft_p90_s=_pct(ok.ttft_s, 90), ttft_p99_s=_pct(ok.ttft_s, 99),
+        tpot_p50_s=_pct(ok.tpot_s, 50), tpot_p99_s=_pct(ok.tpot_s, 99),
+        itl_p50_s=_pct(itl_s, 50), itl_p99_s=_pct(itl_s, 99),
+        e2e_p50_s=_pct(ok.e2e_s, 50), e2e_p99_s=_pct(ok.e2e_s, 99),
+        wan_kv_bytes=int(df.wan_kv_bytes.sum()), kv_bytes=int(df.kv_bytes.sum()),
+        wan_kv_cancelled_bytes=int(df.wan_kv_cancelled_bytes.sum()), wan_cut_offs=int(df.wan_cut_off.sum()),
+        wan_transfers=len(wan_t), wan_transfer_min_s=float(wan_t.min()) if len(wan_t) else None,
+        wan_transfer_p50_s=_pct(wan_t, 50), wan_transfer_max_s=float(wan_t.max()) if len(wan_t) else None,
+        output_tokens=int(ok.output_tokens.sum()), output_tokens_emulated=int(ok.output_tokens_emulated.sum()),
+        pipelines={str(k): int(v) for k, v in df.pipeline.value_counts().items()},
+        eager_tokens=int(ok.eager_tokens.sum()), handoffs=int(df.handoffs.sum()),
+        rld_share=(float(ok.eager_tokens.sum() / ok.output_tokens_emulated.sum())
+                   if ok.output_tokens_emulated.sum() else None),
+        relayed=int((df.pipeline == "P-RLD-MD").sum()),
+        handoff_p50_s=_pct(ok.md_kv_to_handoff_s, 50), handoff_p99_s=_pct(ok.md_kv_to_handoff_s, 99),
+        handoff_mismatches=int(df.handoff_mismatches.sum()),
+        requests_by_worker=requests_by_worker(df),
+    )  # fmt: skip
 
 
 def requests_by_worker(df: pd.DataFrame) -> dict[str, int]:
@@ -156,14 +213,14 @@ def requests_by_worker(df: pd.DataFrame) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def format_summary(name: str, s: dict[str, Any]) -> str:
+def format_summary(name: str, s: Summary) -> str:
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{1000 * v:.0f}"
 
     return (
-        f"{name:10} {s['completed']:>4}/{s['requests']:<4} failed {s['failed']:<3} "
-        f"TTFT ms p50 {ms(s['ttft_p50_s']):>6} p90 {ms(s['ttft_p90_s']):>6} p99 {ms(s['ttft_p99_s']):>6} | "
-        f"TPOT ms p50 {ms(s['tpot_p50_s']):>5} p99 {ms(s['tpot_p99_s']):>5} | "
-        f"E2E ms p50 {ms(s['e2e_p50_s']):>6} p99 {ms(s['e2e_p99_s']):>6} | WAN KV {s['wan_kv_bytes'] / 1e6:.1f} MB"
-        + (f" | SLO met {100 * s['slo_attainment']:.0f}%" if s.get("slo_attainment") is not None else "")
+        f"{name:10} {s.completed:>4}/{s.requests:<4} failed {s.failed:<3} "
+        f"TTFT ms p50 {ms(s.ttft_p50_s):>6} p90 {ms(s.ttft_p90_s):>6} p99 {ms(s.ttft_p99_s):>6} | "
+        f"TPOT ms p50 {ms(s.tpot_p50_s):>5} p99 {ms(s.tpot_p99_s):>5} | "
+        f"E2E ms p50 {ms(s.e2e_p50_s):>6} p99 {ms(s.e2e_p99_s):>6} | WAN KV {s.wan_kv_bytes / 1e6:.1f} MB"
+        + (f" | SLO met {100 * s.slo_attainment:.0f}%" if s.slo_attainment is not None else "")
     )

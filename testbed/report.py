@@ -1,14 +1,20 @@
-"""Results of a replay: saved (CSV, Parquet, JSON summary), plotted (PNG), printed side by side.
+"""Results of a replay: saved (``testbed.results``), then reported from what was saved.
 
-One folder per run (``runs/<timestamp>/`` unless ``--out``):
-``requests.csv`` / ``requests.parquet`` (one row per request and policy), ``summary.json``
-(trace, scenario, options, per-policy summary and worker statistics), ``latency.png``
-(TTFT and TPOT distributions, TTFT over the run, TTFT percentiles per policy).
+``save`` writes the request rows and the ``RunSummary``; ``render`` builds everything a
+person reads from those two files alone, so ``testbed report RUN_DIR`` (``rebuild``)
+regenerates exactly what the run printed, without re-running anything:
+
+* ``report.md``: trace, scenario and emulation; the side-by-side tables; the report's
+  figures (``../shared/PDD.md``) beside this run's; every policy's fidelity verdict;
+* ``latency.png``: TTFT (log axis) and TPOT distributions, TTFT over the run, percentiles;
+* ``ttft_by_hit.png``: TTFT per prefix-hit bucket and policy (the tail is the low-hit one);
+* ``timeline.png``: KV bytes on the WAN over time, and the requests each relay and
+  decoder was decoding over time;
+* ``hit_rates.png``: every worker's prefix-cache hit rate over time.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +25,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from testbed.fidelity import format_verdict  # noqa: E402
+from testbed.metrics import Summary  # noqa: E402
+from testbed.results import REQUESTS_FILE, SUMMARY_FILE, RunSummary, load_run  # noqa: E402
 from workers.contracts import WorkerStats  # noqa: E402
 
 # Columns of the side-by-side table: (summary key, header, scale, format).
@@ -41,15 +50,14 @@ PDD_COLUMNS: list[tuple[str, str, float, str]] = [
 ]  # fmt: skip
 
 
-def comparison_table(summaries: dict[str, dict[str, Any]], columns: list[tuple[str, str, float, str]] | None = None
-                     ) -> str:
+def comparison_table(summaries: dict[str, Summary], columns: list[tuple[str, str, float, str]] | None = None) -> str:
     cols = columns or TABLE_COLUMNS
     header = ["policy"] + [c[1] for c in cols]
     rows = []
     for name, s in summaries.items():
         cells = [name]
         for key, _, scale, fmt in cols:
-            v = s.get(key)
+            v = getattr(s, key)
             cells.append("-" if v is None else fmt.format(v * scale))
         rows.append(cells)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -60,20 +68,205 @@ def comparison_table(summaries: dict[str, dict[str, Any]], columns: list[tuple[s
     return "\n".join(lines)
 
 
-def save(out: Path, frames: dict[str, pd.DataFrame], summary: dict[str, Any],
-         workers: dict[str, dict[str, WorkerStats]] | None = None) -> list[Path]:
+def _first(summary: RunSummary, name: str) -> Summary | None:
+    """The first policy run under this name (whatever its options)."""
+    return next((s for label, s in summary.policies.items() if label.split(":")[0] == name), None)
+
+
+def _change(new: float | None, old: float | None) -> str:
+    return "-" if new is None or old is None or old == 0 else f"{100 * (new - old) / old:+.1f} %"
+
+
+def _s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f} s"
+
+
+def _get(s: Summary | None, key: str) -> float | None:
+    return None if s is None else getattr(s, key)
+
+
+def paper_comparison(summary: RunSummary) -> str:
+    """The report's figures (``../shared/PDD.md``) beside this run's, as a markdown table.
+    Rows whose policies were not run show "-"."""
+    same, cross, pdd = _first(summary, "same-dc"), _first(summary, "cross-dc"), _first(summary, "pdd")
+    p50_gap = None
+    if same is not None and cross is not None and same.ttft_p50_s is not None and cross.ttft_p50_s is not None:
+        p50_gap = cross.ttft_p50_s - same.ttft_p50_s
+    transfer = "-"
+    if cross is not None and cross.wan_transfer_min_s is not None and cross.wan_transfer_max_s is not None:
+        transfer = (f"{cross.wan_transfer_min_s:.2f}-{cross.wan_transfer_max_s:.2f} s "
+                    f"(P50 {_s(cross.wan_transfer_p50_s)}, n={cross.wan_transfers})")
+    rows: list[tuple[str, str, str]] = [
+        ("same-dc TTFT P50", "4.2 s", _s(_get(same, "ttft_p50_s"))),
+        ("cross-dc TTFT P50", "6.7 s", _s(_get(cross, "ttft_p50_s"))),
+        ("cross-dc minus same-dc TTFT P50", "+2.5 s", "-" if p50_gap is None else f"{p50_gap:+.2f} s"),
+        ("cross-dc TTFT P90", "18.3 s", _s(_get(cross, "ttft_p90_s"))),
+        ("cross-dc TTFT P99", "29.7 s", _s(_get(cross, "ttft_p99_s"))),
+        ("cross-dc WAN KV transfer time (min-max)", "1-20 s", transfer),
+    ]
+    for q in ("p50", "p90", "p99", "mean"):
+        key, shown = f"ttft_{q}_s", q.upper() if q != "mean" else "mean"
+        # The report states -51.5 % over its same-datacenter baseline, without a percentile.
+        for base_name, base, said in (("same-dc", same, "-51.5 % (percentile not stated)"),
+                                      ("cross-dc", cross, "not stated")):
+            rows.append((f"PDD TTFT {shown} vs {base_name}", said, _change(_get(pdd, key), _get(base, key))))
+    rld = _get(pdd, "rld_share")
+    rows.append(("RLD share of output tokens (PDD)", "6.2 %", "-" if rld is None else f"{100 * rld:.1f} %"))
+    lines = ["| figure | report | this run |", "|---|---:|---:|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(lines)
+
+
+def report_markdown(summary: RunSummary) -> str:
+    """``report.md`` of a run: everything in it comes from ``summary.json``."""
+    t, e = summary.trace, summary.emulation
+    run_of = f"speed {summary.speed:g}" + (f", window {summary.window}" if summary.window else "")
+    run_of += f", limit {summary.limit}" if summary.limit else ""
+    emulation = (f"model {e.model}, s_in = s_out = {e.s_in}, D = {e.dilation:g} ({e.dilation_reason})"
+                 if e.emulating else f"none ({e.dilation_reason})")
+    out = [
+        f"# Run report: {summary.scenario.name} on {Path(t.trace).name}",
+        "",
+        f"- trace `{t.trace}` ({t.format}): {t.requests} requests, token scale {t.token_scale}, {run_of}",
+        f"- policies: {', '.join(summary.policies)}",
+        f"- emulation: {emulation}",
+        f"- times in {summary.units}",
+        "",
+        "## Side by side",
+        "",
+        "```",
+        comparison_table(dict(summary.policies)),
+        "",
+        comparison_table(dict(summary.policies), PDD_COLUMNS),
+        "```",
+        "",
+        "## The report's figures beside this run's",
+        "",
+        "The report's figures come from its own setup (64K-token contexts, 1K-token outputs, ~90 % prefix hit, "
+        "88 GPUs at an unstated load); this run is comparable with them only as far as it used that setup.",
+        "",
+        paper_comparison(summary),
+        "",
+        "## Fidelity",
+        "",
+        "```",
+        "\n".join(format_verdict(name, s.fidelity) for name, s in summary.policies.items()),
+        "```",
+        "",
+        "## Plots",
+        "",
+        "![latency](latency.png)",
+        "",
+        "![TTFT by prefix hit](ttft_by_hit.png)",
+        "",
+        "![timeline](timeline.png)",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def save(out: Path, frames: dict[str, pd.DataFrame], summary: RunSummary) -> list[Path]:
+    """Write the request rows and the summary, then render the report from those files."""
     out.mkdir(parents=True, exist_ok=True)
     df = pd.concat([f.assign(policy=name) for name, f in frames.items()], ignore_index=True)
-    first = ["policy"] + [c for c in df.columns if c != "policy"]
-    df = df[first]
-    paths = [out / "requests.csv", out / "requests.parquet", out / "summary.json", out / "latency.png"]
-    df.to_csv(paths[0], index=False)
-    df.to_parquet(paths[1], index=False)
-    paths[2].write_text(json.dumps(summary, indent=2, default=str))
-    plot(df, paths[3])
-    if workers and plot_hit_rates(workers, out / "hit_rates.png"):
+    df = df[["policy"] + [c for c in df.columns if c != "policy"]]
+    df.to_csv(out / "requests.csv", index=False)
+    df.to_parquet(out / REQUESTS_FILE, index=False)
+    (out / SUMMARY_FILE).write_text(summary.model_dump_json(indent=2))
+    return [out / "requests.csv", out / REQUESTS_FILE, out / SUMMARY_FILE, *rebuild(out)]
+
+
+def rebuild(run_dir: Path) -> list[Path]:
+    """``testbed report RUN_DIR``: the report and plots of a saved run, from its files alone."""
+    summary, df = load_run(run_dir)
+    return render(run_dir, summary, df)
+
+
+def render(out: Path, summary: RunSummary, df: pd.DataFrame) -> list[Path]:
+    paths = [out / "report.md", out / "latency.png", out / "ttft_by_hit.png", out / "timeline.png"]
+    paths[0].write_text(report_markdown(summary))
+    plot(df, paths[1])
+    plot_ttft_by_hit(df, paths[2])
+    e = summary.emulation
+    # KV bytes in the rows are the real model's; the emulated model's are s_in x b_e / b_r more.
+    plot_timeline(df, paths[3], e.s_in * e.b_e / e.b_r if e.emulating else 1.0)
+    if plot_hit_rates(summary.workers, out / "hit_rates.png"):
         paths.append(out / "hit_rates.png")
     return paths
+
+
+HIT_EDGES = [0.0, 0.5, 0.8, 0.9, 0.95, 0.99, 1.0001]
+
+
+def plot_ttft_by_hit(df: pd.DataFrame, path: Path) -> None:
+    """TTFT P50 and P99 per prefix-hit bucket (hit tokens at the prefill / prompt tokens)."""
+    ok = df[df.ok & df.prefill_hit_tokens.notna()].copy()
+    ok["hit"] = ok.prefill_hit_tokens.astype(float) / ok.prompt_tokens.clip(lower=1)
+    labels = [f"{100 * lo:.0f}-{min(100.0, 100 * hi):.0f}%" for lo, hi in zip(HIT_EDGES, HIT_EDGES[1:], strict=False)]
+    ok["bucket"] = pd.cut(ok.hit, HIT_EDGES, right=False, labels=labels)
+    policies = list(dict.fromkeys(df.policy))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / max(1, len(policies))
+    x = np.arange(len(labels))
+    for ax, q in zip(axes, (50, 99), strict=True):
+        for k, p in enumerate(policies):
+            mine = ok[ok.policy == p]
+            vals = [float(np.percentile(v, q)) if len(v) else np.nan
+                    for v in (mine[mine.bucket == b].ttft_s.to_numpy() for b in labels)]
+            ax.bar(x + k * width, vals, width, label=p)
+        counts = [int((ok[ok.policy == policies[0]].bucket == b).sum()) for b in labels] if policies else []
+        ticks = [f"{b}\nn={n}" for b, n in zip(labels, counts, strict=False)]
+        ax.set_xticks(x + width * (len(policies) - 1) / 2, ticks)
+        ax.set(yscale="log", xlabel="prefix hit at the prefill", ylabel="TTFT (s)", title=f"TTFT P{q} by prefix hit")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _covering(starts: np.ndarray, ends: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """How many [start, end) intervals cover each grid point."""
+    return (starts[None, :] <= grid[:, None]).sum(axis=1) - (ends[None, :] <= grid[:, None]).sum(axis=1)
+
+
+def plot_timeline(df: pd.DataFrame, path: Path, byte_factor: float = 1.0, points: int = 400) -> None:
+    """Per policy: KV bytes on the WAN over time (each transfer's bytes, times ``byte_factor``,
+    spread evenly over its duration) and the requests each relay and decoder was decoding (first token, or the main
+    decoder's takeover, to the last token)."""
+    policies = list(dict.fromkeys(df.policy))
+    fig, axes = plt.subplots(len(policies), 2, figsize=(12, 3 * max(1, len(policies))), squeeze=False)
+    for (ax_wan, ax_load), p in zip(axes, policies, strict=True):
+        d = df[df.policy == p]
+        ok = d[d.ok & d.ttft_s.notna()]
+        end = float(np.nanmax([(ok.sent_offset_s + ok.e2e_s).max(), d.wan_end_s.max(), 1.0]))
+        grid = np.linspace(0.0, end, points)
+        step = grid[1] - grid[0]
+        rate = np.zeros_like(grid)
+        for r in d[d.wan_start_s.notna() & (d.wan_kv_bytes > 0)].itertuples():
+            span = max(r.wan_end_s - r.wan_start_s, step)
+            bits = 8 * r.wan_kv_bytes * byte_factor
+            rate += ((grid >= r.wan_start_s) & (grid < r.wan_start_s + span)) * (bits / span / 1e9)
+        ax_wan.plot(grid, rate)
+        ax_wan.set(title=f"{p}: KV on the WAN", xlabel="s into the run", ylabel="Gbit/s")
+        first = (ok.sent_offset_s + ok.ttft_s).to_numpy()
+        last = (ok.sent_offset_s + ok.e2e_s).to_numpy()
+        takeover = np.where(ok.handoff_at_s.notna(), ok.handoff_at_s, first)
+        relayed = (ok.relay.notna() & (ok.relay != ok.decode_worker)).to_numpy()
+        for w in sorted(set(ok.decode_worker.dropna()) | set(ok.relay.dropna())):
+            as_decoder = (ok.decode_worker == w).to_numpy()
+            as_relay = (ok.relay == w).to_numpy() & relayed
+            starts = np.concatenate([np.where(relayed, takeover, first)[as_decoder], first[as_relay]])
+            ends = np.concatenate([last[as_decoder], np.minimum(takeover, last)[as_relay]])
+            ax_load.plot(grid, _covering(starts, ends, grid), label=w)
+        ax_load.set(title=f"{p}: requests decoding per worker", xlabel="s into the run", ylabel="requests")
+        for ax in (ax_wan, ax_load):
+            ax.grid(alpha=0.3)
+        if ax_load.lines:
+            ax_load.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def plot_hit_rates(workers: dict[str, dict[str, WorkerStats]], path: Path, window_s: float = 5.0) -> bool:

@@ -26,6 +26,7 @@ from testbed.metrics import itls, request_rows, summarize
 from testbed.net.delayline import LATE_EDGES_US, DelayLineReport, DirectionReport, late_percentile
 from testbed.net.plan import make_plan
 from testbed.policies import parse_policy
+from testbed.results import load_run
 from testbed.scenario import ModelCard, deep_merge
 from testbed.traces.workload import RequestSpec, synth_tokens
 from testbed.verify import compare
@@ -127,7 +128,7 @@ def test_wire_rates_delays_and_buffers_follow_the_formula() -> None:
     net = make_plan(wire, "pddtest")
     assert 1280 <= net.wan_frame_mtu < sc.network.mtu
     assert net.bdp_frames("a", "b") == pytest.approx(64, rel=0.02) or net.bdp_frames("a", "b") >= 64
-    assert plan.summary(sc)["wan_forward"]["wire_rate_mbit"] == pytest.approx(r_wire / 1e6)
+    assert plan.summary(sc).wan_forward.wire_rate_mbit == pytest.approx(r_wire / 1e6)
     # Without an emulation the plan is the identity.
     plain = scenario_with()
     ident = EmulationPlan.make(plain, token_scale=16, dilation=5.0, b_r=4096)
@@ -159,7 +160,7 @@ def test_every_reported_time_is_divided_by_the_dilation() -> None:
     assert r.eager_tokens == 8 and r.output_tokens_emulated == 16 and r.rld_share == pytest.approx(0.5)
     assert itls(recs, scales) == pytest.approx([0.1, 0.1, 0.1, 0.05])
     s = summarize(df.reset_index(), itls(recs, scales), recs=recs, scales=scales)
-    assert s["duration_s"] == pytest.approx((104.9 - 100.0) / 2) and s["rld_share"] == pytest.approx(8 / 24)
+    assert s.duration_s == pytest.approx((104.9 - 100.0) / 2) and s.rld_share == pytest.approx(8 / 24)
     # Arrivals and think times are stretched by the dilation (speed / D), timeouts too.
     wl_specs = [RequestSpec("a", [1], 1, at=3.0), RequestSpec("b", [1], 1, after="a", delay=1.5)]
     from testbed.traces.workload import Segment, TraceRequest, Workload
@@ -294,9 +295,9 @@ def test_a_forced_overrun_fails_the_fidelity_verdict_with_exit_3(tmp_path: Path)
     assert res.returncode == 3, res.stdout[-2000:] + res.stderr[-2000:]
     assert "fidelity same-dc: FAILED" in res.stdout and "overran" in res.stdout
     assert "fidelity FAILED" in res.stderr
-    summary = yaml.safe_load((tmp_path / "a" / "summary.json").read_text())
-    assert summary["policies"]["same-dc"]["fidelity"]["passed"] is False
-    assert summary["emulation"]["dilation"] == 1.0 and summary["emulation"]["b_e"] == 57344
+    summary, _ = load_run(tmp_path / "a")
+    assert summary.policies["same-dc"].fidelity.passed is False
+    assert summary.emulation.dilation == 1.0 and summary.emulation.b_e == 57344
     res = subprocess.run([*args, "--allow-infidelity", "--out", str(tmp_path / "b")], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
     assert res.returncode == 0 and "fidelity same-dc: FAILED" in res.stdout, res.stderr[-2000:]

@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pandas as pd
 import pytest
 import yaml
 
@@ -16,6 +15,7 @@ from testbed.emulation import round_up
 from testbed.errors import InputError
 from testbed.policies.base import ClusterView, WorkerView
 from testbed.policies.spec import parse_policy
+from testbed.results import load_run
 from testbed.scenario import load_scenario
 from testbed.verify import run_verify
 from workers.model import ModelRunner, ensure_default_model
@@ -109,15 +109,13 @@ def test_modeled_cluster_replays_with_balanced_instances_and_a_passing_verdict(t
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "requests by instance: " in res.stdout
-    summary = json.loads((out / "summary.json").read_text())
-    df = pd.read_parquet(out / "requests.parquet")
+    summary, df = load_run(out)
     for policy in ("same-dc", "pdd"):
-        s = summary["policies"][policy]
-        assert s["completed"] == 12, s["failures"]
-        assert s["fidelity"]["passed"], s["fidelity"]
-        workers = summary["workers"][policy]
-        assert {w["compute"] for w in workers.values()} == {"modeled"}
-        by = s["requests_by_worker"]
+        s = summary.policies[policy]
+        assert s.completed == 12, s.failures
+        assert s.fidelity.passed, s.fidelity
+        assert {w.compute for w in summary.workers[policy].values()} == {"modeled"}
+        by = s.requests_by_worker
         assert by["prefill-1"] > 0 and by["prefill-2"] > 0  # both instances served
         rows = df[df.policy == policy]
         for i in range(6):  # a session's second turn goes where its first turn's prefix is

@@ -8,12 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pandas as pd
-
 from testbed import netns, runstate
 from testbed.cluster import Cluster
 from testbed.experiment import network_session
 from testbed.policies import parse_policy
+from testbed.results import load_run
 from testbed.traces import load_trace
 from workers.contracts import WorkerFaults
 
@@ -67,12 +66,22 @@ def test_closed_loop_sessions_replay_and_results_are_saved(tmp_path: Path) -> No
                    "--allow-infidelity")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "same-dc" in res.stdout and "TTFT p50 ms" in res.stdout
-    for name in ("requests.csv", "requests.parquet", "summary.json", "latency.png"):
+    made = ("requests.csv", "requests.parquet", "summary.json", "report.md", "latency.png", "ttft_by_hit.png",
+            "timeline.png")
+    for name in made:
         assert (out / name).stat().st_size > 0, name
-    df = pd.read_parquet(out / "requests.parquet").set_index("rid")
+    summary, rows = load_run(out)
+    df = rows.set_index("rid")
     assert len(df) == 9 and df.ok.all()
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["trace"]["token_scale"] == 2 and summary["policies"]["same-dc"]["completed"] == 9
+    assert summary.trace.token_scale == 2 and summary.policies["same-dc"].completed == 9
+    # The report is rebuilt from the saved files alone, byte for byte.
+    report = (out / "report.md").read_bytes()
+    for name in ("report.md", "latency.png", "ttft_by_hit.png", "timeline.png"):
+        (out / name).unlink()
+    res = _testbed("report", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (out / "report.md").read_bytes() == report
+    assert all((out / name).stat().st_size > 0 for name in made)
     for s in range(3):
         for k in (1, 2):
             prev, cur = df.loc[f"t{s}.{k - 1}"], df.loc[f"t{s}.{k}"]

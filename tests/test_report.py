@@ -1,0 +1,113 @@
+"""Reports from saved runs (no network): summaries of fixed records, the report's figures
+beside ours, and a report rebuilt from the saved files byte for byte."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from testbed import report
+from testbed.emulation import EmulationPlan
+from testbed.fidelity import Verdict
+from testbed.metrics import Slo, summarize
+from testbed.policies.base import PolicyReport
+from testbed.results import PolicySummary, RunSummary, TraceInfo, load_run
+
+from .conftest import ROOT, scenario_with
+
+
+def _rows(ttfts: list[float], wan_s: float | None = None, relay: bool = False) -> pd.DataFrame:
+    n = len(ttfts)
+    hit = [1000 * (i % 10) / 10 for i in range(n)]  # 0 % .. 90 % prefix hit
+    return pd.DataFrame({
+        "rid": [f"r{i}" for i in range(n)], "ok": True, "error": None,
+        "pipeline": "P-RLD-MD" if relay else "P-D(a)",
+        "prefill_worker": "prefill", "decode_worker": "decode-b" if relay else "decode-a",
+        "relay": "relay" if relay else None,
+        "prompt_tokens": 1000, "output_tokens": 20, "output_tokens_emulated": 80,
+        "prefill_hit_tokens": hit, "sent_offset_s": np.arange(n, dtype=float),
+        "ttft_s": ttfts, "tpot_s": 0.05, "e2e_s": [t + 1.0 for t in ttfts],
+        "kv_bytes": 4096, "wan_kv_bytes": 4096 if wan_s else 0, "wan_kv_cancelled_bytes": 0, "wan_cut_off": False,
+        "wan_transfer_s": [wan_s * (1 + i) if wan_s else np.nan for i in range(n)],
+        "wan_start_s": [float(i) if wan_s else np.nan for i in range(n)],
+        "wan_end_s": [i + wan_s * (1 + i) if wan_s else np.nan for i in range(n)],
+        "eager_tokens": 8 if relay else 0, "handoffs": 1 if relay else 0,
+        "md_kv_to_handoff_s": 0.1 if relay else np.nan, "handoff_mismatches": 0,
+        "handoff_at_s": [i + t + 0.5 if relay else np.nan for i, t in enumerate(ttfts)],
+    })  # fmt: skip
+
+
+def _policy(df: pd.DataFrame) -> PolicySummary:
+    return PolicySummary(**dict(summarize(df, [], Slo(ttft_s=3.0))), policy_stats=PolicyReport(), fidelity=Verdict())
+
+
+def _saved_run(out: Path) -> RunSummary:
+    frames = {
+        "same-dc": _rows([1.0 + 0.1 * i for i in range(20)]),
+        "cross-dc": _rows([2.0 + 0.5 * i for i in range(20)], wan_s=0.5),
+        "pdd": _rows([1.5 + 0.1 * i for i in range(20)], wan_s=0.5, relay=True),
+    }
+    sc = scenario_with(emulated=True)
+    summary = RunSummary(
+        trace=TraceInfo(trace="traces/x.jsonl", format="sessions", requests=20, token_scale=4, block_size=4),
+        speed=1.0, limit=None, window=None, emulation=EmulationPlan.make(sc, 4, 2.0, 4096).summary(sc),
+        scenario=sc, policies={name: _policy(df) for name, df in frames.items()}, workers={},
+    )  # fmt: skip
+    report.save(out, frames, summary)
+    return summary
+
+
+def test_summary_of_fixed_records() -> None:
+    s = _policy(_rows([1.0 + 0.1 * i for i in range(20)]))
+    assert s.ttft_p50_s == pytest.approx(1.95) and s.ttft_mean_s == pytest.approx(1.95)
+    assert s.ttft_p99_s == pytest.approx(1.0 + 0.1 * 18.81)  # numpy's linear interpolation
+    assert s.slo_met == 20  # every TTFT <= 2.9 s < 3 s and TPOT 0.05 <= 0.25
+    c = _policy(_rows([2.0 + 0.5 * i for i in range(20)], wan_s=0.5))
+    assert c.slo_met == 3  # 2.0, 2.5 and 3.0 s: a TTFT at the objective meets it
+    assert (c.wan_transfers, c.wan_transfer_min_s, c.wan_transfer_max_s) == (20, 0.5, 10.0)
+    assert c.wan_kv_bytes == 20 * 4096
+    p = _policy(_rows([1.5] * 20, wan_s=0.5, relay=True))
+    assert p.rld_share == pytest.approx(0.1) and p.relayed == 20 and p.requests_by_worker["relay"] == 20
+
+
+def test_paper_comparison_puts_our_figures_beside_the_report(tmp_path: Path) -> None:
+    table = report.paper_comparison(_saved_run(tmp_path))
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in table.splitlines()[2:]}
+    assert rows["cross-dc minus same-dc TTFT P50"] == ["+2.5 s", "+4.80 s |"]  # 6.75 - 1.95
+    assert rows["same-dc TTFT P50"] == ["4.2 s", "1.95 s |"]
+    assert rows["cross-dc WAN KV transfer time (min-max)"][1].startswith("0.50-10.00 s")
+    assert rows["PDD TTFT P50 vs cross-dc"][1] == f"{100 * (2.45 - 6.75) / 6.75:+.1f} % |"
+    assert rows["RLD share of output tokens (PDD)"] == ["6.2 %", "10.0 % |"]
+
+
+def test_report_is_rebuilt_from_the_saved_files_alone(tmp_path: Path) -> None:
+    _saved_run(tmp_path)
+    made = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert {"report.md", "latency.png", "ttft_by_hit.png", "timeline.png", "summary.json"} <= set(made)
+    text = made["report.md"].decode()
+    assert "| cross-dc TTFT P99 | 29.7 s |" in text and "fidelity pdd: passed" in text
+    for name in ("report.md", "latency.png", "ttft_by_hit.png", "timeline.png"):
+        (tmp_path / name).unlink()
+    res = subprocess.run([sys.executable, "-m", "testbed", "report", str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "report.md").read_bytes() == made["report.md"]
+    assert all((tmp_path / n).stat().st_size > 0 for n in ("latency.png", "ttft_by_hit.png", "timeline.png"))
+    summary, df = load_run(tmp_path)
+    assert summary.policies["cross-dc"].ttft_p50_s == pytest.approx(6.75) and len(df) == 60
+
+
+def test_report_of_a_folder_that_is_no_run_is_a_clear_error(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, "-m", "testbed", "report", str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 2 and f"{tmp_path}: not a run directory (summary.json missing)" in res.stderr
+    (tmp_path / "summary.json").write_text('{"trace": 1}')
+    pd.DataFrame({"a": [1]}).to_parquet(tmp_path / "requests.parquet")
+    res = subprocess.run([sys.executable, "-m", "testbed", "report", str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 2 and "summary.json: not a summary this version can read" in res.stderr
