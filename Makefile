@@ -49,7 +49,7 @@ run-trace: setup
 # The report's device counts (75 emulated accelerators for PDD) as modeled instances.
 run-cluster: setup
 	$(VENV)/bin/testbed clean
-	$(VENV)/bin/testbed run --scenario topologies/cluster-modeled.yaml --trace $(TRACE) --token-scale $(TOKEN_SCALE) \
+	$(VENV)/bin/testbed run --scenario topologies/paper.yaml --trace $(TRACE) --token-scale $(TOKEN_SCALE) \
 	  --policies $(POLICIES) $(RUN_ARGS)
 
 lint: setup

@@ -168,9 +168,12 @@ def cmd_trace_stats(args: argparse.Namespace) -> int:
 def cmd_trace_gen(args: argparse.Namespace) -> int:
     from testbed.traces.generate import GenConfig, generate_file
 
+    if min(args.first_output_median, args.output_median) < 1:
+        raise InputError("--first-output-median and --output-median must be at least 1 token")
     cfg = GenConfig(sessions=args.sessions, seed=args.seed, duration_s=args.duration, above_95=args.above_95,
                     anomalous_share=args.anomalous, context_max=args.context_max,
-                    think_mean_s=args.think, calibrate_scale=args.calibrate_scale, turns_max=args.turns_max)
+                    think_mean_s=args.think, calibrate_scale=args.calibrate_scale, turns_max=args.turns_max,
+                    first_output_median=args.first_output_median, output_median=args.output_median)
     print(generate_file(cfg, args.output, args.as_format))
     return 0
 

@@ -89,6 +89,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--context-max", type=int, default=65536)
     p.add_argument("--think", type=float, default=2.0, help="mean delay between turns, seconds")
     p.add_argument("--turns-max", type=int, default=14, help="turns per session: uniform in 3..N")
+    p.add_argument("--first-output-median", type=int, default=800, metavar="N",
+                   help="median output tokens of a session's first turn (lognormal; default 800)")
+    p.add_argument("--output-median", type=int, default=500, metavar="N",
+                   help="median output tokens of follow-up turns (lognormal; default 500)")
     p.add_argument("--calibrate-scale", type=int, default=1,
                    help="calibrate hit shares as replayed with this --token-scale")
     p.add_argument("--as", dest="as_format", choices=["sessions", "mooncake"], default="sessions",

@@ -14,17 +14,19 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import gc
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiomqtt
+from pydantic import ValidationError
 
 from testbed import netns
 from testbed.traces.workload import RequestSpec
 from workers.contracts import BrokerInfo
-from workers.control import QOS, Request, RouterStatus, Tokens, Topics, no_delay
+from workers.control import QOS, Request, RouterStatus, Tokens, Topics, no_delay, rid_of, why_invalid
 
 
 @dataclass
@@ -76,13 +78,23 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
         async def read() -> None:
             async for msg in client.messages:
                 now = time.time()
-                payload = msg.payload
-                assert isinstance(payload, (bytes, bytearray))
-                if str(msg.topic) == topics.router_status:
-                    if RouterStatus.model_validate_json(payload).state == "ready":
-                        ready.set()
+                payload = msg.payload if isinstance(msg.payload, (bytes, bytearray)) else b""
+                try:
+                    if str(msg.topic) == topics.router_status:
+                        if RouterStatus.model_validate_json(payload).state == "ready":
+                            ready.set()
+                        continue
+                    t = Tokens.model_validate_json(payload)
+                except ValidationError as e:
+                    # A malformed message ends the request it names (if it names one of ours),
+                    # never the reader: the other requests go on.
+                    rid = rid_of(payload)
+                    print(f"client: rejected a message on {msg.topic}: {why_invalid(e)}", file=sys.stderr, flush=True)
+                    bad = recs.get(rid) if rid else None
+                    if bad is not None and not bad.done:
+                        bad.error, bad.done = f"client rejected a token message: {why_invalid(e)}", True
+                        complete(bad)
                     continue
-                t = Tokens.model_validate_json(payload)
                 rec = recs.get(t.rid)
                 if rec is None or rec.done:
                     continue

@@ -78,6 +78,7 @@ class PolicyRun:
     workers: dict[str, WorkerStats]
     policy: PolicyReport
     verdict: Verdict
+    impairment: str  # the WAN impairment backend that ran, and why
 
 
 def run_policy(sc: Scenario, impairment: Impairment | str, policy: PolicySpec, specs: list[RequestSpec],
@@ -108,7 +109,7 @@ def run_policy(sc: Scenario, impairment: Impairment | str, policy: PolicySpec, s
         workers = cl.worker_stats()
         policy_report = cl.policy_stats()  # read before the run directory goes with the network
     verdict = judge(workers, net.delayline_stats_final, cpu, wall)
-    return PolicyRun(recs, router, workers, policy_report, verdict)
+    return PolicyRun(recs, router, workers, policy_report, verdict, f"{net.impairment} ({net.impairment_reason})")
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,9 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
     0 when every request of every policy completed with a passing fidelity verdict; 3 when
     a verdict failed (unless ``allow_infidelity``); 1 when requests failed."""
     from testbed import report
+    from testbed.cost import cost_per_million_tokens, hardware_cost
     from testbed.metrics import format_summary, itls, request_rows, summarize
+    from testbed.policies import make_policy
 
     plan = emulation_plan(sc, wl, wl.specs(opts.speed), opts.dilation)
     d = plan.dilation
@@ -180,8 +183,13 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
         name = spec.label
         frames[name] = df
         measured = summarize(df, itls(run.recs, plan.scales), opts.slo, run.recs, plan.scales)
-        s = summaries[name] = PolicySummary(**dict(measured), policy_stats=run.policy, fidelity=run.verdict)
+        cost = hardware_cost(sc, make_policy(spec))
+        per_mtok = cost_per_million_tokens(cost, measured.duration_s, measured.output_tokens_emulated) if cost else None
+        s = summaries[name] = PolicySummary(**dict(measured), policy_stats=run.policy, fidelity=run.verdict,
+                                            cost=cost, cost_per_mtok=per_mtok, impairment=run.impairment)
         workers[name] = run.workers
+        if len(summaries) == 1:
+            print(f"WAN impairment: {run.impairment}", flush=True)
         print(format_summary(name, s) + f"  [{time.monotonic() - t0:.0f} s]", flush=True)
         if max(Counter(w.role for w in run.workers.values()).values(), default=0) > 1:
             print("    requests by instance: " + ", ".join(f"{w} {n}" for w, n in s.requests_by_worker.items()),

@@ -117,6 +117,34 @@ def paper_comparison(summary: RunSummary) -> str:
     return "\n".join(lines)
 
 
+def cost_table(summary: RunSummary) -> str | None:
+    """Each policy's deployment, its price and its cost per output token beside the
+    report's cost table; ``None`` when the scenario states no prices."""
+    priced = {name: s for name, s in summary.policies.items() if s.cost is not None}
+    if not priced:
+        return None
+    base = _first(summary, "same-dc")
+    base_cost = base.cost.total if base is not None and base.cost is not None else None
+    unit = next(iter(priced.values())).cost.unit  # type: ignore[union-attr]
+    lines = [f"| policy | deploys | price ({unit}) | vs same-dc | per 1M output tokens | goodput rps per price |",
+             "|---|---|---:|---:|---:|---:|"]
+    for name, s in priced.items():
+        c = s.cost
+        assert c is not None
+        per_price = f"{s.goodput_rps / c.total:.4f}" if s.goodput_rps is not None and c.total else "-"
+        lines.append(f"| {name} | {c.describe()} | {c.total:.2f} | {_change(c.total, base_cost)} | "
+                     f"{'-' if s.cost_per_mtok is None else f'{s.cost_per_mtok:.3f}'} | {per_price} |")
+    lines += [
+        "",
+        "The report: 88 GPU-A (same-datacenter baseline) against 43 GPU-A + 32 GPU-B + one line (PDD); with "
+        "GPU-B 20-30 % dearer than GPU-A the total is 3.5-7.1 % lower, per-token cost -37.5 %, BCR (SLA "
+        "throughput per hardware cost) up to +37.5 %. Goodput per price above is at this run's load; the "
+        "report's BCR uses SLA throughput (the highest load meeting the objectives), which a single run does "
+        "not measure.",
+    ]
+    return "\n".join(lines)
+
+
 def report_markdown(summary: RunSummary) -> str:
     """``report.md`` of a run: everything in it comes from ``summary.json``."""
     t, e = summary.trace, summary.emulation
@@ -130,6 +158,7 @@ def report_markdown(summary: RunSummary) -> str:
         f"- trace `{t.trace}` ({t.format}): {t.requests} requests, token scale {t.token_scale}, {run_of}",
         f"- policies: {', '.join(summary.policies)}",
         f"- emulation: {emulation}",
+        f"- WAN impairment: {', '.join(sorted({s.impairment for s in summary.policies.values()})) or '-'}",
         f"- times in {summary.units}",
         "",
         "## Side by side",
@@ -147,6 +176,7 @@ def report_markdown(summary: RunSummary) -> str:
         "",
         paper_comparison(summary),
         "",
+        *(["## Hardware cost", "", costs, ""] if (costs := cost_table(summary)) else []),
         "## Fidelity",
         "",
         "```",

@@ -20,6 +20,7 @@ from typing import Any
 import pandas as pd
 from pydantic import BaseModel, ConfigDict
 
+from testbed.cost import HardwareCost
 from testbed.errors import InputError
 from testbed.fidelity import Verdict
 from testbed.metrics import Summary
@@ -72,6 +73,9 @@ class EmulationSummary(_Saved):
 class PolicySummary(Summary):
     policy_stats: PolicyReport
     fidelity: Verdict
+    impairment: str = ""  # the WAN impairment backend that ran (netem or the delay line) and why
+    cost: HardwareCost | None = None  # None: the scenario states no prices
+    cost_per_mtok: float | None = None  # the deployment's price for the run per 1M emulated output tokens
 
 
 class RunSummary(_Saved):

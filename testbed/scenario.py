@@ -61,6 +61,24 @@ class DeviceProfile(_Strict):
     prefill_chunk: int | None = Field(default=None, ge=1, description="chunked prefill, emulated tokens")
 
 
+class Costs(_Strict):
+    """Hardware prices in one unit (say, GPU-A hours): per accelerator of each device profile
+    and for the inter-datacenter line. A policy's cost is what it deploys (see
+    ``testbed/cost.py``); nothing else in a run depends on these numbers."""
+
+    unit: str = Field(default="cost units", min_length=1)
+    devices: dict[str, float] = Field(description="price of one accelerator, per device profile")
+    wan_line: float = Field(default=0.0, ge=0, description="price of the inter-datacenter line")
+
+    @field_validator("devices")
+    @classmethod
+    def _non_negative(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = [k for k, x in v.items() if x < 0]
+        if bad:
+            raise ValueError(f"price of {bad[0]!r} must be >= 0")
+        return v
+
+
 class ModelCard(_Strict):
     """The model being emulated, from its public configuration. KV bytes per token follow
     (``2 x layers x kv_heads x head_dim x dtype_bytes``, or ``layers x kv_latent_dim x
@@ -183,6 +201,7 @@ class Scenario(_Strict):
     devices: dict[str, DeviceProfile] = {}
     models: dict[str, ModelCard] = {}
     emulation: Emulation | None = Field(default=None, description="null: rates and times are taken as given")
+    costs: Costs | None = Field(default=None, description="hardware prices (cost per output token, cost table)")
     source: Path | None = Field(default=None, exclude=True)
 
     @model_validator(mode="after")
@@ -204,6 +223,14 @@ class Scenario(_Strict):
                 if spec.compute == "modeled" and (self.emulation is None or spec.device == "native"):
                     raise ValueError(f"host {host!r}: compute: modeled needs an emulation and a device profile "
                                      "(a modeled step lasts only as long as the emulated device takes)")
+        if self.costs is not None:
+            unknown = sorted(set(self.costs.devices) - set(self.devices))
+            if unknown:
+                raise ValueError(f"costs.devices names unknown device profile {unknown[0]!r}")
+            used = {h.device for dc in self.datacenters.values() for h in dc.hosts.values() if h.device != "native"}
+            unpriced = sorted(used - set(self.costs.devices))
+            if unpriced:
+                raise ValueError(f"costs.devices has no price for device profile {unpriced[0]!r}")
         if self.emulation is not None and self.emulation.model not in self.models:
             raise ValueError(f"emulation.model names unknown model {self.emulation.model!r}")
         a, b = self.wan.between
@@ -249,7 +276,13 @@ class Scenario(_Strict):
         (created on first use)."""
         from workers.model import ensure_default_model
 
-        return str(self.workers.model) if self.workers.model else str(ensure_default_model())
+        if not self.workers.model:
+            return str(ensure_default_model())
+        path = self.workers.model
+        if not (path / "config.json").is_file():
+            where = f"{self.source}: " if self.source else ""
+            raise InputError(f"{where}workers.model: {path} is not a model directory (no config.json)")
+        return str(path)
 
     def wan_direction(self, src_dc: str, dst_dc: str) -> WanDirection:
         a, b = self.wan.between

@@ -208,6 +208,9 @@ def _inject_when_streaming(cl: Cluster, victim: str, worker: str, seen: dict[str
                         await c.publish(topics.requests, b'{"rid": "bad-req", "prompt": "text", "max_new": 3}',
                                         qos=QOS)
                         await c.publish(topics.cmd("prefill"), b"\xff not json", qos=QOS)
+                        # Malformed token messages: one naming a request of the client, one not.
+                        await c.publish(topics.tokens("victim2"), b'{"rid": "victim2", "start": "x"}', qos=QOS)
+                        await c.publish(topics.tokens("ghost"), b"[1, 2", qos=QOS)
                     elif str(msg.topic) == topics.tokens("bad-req"):
                         seen["bad-req"] = Tokens.model_validate_json(payload)
                     elif str(msg.topic) == topics.events:
@@ -232,7 +235,8 @@ def _inject_when_streaming(cl: Cluster, victim: str, worker: str, seen: dict[str
 @needs_root
 def test_a_malformed_message_fails_only_the_request_it_names() -> None:
     victim = "victim"
-    specs = [RequestSpec(victim, synth_tokens("victim", 200), 400, at=0.0)] + [
+    specs = [RequestSpec(victim, synth_tokens("victim", 200), 400, at=0.0),
+             RequestSpec("victim2", synth_tokens("victim2", 200), 400, at=0.0)] + [
         RequestSpec(f"ok{i}", synth_tokens(f"ok-{i}", 80), 20, at=0.3 * (i + 1)) for i in range(6)]
     seen: dict[str, Any] = {}
     with network_session(scenario_with(), "auto") as net:
@@ -247,7 +251,9 @@ def test_a_malformed_message_fails_only_the_request_it_names() -> None:
     assert not v.ok and v.error is not None and "decode-a rejected a command: extend.start:" in v.error, v.error
     assert 0 < len(v.tokens) < 400
     assert seen["failed"].worker == "decode-a"
-    assert all(r.ok and len(r.tokens) == 20 for rid, r in recs.items() if rid != victim), \
+    v2 = recs["victim2"]  # the client's reader survived both and failed only the request named
+    assert not v2.ok and v2.error is not None and v2.error.startswith("client rejected a token message: start:"), v2
+    assert all(r.ok and len(r.tokens) == 20 for rid, r in recs.items() if rid not in (victim, "victim2")), \
         {rid: r.error for rid, r in recs.items()}
     assert after["later"].ok and len(after["later"].tokens) == 10
     bad = seen["bad-req"]

@@ -23,7 +23,7 @@ from workers.modeled import ModeledRunner
 
 from .conftest import ROOT, TOPOLOGIES, needs_root
 
-CLUSTER = TOPOLOGIES / "cluster-modeled.yaml"
+CLUSTER = TOPOLOGIES / "paper.yaml"
 
 
 def test_modeled_runner_gives_real_sized_kv_and_consistent_tokens() -> None:

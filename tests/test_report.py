@@ -3,6 +3,7 @@ beside ours, and a report rebuilt from the saved files byte for byte."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,15 +11,21 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 
 from testbed import report
+from testbed.cost import HardwareCost, cost_per_million_tokens, hardware_cost
 from testbed.emulation import EmulationPlan
+from testbed.errors import InputError
 from testbed.fidelity import Verdict
 from testbed.metrics import Slo, summarize
 from testbed.policies.base import PolicyReport
+from testbed.policies.classic import CrossDc, SameDc
+from testbed.policies.pdd import Pdd
 from testbed.results import PolicySummary, RunSummary, TraceInfo, load_run
+from testbed.scenario import load_scenario
 
-from .conftest import ROOT, scenario_with
+from .conftest import ROOT, TOPOLOGIES, scenario_with
 
 
 def _rows(ttfts: list[float], wan_s: float | None = None, relay: bool = False) -> pd.DataFrame:
@@ -111,3 +118,48 @@ def test_report_of_a_folder_that_is_no_run_is_a_clear_error(tmp_path: Path) -> N
     res = subprocess.run([sys.executable, "-m", "testbed", "report", str(tmp_path)], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 2 and "summary.json: not a summary this version can read" in res.stderr
+
+
+def test_hardware_cost_of_the_reports_deployment() -> None:
+    sc = load_scenario(TOPOLOGIES / "paper.yaml")
+    same, pdd = hardware_cost(sc, SameDc), hardware_cost(sc, Pdd)
+    assert same is not None and pdd is not None
+    assert same.devices == {"h100": 88} and not same.wan_line and same.total == 88.0
+    assert pdd.devices == {"h100": 43, "h20": 32} and pdd.wan_line
+    assert hardware_cost(sc, CrossDc).devices == {"h100": 40, "h20": 32}  # type: ignore[union-attr]
+    # The report's table: GPU-B 20-30 % dearer, total 3.5-7.1 % lower.
+    for price, lower in ((1.2, 7.1), (1.3, 3.5)):
+        c = hardware_cost(sc.model_copy(update={"costs": sc.costs.model_copy(update={"devices": {  # type: ignore[union-attr]
+            "h100": 1.0, "h20": price}})}), Pdd)
+        assert c is not None and 100 * (1 - c.total / 88) == pytest.approx(lower, abs=0.05)
+    # 83.35 per hour for 2 hours over 1M tokens.
+    assert cost_per_million_tokens(pdd, 7200.0, 1_000_000) == pytest.approx(2 * 83.35)
+    assert cost_per_million_tokens(pdd, None, 10) is None
+
+
+@pytest.mark.parametrize(("change", "complaint"), [
+    ({"devices": {"h100": 1.0}}, "costs.devices has no price for device profile 'h20'"),
+    ({"devices": {"h100": 1.0, "h20": 1.2, "tpu": 2.0}}, "costs.devices names unknown device profile 'tpu'"),
+    ({"devices": {"h100": -1.0, "h20": 1.2}}, "price of 'h100' must be >= 0"),
+])
+def test_bad_cost_tables_are_rejected(tmp_path: Path, change: dict[str, object], complaint: str) -> None:
+    raw = yaml.safe_load((TOPOLOGIES / "paper.yaml").read_text())
+    raw["costs"].update(change)
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(InputError, match=re.escape(complaint)):
+        load_scenario(path)
+
+
+def test_cost_table_in_the_report(tmp_path: Path) -> None:
+    summary = _saved_run(tmp_path)
+    assert report.cost_table(summary) is None  # the scenario states no prices
+    def cost(name: str) -> HardwareCost:
+        line = name != "same-dc"
+        return HardwareCost(unit="GPU-A hours", devices={"h100": 2}, wan_line=line, total=2.0 + 0.5 * line)
+
+    priced = summary.model_copy(update={"policies": {
+        name: s.model_copy(update={"cost": cost(name), "cost_per_mtok": 1.5}) for name, s in summary.policies.items()}})
+    table = report.cost_table(priced)
+    assert table is not None and "| pdd | 2 x h100 + line | 2.50 | +25.0 % | 1.500 |" in table
+    assert "## Hardware cost" in report.report_markdown(priced)

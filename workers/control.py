@@ -68,11 +68,17 @@ class Topics:
         return f"{self.root}/router/status"
 
 
+# A request id or session name becomes part of an MQTT topic (``tokens/<rid>``), a file name
+# and a CSV cell: ``/``, ``+``, ``#``, spaces and control characters would break them.
+SAFE_NAME = r"^[A-Za-z0-9_.:=@-]{1,128}$"
+RequestId = Annotated[str, Field(pattern=SAFE_NAME)]
+
+
 # ------------------------------------------------------------------------- client -> router
 class RequestHints(Contract):
     """What the trace says about a request beyond its tokens (policies may use it)."""
 
-    session: str | None = None
+    session: RequestId | None = None
     turn: int = Field(default=0, ge=0)
     short_output: bool = False  # long input, short output: PDD's anomalous kind
     tag: str | None = None
@@ -80,7 +86,7 @@ class RequestHints(Contract):
 
 
 class Request(Contract):
-    rid: str = Field(min_length=1)
+    rid: RequestId
     prompt: list[int] = Field(min_length=1)
     max_new: int = Field(ge=1)
     hints: RequestHints = RequestHints()

@@ -73,7 +73,7 @@ class DecodeWorker(HandoffMixin, Worker):
 
     async def start(self) -> None:
         self.server = await kv_wire.serve_kv(self.cfg.host_ip, self.cfg.kv_port, self._offer, self._arrived,
-                                             self._transfer_failed)
+                                             self._transfer_failed, expect=self.runner.shape)
         self.spawn(self._loop())
 
     def active(self) -> int:

@@ -20,8 +20,13 @@ compares shipping KV blocks with shipping token IDs over the same framing; block
 versions of the framing (``send_frame`` / ``recv_frame``) serve it. Every frame type and
 framing helper lives here.
 
-The receiver verifies every block (checksum, shape, dtype, contiguity) before using it; a
-bad block ends the transfer with an error on both sides. ``cancel`` cuts a transfer off at
+The receiver trusts nothing its peer sends: every frame's length is capped before it is
+read (control frames ``MAX_CONTROL_FRAME``, HELLO ``MAX_HELLO``, a BLOCK at most the KV
+still missing), HELLO is a validated ``Hello`` (request id alphabet, at most
+``MAX_PROMPT_TOKENS`` token ids, a dtype from a whitelist) whose layout must equal the
+receiver's own model (``ModelShape``), and every block is verified (checksum, shape,
+dtype, length, contiguity) before it is used. Anything else ends that transfer with a
+reason on both sides (``fail``); the server serves on. ``cancel`` cuts a transfer off at
 once, even mid-block: the connection is reset (SO_LINGER 0), so bytes still queued in the
 sender's socket buffer are discarded instead of crossing the link; ``bytes_acked`` (from
 the kernel's ``tcp_info``) says how much the receiver really got. PDD cuts off useless WAN
@@ -32,15 +37,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import socket
 import struct
 import time
 import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Annotated, Literal, TypeVar
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from workers.control import RequestId
 
 MAGIC = b"PDKV"
 VERSION = 1
@@ -53,10 +61,73 @@ FRAME_TOKENS = 16
 HELLO, OFFER, BLOCK, END, ACK, EXTEND = 1, 2, 3, 4, 5, 6
 DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3, torch.float16: 4}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+DTYPE_NAMES = {str(d): d for d in DTYPE_CODES}  # "torch.float32" -> torch.float32: the only dtypes read
+MAX_PROMPT_TOKENS = 1 << 20
+MAX_TOKEN_ID = (1 << 31) - 1
+MAX_CONTROL_FRAME = 64 * 1024  # OFFER, END, ACK: a few small JSON fields
+MAX_HELLO = 1024 + 12 * MAX_PROMPT_TOKENS  # JSON token ids of at most 10 digits and ", "
 
 
 class KVTransferError(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The KV layout of one model as run: what a receiver accepts and a sender sends."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+
+class _Frame(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+F = TypeVar("F", bound=_Frame)
+
+
+class Hello(_Frame):
+    rid: RequestId
+    tokens: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] = Field(min_length=1, max_length=MAX_PROMPT_TOKENS)
+    dtype: Literal["torch.float32", "torch.float64", "torch.bfloat16", "torch.float16"]
+    layers: int = Field(ge=1, le=4096)
+    kv_heads: int = Field(ge=1, le=4096)
+    head_dim: int = Field(ge=1, le=65536)
+    block_size: int = Field(ge=1, le=1 << 20)
+
+    def shape(self) -> ModelShape:
+        return ModelShape(self.layers, self.kv_heads, self.head_dim, DTYPE_NAMES[self.dtype])
+
+
+class Offer(_Frame):
+    have: int | None = Field(default=None, ge=0)
+    error: str | None = None
+
+
+class End(_Frame):
+    first_token: int = Field(ge=0, le=MAX_TOKEN_ID)
+    n: int = Field(ge=1, le=MAX_PROMPT_TOKENS)
+
+
+class Ack(_Frame):
+    ok: bool = False
+    error: str | None = None
+
+
+def _parse(model: type[F], payload: bytes, what: str) -> F:
+    try:
+        return model.model_validate_json(payload)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"]) or "frame"
+        raise KVTransferError(f"bad {what}: {where}: {err['msg']}") from None
 
 
 @dataclass
@@ -82,11 +153,14 @@ async def _write(w: asyncio.StreamWriter, ftype: int, payload: bytes) -> int:
     return HDR.size + len(payload)
 
 
-async def _read(r: asyncio.StreamReader) -> tuple[int, bytes]:
+async def _read(r: asyncio.StreamReader, max_len: int = MAX_CONTROL_FRAME) -> tuple[int, bytes]:
+    """One frame; its announced length is checked against ``max_len`` before anything is read."""
     hdr = await r.readexactly(HDR.size)
     magic, ver, ftype, _, n = HDR.unpack(hdr)
     if magic != MAGIC or ver != VERSION:
-        raise KVTransferError(f"bad frame header {hdr!r}")
+        raise KVTransferError(f"bad frame header {hdr[:8]!r}")
+    if n > max_len:
+        raise KVTransferError(f"frame type {ftype} announces {n} bytes (at most {max_len} expected)")
     return ftype, await r.readexactly(n)
 
 
@@ -106,11 +180,13 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def recv_frame(sock: socket.socket) -> tuple[int, bytes]:
+def recv_frame(sock: socket.socket, max_len: int = MAX_HELLO) -> tuple[int, bytes]:
     """Blocking-socket ``_read``: (frame type, payload). Raises KVTransferError."""
     magic, ver, ftype, _, n = HDR.unpack(_recv_exact(sock, HDR.size))
     if magic != MAGIC or ver != VERSION:
         raise KVTransferError("bad frame header")
+    if n > max_len:
+        raise KVTransferError(f"frame type {ftype} announces {n} bytes (at most {max_len} expected)")
     return ftype, _recv_exact(sock, n)
 
 
@@ -137,13 +213,18 @@ class Block:
 
 
 def decode_block(payload: bytes, layers: int, heads: int, head_dim: int, dtype: torch.dtype) -> Block:
-    """Verify (checksum, shape, dtype) and decode a BLOCK payload. Raises KVTransferError."""
+    """Verify (length, checksum, shape, dtype) and decode a BLOCK payload. Raises KVTransferError."""
+    if len(payload) < BLOCK_HDR.size:
+        raise KVTransferError(f"block frame of {len(payload)} bytes is shorter than its header")
     _, first, count, l0, l1, b_heads, hd, code, crc = BLOCK_HDR.unpack_from(payload)
     data = payload[BLOCK_HDR.size :]
     if zlib.crc32(data) != crc:
         raise KVTransferError(f"block at token {first}: checksum mismatch")
     if (l0, l1, b_heads, hd) != (0, layers, heads, head_dim) or CODE_DTYPES.get(code) != dtype:
         raise KVTransferError(f"block at token {first}: unexpected shape/dtype")
+    per_token = layers * 2 * heads * head_dim * torch.finfo(dtype).bits // 8
+    if count < 1 or len(data) != count * per_token:
+        raise KVTransferError(f"block at token {first}: {len(data)} bytes for {count} tokens")
     return Block(first, torch.frombuffer(bytearray(data), dtype=dtype).view(layers, 2, heads, count, hd))
 
 
@@ -175,14 +256,16 @@ async def send_kv(
 
     watcher = asyncio.create_task(cut_off()) if cancel is not None else None
     try:
-        hello = {"rid": request_id, "tokens": tokens, "dtype": str(kv.dtype), "layers": layers,
-                 "kv_heads": heads, "head_dim": head_dim, "block_size": block_size}
-        st.bytes_sent += await _write(writer, HELLO, json.dumps(hello).encode())
+        hello = Hello(rid=request_id, tokens=tokens, dtype=str(kv.dtype), layers=layers,  # type: ignore[arg-type]
+                      kv_heads=heads, head_dim=head_dim, block_size=block_size)
+        st.bytes_sent += await _write(writer, HELLO, hello.model_dump_json().encode())
         ftype, payload = await _read(reader)
-        offer = json.loads(payload)
-        if ftype != OFFER or "error" in offer:
-            raise KVTransferError(f"receiver refused: {offer.get('error', offer)}")
-        have = int(offer["have"])
+        offer = _parse(Offer, payload, "OFFER")
+        if ftype != OFFER or offer.error is not None or offer.have is None:
+            raise KVTransferError(f"receiver refused: {offer.error or f'frame type {ftype}'}")
+        if offer.have > n or offer.have % block_size:
+            raise KVTransferError(f"receiver offered {offer.have} cached tokens of {n} (block {block_size})")
+        have = offer.have
         st.receiver_had = have
         st.planned_payload = (n - have) * kv[:, :, :, :1].numel() * kv.element_size()
         for idx, start in enumerate(range(have, n, per_frame)):
@@ -198,11 +281,11 @@ async def send_kv(
             if on_progress:
                 on_progress(st)
         if not st.cancelled:
-            st.bytes_sent += await _write(writer, END, json.dumps({"first_token": first_token, "n": n}).encode())
+            st.bytes_sent += await _write(writer, END, End(first_token=first_token, n=n).model_dump_json().encode())
             ftype, payload = await _read(reader)
-            ack = json.loads(payload)
-            if ftype != ACK or not ack.get("ok"):
-                raise KVTransferError(f"receiver rejected the transfer: {ack.get('error', ack)}")
+            ack = _parse(Ack, payload, "ACK")
+            if ftype != ACK or not ack.ok:
+                raise KVTransferError(f"receiver rejected the transfer: {ack.error or f'frame type {ftype}'}")
             st.bytes_acked = st.bytes_sent
     except (OSError, asyncio.IncompleteReadError) as e:
         if not st.cancelled:
@@ -245,56 +328,68 @@ DoneFn = Callable[[Incoming], Awaitable[None]]
 FailFn = Callable[[str, str], Awaitable[None]]
 
 
-async def serve_kv(host: str, port: int, offer: OfferFn, done: DoneFn, fail: FailFn) -> asyncio.Server:
-    """Accept transfers. ``offer(rid, tokens)`` returns the cached prefix length to claim."""
+async def serve_kv(host: str, port: int, offer: OfferFn, done: DoneFn, fail: FailFn,
+                   expect: ModelShape | None = None) -> asyncio.Server:
+    """Accept transfers (``receive_kv`` for each connection)."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        rid = "?"
-        start = time.time()
-        received = 0
-        try:
-            ftype, payload = await _read(reader)
-            received += HDR.size + len(payload)
-            if ftype != HELLO:
-                raise KVTransferError("expected HELLO")
-            hello = json.loads(payload)
-            rid, tokens = hello["rid"], hello["tokens"]
-            try:
-                have = await offer(rid, tokens)
-            except Exception as e:  # noqa: BLE001 - reported to the sender
-                await _write(writer, OFFER, json.dumps({"error": str(e)}).encode())
-                raise KVTransferError(str(e)) from e
-            await _write(writer, OFFER, json.dumps({"have": have}).encode())
-            n = len(tokens)
-            dtype = getattr(torch, hello["dtype"].removeprefix("torch."))
-            shape = (hello["layers"], 2, hello["kv_heads"], n - have, hello["head_dim"])
-            kv = torch.empty(shape, dtype=dtype)
-            pos = have
-            while True:
-                ftype, payload = await _read(reader)
-                received += HDR.size + len(payload)
-                if ftype == END:
-                    end = json.loads(payload)
-                    if pos != n or end["n"] != n:
-                        raise KVTransferError(f"transfer ended at token {pos} of {n}")
-                    await _write(writer, ACK, b'{"ok": true}')
-                    await done(Incoming(rid, tokens, have, kv, int(end["first_token"]), received, start, time.time()))
-                    return
-                if ftype != BLOCK:
-                    raise KVTransferError(f"unexpected frame type {ftype}")
-                blk = decode_block(payload, shape[0], shape[2], shape[4], dtype)
-                count = blk.kv.shape[3]
-                if blk.first != pos or pos + count > n:
-                    raise KVTransferError(f"block at token {blk.first}: expected token {pos}")
-                kv[:, :, :, pos - have : pos - have + count] = blk.kv
-                pos += count
-        except (KVTransferError, asyncio.IncompleteReadError, OSError, ValueError, KeyError) as e:
-            msg = f"KV transfer for {rid} failed: {e}"
-            with contextlib.suppress(OSError):
-                await _write(writer, ACK, json.dumps({"error": msg}).encode())
-            if rid != "?":
-                await fail(rid, msg)
-        finally:
-            writer.close()
+        await receive_kv(reader, writer, offer, done, fail, expect)
 
     return await asyncio.start_server(handle, host, port)
+
+
+async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, offer: OfferFn, done: DoneFn,
+                     fail: FailFn, expect: ModelShape | None = None) -> None:
+    """One transfer, receiver side. ``offer(rid, tokens)`` returns the cached prefix length to
+    claim; ``expect`` (the receiver's own model) is the only KV layout accepted. Never raises:
+    whatever the peer sends, the transfer ends with ``done`` or with ``fail`` and a reason
+    (``fail`` only once the request id is known), and the connection is closed."""
+    rid: str | None = None
+    start = time.time()
+    received = 0
+    try:
+        ftype, payload = await _read(reader, MAX_HELLO)
+        received += HDR.size + len(payload)
+        if ftype != HELLO:
+            raise KVTransferError(f"expected HELLO, got frame type {ftype}")
+        hello = _parse(Hello, payload, "HELLO")
+        rid, tokens, shape = hello.rid, hello.tokens, hello.shape()
+        if expect is not None and shape != expect:
+            raise KVTransferError(f"KV layout {shape} is not this worker's {expect}")
+        try:
+            have = await offer(rid, tokens)
+        except Exception as e:  # noqa: BLE001 - reported to the sender
+            await _write(writer, OFFER, Offer(error=str(e)).model_dump_json().encode())
+            raise KVTransferError(str(e)) from e
+        await _write(writer, OFFER, Offer(have=have).model_dump_json().encode())
+        n = len(tokens)
+        kv = torch.empty((shape.layers, 2, shape.kv_heads, n - have, shape.head_dim), dtype=shape.dtype)
+        pos = have
+        while True:
+            # A block holds at most the KV still missing.
+            limit = BLOCK_HDR.size + (n - pos) * shape.kv_bytes_per_token if pos < n else MAX_CONTROL_FRAME
+            ftype, payload = await _read(reader, max(limit, MAX_CONTROL_FRAME))
+            received += HDR.size + len(payload)
+            if ftype == END:
+                end = _parse(End, payload, "END")
+                if pos != n or end.n != n:
+                    raise KVTransferError(f"transfer ended at token {pos} of {n}")
+                await _write(writer, ACK, b'{"ok": true}')
+                await done(Incoming(rid, tokens, have, kv, end.first_token, received, start, time.time()))
+                return
+            if ftype != BLOCK:
+                raise KVTransferError(f"unexpected frame type {ftype}")
+            blk = decode_block(payload, shape.layers, shape.kv_heads, shape.head_dim, shape.dtype)
+            count = blk.kv.shape[3]
+            if blk.first != pos or pos + count > n:
+                raise KVTransferError(f"block at token {blk.first}: expected token {pos}")
+            kv[:, :, :, pos - have : pos - have + count] = blk.kv
+            pos += count
+    except Exception as e:  # noqa: BLE001 - a bad peer fails its transfer, never the server
+        msg = f"KV transfer for {rid or '?'} failed: {e or type(e).__name__}"
+        with contextlib.suppress(Exception):
+            await _write(writer, ACK, Ack(error=msg).model_dump_json().encode())
+        if rid is not None:
+            await fail(rid, msg)
+    finally:
+        writer.close()

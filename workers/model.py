@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +22,8 @@ from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig, 
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from workers.kv_wire import ModelShape  # the KV layout is the wire's contract
 
 DEFAULT_MODEL_NAME = "pdd-tiny-llama-v2"
 DEFAULT_CONFIG = {
@@ -91,18 +92,6 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, _grouped_query_sdpa)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return self.layers * 2 * self.kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
 
 
 def kv_bytes_per_token(path: Path | str, dtype: str) -> int:

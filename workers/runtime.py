@@ -64,6 +64,7 @@ class Worker:
         self.device = asyncio.Lock()
         self.client: aiomqtt.Client | None = None
         self.stopping = asyncio.Event()
+        self.crashed: str | None = None  # why a task of this worker failed (the worker then ends)
         self.tasks: set[asyncio.Task[Any]] = set()
         self.cache_series: list[tuple[float, int, int]] = []  # (t, hit tokens, lookup tokens)
 
@@ -120,9 +121,17 @@ class Worker:
         return task
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
+        """A task that raised is a bug, and a worker that carried on without it (a dead decode
+        loop) would hold its requests until they time out: the worker ends at once instead,
+        says so, and its dead status fails its requests at the router."""
         self.tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            traceback.print_exception(task.exception(), file=sys.stderr)
+        if task.cancelled() or (exc := task.exception()) is None:
+            return
+        traceback.print_exception(exc, file=sys.stderr)
+        if self.crashed is None:
+            self.crashed = f"{task.get_coro().__qualname__}: {type(exc).__name__}: {exc}"  # type: ignore[union-attr]
+            print(f"{self.cfg.name}: task failed ({self.crashed}); the worker ends", file=sys.stderr, flush=True)
+        self.stopping.set()
 
     async def publish_status(self) -> None:
         st = Status(worker=self.cfg.name, role=self.cfg.role, state="up", active=self.active(),
@@ -198,6 +207,8 @@ class Worker:
             self._sample_cache()
             self.write_stats()
             await self.publish(self.topics.status(self.cfg.name), dead, retain=True)
+        if self.crashed is not None:
+            raise SystemExit(f"{self.cfg.name}: {self.crashed}")
 
     async def _read(self, client: aiomqtt.Client) -> None:
         async for message in client.messages:

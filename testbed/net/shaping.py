@@ -6,6 +6,9 @@ into a ``BuildError`` and tears down. Nothing here retries or carries on unshape
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 from pyroute2 import IPRoute
 from pyroute2.ethtool import Ethtool
 from pyroute2.netlink.exceptions import NetlinkError
@@ -51,10 +54,37 @@ def add_rate_limit(ipr: IPRoute, ifname: str, rate_bps: int, burst: int, queue_b
     ipr.tc("add", "bfifo", index=idx, handle="10:", parent="1:10", limit=queue_bytes)
 
 
+@dataclass(frozen=True)
+class NetemParams:
+    """netem's parameters for one WAN direction (pyroute2 units: microseconds, percent, packets)."""
+
+    delay_us: int
+    jitter_us: int
+    loss_pct: float
+    limit_packets: int
+    fifo_child: bool  # a pfifo under netem: jitter without reordering
+
+
+def netem_params(s: Shaping, mtu: int) -> NetemParams:
+    """Under htb, netem's queue is the bottleneck's buffer *and* every frame in flight for the
+    delay (plus jitter): its limit, in packets of the WAN frame size, covers ``queue_bytes``
+    plus rate x (delay + jitter). Unshaped, only frames in flight are held: netem's default
+    (1000). With jitter, netem's time-sorted queue reorders frames that a real line never
+    would; a pfifo child makes it release frames in arrival order."""
+    frame = mtu + FRAME_OVERHEAD
+    if s.rate_bps:
+        in_flight = s.rate_bps / 8 * (s.delay_ms + s.jitter_ms) / 1000
+        limit = max(1, math.ceil((s.queue_bytes + in_flight) / frame))
+    else:
+        limit = 1000
+    return NetemParams(delay_us=round(s.delay_ms * 1000), jitter_us=round(s.jitter_ms * 1000), loss_pct=s.loss_pct,
+                       limit_packets=limit, fifo_child=s.jitter_ms > 0)
+
+
 def add_wan_qdiscs(ipr: IPRoute, ifname: str, s: Shaping, mtu: int, use_netem: bool) -> None:
     """Egress shaping of one WAN direction.
 
-    netem backend: htb (rate) -> netem (delay, jitter, loss, buffer in packets).
+    netem backend: htb (rate) -> netem (delay, jitter, loss; ``netem_params``) [-> pfifo].
     delay-line backend: htb (rate) -> bfifo (buffer); delay/jitter/loss happen in userspace
     before the frame reaches this qdisc.
     """
@@ -71,12 +101,13 @@ def add_wan_qdiscs(ipr: IPRoute, ifname: str, s: Shaping, mtu: int, use_netem: b
             rate=f"{s.rate_bps}bit", ceil=f"{s.rate_bps}bit", burst=s.burst_bytes, cburst=s.burst_bytes,
         )  # fmt: skip
         parent = "1:10"
-    # netem holds every frame in flight for the delay, so its limit covers rate x delay too.
-    limit = max(1000, s.queue_bytes // (mtu + FRAME_OVERHEAD) * 2)
+    p = netem_params(s, mtu)
     ipr.tc(
         "add", "netem", index=idx, handle="10:", parent=parent,
-        delay=int(s.delay_ms * 1000), jitter=int(s.jitter_ms * 1000), loss=s.loss_pct, limit=limit,
+        delay=p.delay_us, jitter=p.jitter_us, loss=p.loss_pct, limit=p.limit_packets,
     )  # fmt: skip
+    if p.fifo_child:
+        ipr.tc("add", "pfifo", index=idx, handle="20:", parent="10:", limit=p.limit_packets)
 
 
 def disable_offloads(ns: str, ifname: str) -> None:

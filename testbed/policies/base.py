@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -158,6 +159,11 @@ class RequestState:
 class Policy(ABC):
     name: str = "policy"
     ctx: PolicyContext = PolicyContext()
+    # What the policy deploys (its hardware cost, ``testbed/cost.py``): (role, where) pairs,
+    # "home" = the datacenter(s) of the prefill instances, "away" = the others; and whether
+    # it needs the inter-datacenter line.
+    deploys: ClassVar[tuple[tuple[str, Literal["home", "away"]], ...]] = ()
+    crosses_wan: ClassVar[bool] = False
 
     def bind(self, ctx: PolicyContext) -> None:
         """Called once by the router before the first request."""

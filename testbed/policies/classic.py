@@ -13,6 +13,7 @@ from testbed.policies.base import ClusterView, Plan, Policy, RequestState
 
 class SameDc(Policy):
     name = "same-dc"
+    deploys = (("prefill", "home"), ("decode", "home"))
 
     def plan(self, req: RequestState, cluster: ClusterView) -> Plan:
         p = cluster.pick("prefill", prompt=req.prompt)
@@ -22,6 +23,8 @@ class SameDc(Policy):
 
 class CrossDc(Policy):
     name = "cross-dc"
+    deploys = (("prefill", "home"), ("decode", "away"))
+    crosses_wan = True
 
     def plan(self, req: RequestState, cluster: ClusterView) -> Plan:
         p = cluster.pick("prefill", prompt=req.prompt)

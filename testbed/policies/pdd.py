@@ -48,6 +48,8 @@ UNSHAPED_RATE_BPS = 10e9  # assumed line rate when the scenario leaves the WAN u
 
 class Pdd(Policy):
     name = "pdd"
+    deploys = (("prefill", "home"), ("relay-decode", "home"), ("decode", "away"))
+    crosses_wan = True
 
     def __init__(self, options: PddOptions | None = None) -> None:
         self.opts = options or PddOptions()

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from testbed.errors import InputError
 from testbed.traces.errors import from_validation, line_error, read_lines
 from testbed.traces.workload import VOCAB_HIGH, Segment, TraceRequest, Workload, scale_len
-from workers.control import RequestHints
+from workers.control import SAFE_NAME, RequestHints
 
 MOONCAKE_BLOCK = 512
 FORMATS = ("mooncake", "azure", "sessions", "requests")
@@ -163,7 +163,7 @@ class Turn(BaseModel):
 class Session(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    session: str = Field(min_length=1)
+    session: str = Field(pattern=SAFE_NAME, max_length=120)  # request ids are "<session>.<turn>"
     start_s: Number = Field(ge=0)
     shared_prefix: SharedPrefix | None = None
     turns: list[Turn] = Field(min_length=1)
@@ -245,7 +245,7 @@ def sessions_workload(path: Path, lines: Iterable[tuple[int, dict[str, Any]]], t
 class RequestLine(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    rid: str | None = None
+    rid: str | None = Field(default=None, pattern=SAFE_NAME)
     prompt: list[StrictInt] | None = None
     input_length: StrictInt | None = Field(default=None, ge=1)
     prefix: str | None = None

@@ -1,0 +1,54 @@
+"""What a policy's deployment costs: the scenario's ``costs`` applied to what it deploys.
+
+A policy declares the roles it deploys and where (``Policy.deploys``: "home" = the
+datacenter(s) of the prefill instances, "away" = the others) and whether it needs the
+inter-datacenter line (``Policy.crosses_wan``). Its hardware is every accelerator of every
+host of those roles there (``Host.devices`` x the host's device profile), priced by
+``costs.devices``, plus ``costs.wan_line`` when it crosses the WAN. On the report's
+deployment (``topologies/paper.yaml``) that gives 88 GPU-A for same-dc and
+43 GPU-A + 32 GPU-B + the line for PDD. Cost per output token divides the deployment's
+price for the run's (emulated) duration by the emulated output tokens: prices are per
+device-hour.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from testbed.policies import Policy
+from testbed.scenario import Scenario
+
+
+class HardwareCost(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    unit: str
+    devices: dict[str, int]  # device profile -> accelerators deployed
+    wan_line: bool
+    total: float  # price per hour of everything deployed
+
+    def describe(self) -> str:
+        parts = [f"{n} x {kind}" for kind, n in sorted(self.devices.items())]
+        return " + ".join(parts + (["line"] if self.wan_line else [])) or "nothing"
+
+
+def hardware_cost(sc: Scenario, policy: type[Policy] | Policy) -> HardwareCost | None:
+    """``None`` when the scenario states no prices."""
+    if sc.costs is None:
+        return None
+    home = {dc for dc, d in sc.datacenters.items() if any(h.role == "prefill" for h in d.hosts.values())}
+    devices: dict[str, int] = {}
+    for dc_name, dc in sc.datacenters.items():
+        for host in dc.hosts.values():
+            where = "home" if dc_name in home else "away"
+            if (host.role.value, where) in policy.deploys and host.device in sc.devices:
+                devices[host.device] = devices.get(host.device, 0) + host.devices
+    total = sum(n * sc.costs.devices[k] for k, n in devices.items()) + (sc.costs.wan_line if policy.crosses_wan else 0)
+    return HardwareCost(unit=sc.costs.unit, devices=devices, wan_line=policy.crosses_wan, total=total)
+
+
+def cost_per_million_tokens(cost: HardwareCost, duration_s: float | None, output_tokens: int) -> float | None:
+    """The deployment's price for the run's duration per million (emulated) output tokens."""
+    if not duration_s or not output_tokens:
+        return None
+    return cost.total * duration_s / 3600 / (output_tokens / 1e6)

@@ -1,0 +1,199 @@
+"""Hostile input at the edges (no network): the KV receiver and the control-message decoders
+take anything a peer can send and answer with a reason, never a crash, a hang or an
+allocation the peer chose.
+
+The fuzzing is seeded (``random.Random``), so every run tries the same inputs: a failure
+reproduces, and the suite cannot flake on an unlucky draw."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import struct
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from workers import kv_wire
+from workers.control import Request, RouterStatus, Status, Tokens, parse_command, parse_event
+from workers.kv_wire import BLOCK, END, HDR, HELLO, MAGIC, VERSION, ModelShape
+
+SHAPE = ModelShape(layers=2, kv_heads=2, head_dim=4, dtype=torch.float32)
+FUZZ_INPUTS = 10_000
+
+
+def _frame(ftype: int, payload: bytes) -> bytes:
+    return HDR.pack(MAGIC, VERSION, ftype, 0, len(payload)) + payload
+
+
+def _hello(**over: object) -> dict[str, object]:
+    h: dict[str, object] = {"rid": "r1", "tokens": list(range(3, 35)), "dtype": "torch.float32", "layers": 2,
+                            "kv_heads": 2, "head_dim": 4, "block_size": 16}
+    return {**h, **over}
+
+
+def _valid_stream(kv: torch.Tensor, hello: dict[str, object] | None = None) -> bytes:
+    n = kv.shape[3]
+    out = _frame(HELLO, json.dumps(hello or _hello(tokens=list(range(3, 3 + n)))).encode())
+    for idx, start in enumerate(range(0, n, 16)):
+        out += _frame(BLOCK, kv_wire.encode_block(idx, start, kv[:, :, :, start : start + 16])[0])
+    return out + _frame(END, json.dumps({"first_token": 7, "n": n}).encode())
+
+
+class _Writer:
+    """What the receiver writes back, in memory."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.closed = False
+
+    def write(self, b: bytes) -> None:
+        self.data += b
+
+    async def drain(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def _receive(stream: bytes, have: int = 0) -> dict[str, object]:
+    """Feed ``stream`` to the receiver, then end of file; what it concluded."""
+    got: dict[str, object] = {}
+
+    async def offer(rid: str, tokens: list[int]) -> int:
+        return have
+
+    async def done(inc: kv_wire.Incoming) -> None:
+        got["done"] = inc
+
+    async def fail(rid: str, msg: str) -> None:
+        got["fail"] = msg
+
+    reader = asyncio.StreamReader()
+    reader.feed_data(stream)
+    reader.feed_eof()
+    writer = _Writer()
+    await asyncio.wait_for(kv_wire.receive_kv(reader, writer, offer, done, fail, SHAPE), timeout=2.0)  # type: ignore[arg-type]
+    got["closed"] = writer.closed
+    got["reply"] = bytes(writer.data)
+    return got
+
+
+def receive(stream: bytes, have: int = 0) -> dict[str, object]:
+    return asyncio.run(_receive(stream, have))
+
+
+def test_a_valid_stream_is_received_exactly() -> None:
+    kv = torch.randn(2, 2, 2, 40, 4)
+    got = receive(_valid_stream(kv))
+    inc = got["done"]
+    assert isinstance(inc, kv_wire.Incoming) and torch.equal(inc.kv, kv) and inc.first_token == 7
+    assert "fail" not in got and got["closed"]
+
+
+@pytest.mark.parametrize(
+    ("stream", "reason"),
+    [
+        (_frame(HELLO, b"[1, 2, 3]"), None),  # list-shaped HELLO: no request id to fail
+        (_frame(HELLO, json.dumps(_hello(dtype="torch.int8")).encode()), None),
+        (_frame(HELLO, json.dumps(_hello(rid="a/b")).encode()), None),
+        (_frame(HELLO, json.dumps(_hello(tokens=[-1, 5])).encode()), None),
+        (_frame(HELLO, json.dumps(_hello(layers=3)).encode()), "is not this worker's"),
+        (_frame(HELLO, json.dumps(_hello(head_dim=1 << 20, layers=1 << 12)).encode()), None),
+        (HDR.pack(MAGIC, VERSION, HELLO, 0, 0xFFFFFFFF), None),  # announces 4 GB, sends nothing
+        (_frame(HELLO, json.dumps(_hello()).encode()) + HDR.pack(MAGIC, VERSION, BLOCK, 0, 0xFFFFFFF0),
+         "at most"),
+        (_frame(HELLO, json.dumps(_hello()).encode()) + _frame(BLOCK, b"\x00" * 10), "shorter than its header"),
+        (_frame(HELLO, json.dumps(_hello()).encode()) + _frame(END, b'{"first_token": 1, "n": 32}'),
+         "ended at token 0 of 32"),
+        (_frame(HELLO, json.dumps(_hello()).encode()) + b"PDKV", "failed"),  # cut mid-header
+    ],
+)
+def test_hostile_streams_fail_the_transfer_with_a_reason(stream: bytes, reason: str | None) -> None:
+    got = receive(stream)
+    assert "done" not in got and got["closed"]
+    if reason is None:  # the request id was not (validly) given: nothing to fail, the peer is told
+        assert "fail" not in got
+    else:
+        assert reason in str(got["fail"]), got["fail"]
+    assert b'"error"' in got["reply"]  # the sender learns why
+
+
+def test_a_block_lying_about_its_token_count_is_refused() -> None:
+    kv = torch.randn(2, 2, 2, 32, 4)
+    payload, _ = kv_wire.encode_block(0, 0, kv[:, :, :, :16])
+    lying = payload[:8] + struct.pack("!I", 17) + payload[12:]  # says 17 tokens, carries 16
+    got = receive(_frame(HELLO, json.dumps(_hello()).encode()) + _frame(BLOCK, lying))
+    assert "checksum" not in str(got["fail"]) and "bytes for 17 tokens" in str(got["fail"])
+
+
+def _mutate(rng: random.Random, data: bytes) -> bytes:
+    b = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        op = rng.randrange(5)
+        if op == 0 and b:  # flip bytes
+            for _ in range(rng.randint(1, 8)):
+                b[rng.randrange(len(b))] = rng.randrange(256)
+        elif op == 1 and b:  # cut
+            del b[rng.randrange(len(b)) :]
+        elif op == 2:  # insert random bytes
+            at = rng.randrange(len(b) + 1)
+            b[at:at] = rng.randbytes(rng.randint(1, 64))
+        elif op == 3 and len(b) > 12:  # a length field anywhere
+            at = rng.randrange(len(b) - 4)
+            b[at : at + 4] = struct.pack("!I", rng.choice([0, 1, 2**31, 2**32 - 1, rng.randrange(2**32)]))
+        else:  # duplicate a slice
+            i, j = sorted(rng.randrange(len(b) + 1) for _ in range(2))
+            b[j:j] = b[i:j]
+    return bytes(b)
+
+
+def test_fuzzed_streams_never_crash_hang_or_succeed_wrongly() -> None:
+    rng = random.Random(20261130)
+    kv = torch.randn(2, 2, 2, 48, 4)
+    good = _valid_stream(kv)
+    hello_end = HDR.size + HDR.unpack_from(good)[4]
+
+    async def main() -> tuple[int, int]:
+        done = failed = 0
+        for _ in range(FUZZ_INPUTS):
+            # A third of the inputs mutate only HELLO (JSON, the richest parser), the rest anywhere.
+            only_hello = rng.random() < 1 / 3
+            stream = _mutate(rng, good[:hello_end]) + good[hello_end:] if only_hello else _mutate(rng, good)
+            got = await _receive(stream)  # raises on a crash, times out on a hang
+            assert got["closed"]
+            if "done" in got:
+                inc = got["done"]
+                assert isinstance(inc, kv_wire.Incoming)
+                # Success only with every checksum intact: the KV is what the sender sent.
+                assert inc.kv.shape == (2, 2, 2, len(inc.tokens), 4)
+                done += 1
+            failed += "fail" in got
+        return done, failed
+
+    done, failed = asyncio.run(main())
+    assert failed > FUZZ_INPUTS // 4  # most mutations reach a request id and are refused with a reason
+    assert done < FUZZ_INPUTS // 10
+
+
+def test_fuzzed_control_messages_are_models_or_validation_errors() -> None:
+    rng = random.Random(7)
+    seeds = [
+        b'{"op": "prefill", "rid": "r1", "prompt": [5, 6, 7], "targets": []}',
+        b'{"op": "extend", "rid": "r1", "start": 3, "tokens": [1, 2], "final": true}',
+        b'{"kind": "failed", "rid": "r1", "worker": "w", "t": 1.0, "reason": "x"}',
+        b'{"rid": "r1", "start": 0, "tokens": [1], "worker": "w", "t": 0.5, "done": false}',
+        b'{"rid": "r1", "prompt": [1, 2, 3], "max_new": 4}',
+        b'{"state": "ready", "workers": {}, "policy": "same-dc"}',
+    ]
+    decoders = [parse_command, parse_event, Tokens.model_validate_json, Request.model_validate_json,
+                RouterStatus.model_validate_json, Status.model_validate_json]
+    for _ in range(FUZZ_INPUTS):
+        data = _mutate(rng, rng.choice(seeds)) if rng.random() < 0.9 else rng.randbytes(rng.randint(0, 200))
+        for decode in decoders:
+            with contextlib.suppress(ValidationError):
+                decode(data)

@@ -1,0 +1,70 @@
+"""The qdiscs the netem backend would build, computed without a kernel (this one has no
+netem): queue limit from the buffer, the rate and the delay; jitter without reordering."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from testbed.net import shaping
+from testbed.net.plan import FRAME_OVERHEAD, Shaping
+
+
+class RecordingIPRoute:
+    """Stands in for pyroute2's IPRoute: records every tc call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, dict[str, Any]]] = []
+
+    def link_lookup(self, ifname: str) -> list[int]:
+        return [7]
+
+    def tc(self, command: str, kind: str, **kw: Any) -> None:
+        self.calls.append((command, kind, kw))
+
+
+def _shaping(rate_mbit: float | None, delay_ms: float, jitter_ms: float = 0.0, queue_bytes: int = 0) -> Shaping:
+    rate = int(rate_mbit * 1e6) if rate_mbit else None
+    return Shaping(rate_bps=rate, burst_bytes=65536, queue_bytes=queue_bytes, delay_ms=delay_ms,
+                   jitter_ms=jitter_ms, loss_pct=0.5)
+
+
+def test_netem_limit_holds_the_buffer_and_every_frame_in_flight() -> None:
+    mtu = 9000
+    frame = mtu + FRAME_OVERHEAD
+    # 1 Gbit/s, 20 ms + 2 ms jitter, a 2.5 MB buffer: 2.5 MB + 125 MB/s x 22 ms = 5.25 MB.
+    p = shaping.netem_params(_shaping(1000, 20.0, 2.0, queue_bytes=2_500_000), mtu)
+    assert p.limit_packets == -(-(2_500_000 + 2_750_000) // frame)
+    assert (p.delay_us, p.jitter_us, p.loss_pct, p.fifo_child) == (20_000, 2_000, 0.5, True)
+    # No jitter: nothing to reorder, no fifo child. Unshaped: netem's default limit.
+    assert not shaping.netem_params(_shaping(1000, 20.0, queue_bytes=1), mtu).fifo_child
+    assert shaping.netem_params(_shaping(None, 20.0), mtu).limit_packets == 1000
+    # A small buffer on a slow line is not rounded up to a thousand packets (~65 MB at MTU 65000).
+    slow = shaping.netem_params(_shaping(10, 5.0, queue_bytes=12_500), 65000)
+    assert slow.limit_packets == 1
+
+
+@pytest.mark.parametrize("jitter", [0.0, 3.0])
+def test_netem_backend_builds_htb_then_netem_then_fifo(jitter: float) -> None:
+    ipr = RecordingIPRoute()
+    s = _shaping(100, 10.0, jitter, queue_bytes=250_000)
+    shaping.add_wan_qdiscs(ipr, "wan0", s, 1500, use_netem=True)  # type: ignore[arg-type]
+    kinds = [(c, k, kw.get("parent")) for c, k, kw in ipr.calls]
+    want = [("add", "htb", None), ("add-class", "htb", "1:"), ("add", "netem", "1:10")]
+    if jitter:
+        want.append(("add", "pfifo", "10:"))
+    assert kinds == want
+    netem = ipr.calls[2][2]
+    p = shaping.netem_params(s, 1500)
+    assert (netem["delay"], netem["jitter"], netem["limit"]) == (10_000, int(jitter * 1000), p.limit_packets)
+    if jitter:
+        assert ipr.calls[3][2]["limit"] == p.limit_packets
+
+
+def test_delay_line_backend_builds_only_the_rate_and_its_byte_buffer() -> None:
+    ipr = RecordingIPRoute()
+    shaping.add_wan_qdiscs(ipr, "wan0", _shaping(100, 10.0, 3.0, queue_bytes=250_000), 1500,  # type: ignore[arg-type]
+                           use_netem=False)
+    assert [(c, k) for c, k, _ in ipr.calls] == [("add", "htb"), ("add-class", "htb"), ("add", "bfifo")]
+    assert ipr.calls[2][2]["limit"] == 250_000

@@ -1,0 +1,92 @@
+"""The radix cache's heap-based eviction against the obvious LRU scan it replaced, and its
+cost on a full cache (no network)."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from workers.radix_cache import Node, RadixCache
+
+
+def _kv(n: int) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.float32).view(1, 1, 1, n, 1).expand(1, 2, 1, n, 1).contiguous()
+
+
+class ScanLru(RadixCache):
+    """The reference: every eviction walks the tree for the least recently used unlocked leaf."""
+
+    def _evict_one(self, protect: Node | None) -> bool:
+        keep = set()
+        n = protect
+        while n is not None:
+            keep.add(id(n))
+            n = n.parent
+        leaves = [x for x in self._iter() if not x.children and x.lock == 0 and id(x) not in keep]
+        if not leaves:
+            return False
+        victim = min(leaves, key=lambda x: x.last_used)
+        assert victim.parent is not None
+        del victim.parent.children[victim.key]
+        victim.alive = False
+        self.blocks -= 1
+        self.evicted_blocks += 1
+        return True
+
+
+def _contents(c: RadixCache) -> set[tuple[tuple[int, ...], ...]]:
+    out = set()
+    for n in c._iter():
+        path, x = [], n
+        while x is not None and x is not c.root:
+            path.append(x.key)
+            x = x.parent
+        out.add(tuple(reversed(path)))
+    return out
+
+
+def test_heap_eviction_evicts_exactly_what_an_lru_scan_evicts() -> None:
+    rng = random.Random(11)
+    fast, ref = RadixCache(block_size=2, capacity_tokens=40), ScanLru(block_size=2, capacity_tokens=40)
+    locked: list[tuple[list[Node], list[Node]]] = []
+    for step in range(3000):
+        # Prompts over a tiny alphabet share prefixes, so the tree branches and leaves change.
+        prompt = [rng.randrange(3) for _ in range(2 * rng.randint(1, 8))]
+        op = rng.random()
+        if op < 0.5:
+            assert fast.insert(prompt, _kv(len(prompt))) == ref.insert(prompt, _kv(len(prompt))), step
+        elif op < 0.7:
+            a, b = fast.match_prefix(prompt), ref.match_prefix(prompt)
+            assert [n.key for n in a] == [n.key for n in b]
+            fast.lock(a)
+            ref.lock(b)
+            locked.append((a, b))
+        elif op < 0.9 and locked:
+            a, b = locked.pop(rng.randrange(len(locked)))
+            fast.unlock(a)
+            ref.unlock(b)
+        else:
+            k = 2 * rng.randint(1, 4)
+            assert fast.evict(k) == ref.evict(k), step
+        assert _contents(fast) == _contents(ref), step
+        assert fast.blocks == ref.blocks == len(_contents(fast))
+
+
+def test_a_full_cache_evicts_in_logarithmic_time() -> None:
+    """16K blocks, full: inserting 2,000 new blocks evicts 2,000 (the scan it replaced walked
+    all 16K nodes per eviction: ~30 s here). A generous bound: this asserts the order of
+    growth, not this machine's speed."""
+    bs, blocks = 16, 16384
+    c = RadixCache(block_size=bs, capacity_tokens=bs * blocks)
+    kv = _kv(bs * 64)
+    for i in range(blocks // 64):
+        c.insert([i, *range(bs * 64 - 1)], kv)
+    assert c.blocks == blocks
+    t0 = time.perf_counter()
+    for i in range(2000 // 64 + 1):
+        c.insert([10**6 + i, *range(bs * 64 - 1)], kv)
+    per_block = (time.perf_counter() - t0) / ((2000 // 64 + 1) * 64)
+    assert c.blocks == blocks and c.evicted_blocks >= 2000
+    assert per_block < 2e-3, f"{1e3 * per_block:.3f} ms per inserted block"
