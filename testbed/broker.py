@@ -1,43 +1,109 @@
 """MQTT broker lifecycle: mosquitto started by the testbed inside the router's namespace.
 
-A generated config binds one listener to the router host's emulated address only, with
-per-run credentials (no anonymous access) and no persistence; nothing from a system-wide
-mosquitto service is used.
+A generated config binds one listener to the router host's emulated address only, with no
+anonymous access and no persistence; nothing from a system-wide mosquitto service is used.
+Least privilege (``BrokerAccess``): every component has its own per-run credential and an
+ACL that lets it read and write only its own topics (``acl_rules``): a worker reads its
+command topic and writes its status, events and token streams (decoders also write the
+command topics of the other decoders: PDD's relay and main decoder hand over directly);
+the router reads requests, events and statuses and writes commands, rejections and its
+status; the client writes requests and reads tokens and the router's status. ``admin``
+(the orchestrator: tests, diagnostics) may use every topic of the run. mosquitto drops
+root for its own user once its listener is bound; its files are that user's, mode 0600.
 """
 
 from __future__ import annotations
 
+import os
+import pwd
 import secrets
 import socket
 import subprocess
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 from testbed import netns
 from testbed.errors import BuildError
 from testbed.net.build import Network
 from workers.contracts import BrokerInfo
+from workers.control import Topics
 
 MOSQUITTO = "/usr/sbin/mosquitto"
 MOSQUITTO_PASSWD = "/usr/bin/mosquitto_passwd"
+MOSQUITTO_USER = "mosquitto"  # created by the Debian package
 PORT = 1883
+DECODERS = ("decode", "relay-decode")
 
 
-def start_broker(net: Network, router_host: str) -> tuple[subprocess.Popen[bytes], BrokerInfo]:
+@dataclass(frozen=True)
+class BrokerAccess:
+    admin: BrokerInfo
+    router: BrokerInfo
+    client: BrokerInfo
+    workers: dict[str, BrokerInfo]
+
+
+def acl_rules(topics: Topics, workers: dict[str, str]) -> dict[str, list[tuple[str, str]]]:
+    """Principal -> (access, topic filter) rules; ``workers`` maps worker name -> role."""
+    t = topics
+    rules: dict[str, list[tuple[str, str]]] = {
+        "admin": [("readwrite", f"{t.root}/#")],
+        "router": [("read", t.requests), ("read", t.events), ("read", t.all_status), ("write", t.cmd("+")),
+                   ("write", t.all_tokens), ("readwrite", t.router_status)],
+        "client": [("write", t.requests), ("read", t.all_tokens), ("read", t.router_status)],
+    }
+    for name, role in sorted(workers.items()):
+        mine = [("read", t.cmd(name)), ("readwrite", t.status(name)), ("write", t.events), ("write", t.all_tokens)]
+        if role in DECODERS:
+            mine += [("write", t.cmd(peer)) for peer, r in sorted(workers.items()) if r in DECODERS and peer != name]
+        rules[f"w-{name}"] = mine
+    return rules
+
+
+def acl_text(run_id: str, rules: dict[str, list[tuple[str, str]]]) -> str:
+    lines = []
+    for principal, rs in rules.items():
+        lines.append(f"user {run_id}-{principal}")
+        lines += [f"topic {access} {topic}" for access, topic in rs]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _own(path: Path, uid: int | None, gid: int | None, mode: int) -> None:
+    if uid is not None and gid is not None:
+        os.chown(path, uid, gid)
+    path.chmod(mode)
+
+
+def start_broker(net: Network, router_host: str, workers: dict[str, str]) -> tuple[subprocess.Popen[bytes],
+                                                                                    BrokerAccess]:
     d = net.run.dir / "broker"
     d.mkdir(exist_ok=True)
-    user, password = f"pdd{net.run.run_id}", secrets.token_urlsafe(16)
-    pw = d / "passwd"
-    subprocess.run([MOSQUITTO_PASSWD, "-c", "-b", str(pw), user, password], check=True,
-                   capture_output=True)
-    pw.chmod(0o600)
+    try:
+        owner = pwd.getpwnam(MOSQUITTO_USER)
+        uid, gid, user = owner.pw_uid, owner.pw_gid, MOSQUITTO_USER
+    except KeyError:  # no such user (not a Debian package): mosquitto keeps running as root
+        uid, gid, user = None, None, "root"
+    topics = Topics(net.run.run_id)
+    rules = acl_rules(topics, workers)
     ip = net.ip_of(router_host)
-    conf = d / "mosquitto.conf"
+    creds = {p: BrokerInfo(host=ip, port=PORT, username=f"{net.run.run_id}-{p}", password=secrets.token_urlsafe(16))
+             for p in rules}
+    pw, acl, conf = d / "passwd", d / "acl", d / "mosquitto.conf"
+    # Plain "user:password" lines, then hashed in place by mosquitto_passwd -U; 0600 throughout.
+    pw.touch(mode=0o600)
+    pw.write_text("".join(f"{c.username}:{c.password}\n" for c in creds.values()))
+    subprocess.run([MOSQUITTO_PASSWD, "-U", str(pw)], check=True, capture_output=True)
+    acl.touch(mode=0o600)
+    acl.write_text(acl_text(net.run.run_id, rules))
     conf.write_text(
         "\n".join([
             "per_listener_settings false",
             f"listener {PORT} {ip}",
             "allow_anonymous false",
             f"password_file {pw}",
+            f"acl_file {acl}",
             "persistence false",
             f"log_dest file {d / 'mosquitto.log'}",
             "log_type error",
@@ -45,12 +111,16 @@ def start_broker(net: Network, router_host: str) -> tuple[subprocess.Popen[bytes
             "max_inflight_messages 0",
             "max_queued_messages 100000",
             "set_tcp_nodelay true",
-            "user root",
+            f"user {user}",
             "",
         ])
     )
+    for path in (pw, acl, conf):
+        _own(path, uid, gid, 0o600)
+    _own(d, uid, gid, 0o700)
     proc = net.spawn(router_host, [MOSQUITTO, "-c", str(conf)], name="mosquitto", log=d / "stdout.log")
-    info = BrokerInfo(host=ip, port=PORT, username=user, password=password)
+    access = BrokerAccess(admin=creds["admin"], router=creds["router"], client=creds["client"],
+                          workers={name: creds[f"w-{name}"] for name in workers})
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -60,7 +130,7 @@ def start_broker(net: Network, router_host: str) -> tuple[subprocess.Popen[bytes
         try:
             s.settimeout(0.2)
             s.connect((ip, PORT))
-            return proc, info
+            return proc, access
         except OSError:
             time.sleep(0.05)
         finally:

@@ -9,6 +9,7 @@ teardown (and ``testbed clean`` after a crash) ends them by PID.
 
 from __future__ import annotations
 
+import secrets
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from testbed.broker import start_broker
+from testbed.broker import BrokerAccess, start_broker
 from testbed.client import ClientRecord, replay_in_namespace
 from testbed.contracts import PolicyContext, PolicyReport, RequestRecord, RouterConfig, WorkerEndpoint
 from testbed.emulation import EmulationPlan
@@ -35,10 +36,17 @@ WORKER_ROLES: dict[Role, WorkerRole] = {Role.PREFILL: "prefill", Role.DECODE: "d
                                         Role.RELAY_DECODE: "relay-decode"}
 
 
-def worker_configs(sc: Scenario, net: Network, broker: BrokerInfo, model: str, dtype: str | None = None,
-                   faults: dict[str, WorkerFaults] | None = None,
-                   emulation: EmulationPlan | None = None) -> dict[str, WorkerConfig]:
-    """Every worker's configuration, from the scenario: the one place a WorkerConfig is built."""
+def worker_roles(sc: Scenario) -> dict[str, str]:
+    """Host name -> worker role of every host that runs a worker."""
+    return {host: WORKER_ROLES[spec.role] for dc in sc.datacenters.values() for host, spec in dc.hosts.items()
+            if spec.role in WORKER_ROLES}
+
+
+def worker_configs(sc: Scenario, net: Network, broker: BrokerInfo | dict[str, BrokerInfo], model: str,
+                   dtype: str | None = None, faults: dict[str, WorkerFaults] | None = None,
+                   emulation: EmulationPlan | None = None, kv_token: str = "") -> dict[str, WorkerConfig]:
+    """Every worker's configuration, from the scenario: the one place a WorkerConfig is built.
+    ``broker``: each worker's own credential (by name), or one for all."""
     ws = sc.workers
     d = emulation.dilation if emulation else 1.0
     out = {}
@@ -50,7 +58,8 @@ def worker_configs(sc: Scenario, net: Network, broker: BrokerInfo, model: str, d
             device = sc.device_spec(host)
             out[host] = WorkerConfig(
                 name=host, role=role, run_id=net.run.run_id, host_ip=net.ip_of(host), kv_port=KV_PORT,
-                broker=broker, model_path=model, compute=spec.compute, dtype=dtype or ws.dtype, threads=ws.threads,
+                broker=broker if isinstance(broker, BrokerInfo) else broker[host], kv_token=kv_token,
+                model_path=model, compute=spec.compute, dtype=dtype or ws.dtype, threads=ws.threads,
                 block_size=ws.block_size, prefill_chunk=ws.prefill_chunk,
                 cache_tokens=ws.prefill_cache_tokens if role == "prefill" else ws.decode_cache_tokens,
                 max_batch=ws.max_batch, kv_timeout_s=ws.kv_timeout_s * d, kv_streams_per_peer=ws.kv_streams_per_peer,
@@ -67,7 +76,7 @@ def worker_configs(sc: Scenario, net: Network, broker: BrokerInfo, model: str, d
 class Cluster:
     net: Network
     policy: PolicySpec
-    broker: BrokerInfo
+    access: BrokerAccess  # every component's broker credential; ``admin`` for the orchestrator
     workers: dict[str, WorkerConfig] = field(default_factory=dict)
     router: subprocess.Popen[bytes] = field(init=False)
 
@@ -88,11 +97,13 @@ class Cluster:
         routers = sc.hosts_with_role(Role.ROUTER)
         if not routers:
             raise InputError(f"{sc.source}: scenario has no host with role router")
-        _, broker = start_broker(net, routers[0])
-        cl = cls(net, policy, broker)
+        _, access = start_broker(net, routers[0], worker_roles(sc))
+        cl = cls(net, policy, access)
         ws = sc.workers
         model = sc.model_dir()
-        cl.workers = worker_configs(sc, net, broker, model, dtype, faults, emulation)
+        # Only the run's workers may hand a KV receiver a transfer: a per-run token in HELLO.
+        cl.workers = worker_configs(sc, net, access.workers, model, dtype, faults, emulation,
+                                    kv_token=secrets.token_urlsafe(16))
         d = emulation.dilation if emulation else 1.0
         for host, cfg in cl.workers.items():
             path = net.run.dir / f"worker-{host}.cfg.json"
@@ -108,7 +119,7 @@ class Cluster:
         )  # fmt: skip
         endpoints = {h: WorkerEndpoint(role=c.role, dc=sc.datacenter_of(h), host=c.host_ip, kv_port=c.kv_port)
                      for h, c in cl.workers.items()}
-        rcfg = RouterConfig(run_id=net.run.run_id, broker=broker, policy=policy, workers=endpoints,
+        rcfg = RouterConfig(run_id=net.run.run_id, broker=access.router, policy=policy, workers=endpoints,
                             request_timeout_s=ws.request_timeout_s * d, records_path=str(cl.records_path),
                             context=context)
         rpath = net.run.dir / "router.cfg.json"
@@ -123,7 +134,7 @@ class Cluster:
         clients = self.net.scenario.hosts_with_role(Role.CLIENT)
         if not clients:
             raise InputError(f"{self.net.scenario.source}: scenario has no host with role client")
-        return replay_in_namespace(self.net.ns_of(clients[0]), self.broker, self.topics, specs, timeout_s,
+        return replay_in_namespace(self.net.ns_of(clients[0]), self.access.client, self.topics, specs, timeout_s,
                                    progress)
 
     def router_records(self) -> dict[str, RequestRecord]:

@@ -192,7 +192,7 @@ def _inject_when_streaming(cl: Cluster, victim: str, worker: str, seen: dict[str
     async def body() -> None:
         asyncio.get_running_loop().set_default_executor(
             concurrent.futures.ThreadPoolExecutor(2, initializer=netns.join, initargs=(ns,)))
-        b = cl.broker
+        b = cl.access.admin  # the orchestrator may use every topic of the run
         async with aiomqtt.Client(b.host, b.port, username=b.username, password=b.password,
                                   identifier=f"{topics.root}-injector") as c:
             for t in (topics.tokens(victim), topics.tokens("bad-req"), topics.events):

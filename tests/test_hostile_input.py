@@ -60,7 +60,7 @@ class _Writer:
         self.closed = True
 
 
-async def _receive(stream: bytes, have: int = 0) -> dict[str, object]:
+async def _receive(stream: bytes, have: int = 0, token: str = "") -> dict[str, object]:
     """Feed ``stream`` to the receiver, then end of file; what it concluded."""
     got: dict[str, object] = {}
 
@@ -77,14 +77,15 @@ async def _receive(stream: bytes, have: int = 0) -> dict[str, object]:
     reader.feed_data(stream)
     reader.feed_eof()
     writer = _Writer()
-    await asyncio.wait_for(kv_wire.receive_kv(reader, writer, offer, done, fail, SHAPE), timeout=2.0)  # type: ignore[arg-type]
+    await asyncio.wait_for(kv_wire.receive_kv(reader, writer, offer, done, fail, SHAPE, token),  # type: ignore[arg-type]
+                           timeout=2.0)
     got["closed"] = writer.closed
     got["reply"] = bytes(writer.data)
     return got
 
 
-def receive(stream: bytes, have: int = 0) -> dict[str, object]:
-    return asyncio.run(_receive(stream, have))
+def receive(stream: bytes, have: int = 0, token: str = "") -> dict[str, object]:
+    return asyncio.run(_receive(stream, have, token))
 
 
 def test_a_valid_stream_is_received_exactly() -> None:
@@ -121,6 +122,16 @@ def test_hostile_streams_fail_the_transfer_with_a_reason(stream: bytes, reason: 
     else:
         assert reason in str(got["fail"]), got["fail"]
     assert b'"error"' in got["reply"]  # the sender learns why
+
+
+def test_only_a_sender_with_the_runs_token_is_served() -> None:
+    kv = torch.randn(2, 2, 2, 32, 4)
+    good = receive(_valid_stream(kv, _hello(token="s3cret")), token="s3cret")
+    assert "done" in good
+    for hello in (_hello(), _hello(token="guess")):
+        got = receive(_valid_stream(kv, hello), token="s3cret")
+        # Refused before the request id is trusted: a stranger cannot fail the run's requests.
+        assert "done" not in got and "fail" not in got and b"KV token" in got["reply"]
 
 
 def test_a_block_lying_about_its_token_count_is_refused() -> None:

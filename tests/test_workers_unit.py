@@ -210,3 +210,33 @@ def test_peer_queues_take_turns_in_arrival_order_and_skip_cut_off_transfers() ->
     assert order == ["a", "c:cut", "b", "d", "e"] and most == 1
     order, most = asyncio.run(scenario(2))
     assert [o for o in order if o != "c:cut"] == ["a", "b", "d", "e"] and most == 2
+
+
+def test_wire_refuses_a_sender_without_the_runs_token() -> None:
+    async def main() -> tuple[str, dict[str, object]]:
+        got: dict[str, object] = {}
+
+        async def offer(rid: str, toks: list[int]) -> int:
+            return 0
+
+        async def done(inc: kv_wire.Incoming) -> None:
+            got["inc"] = inc
+
+        async def fail(rid: str, msg: str) -> None:
+            got["fail"] = msg
+
+        server = await kv_wire.serve_kv("127.0.0.1", 0, offer, done, fail, token="run-token")
+        port = server.sockets[0].getsockname()[1]
+        kv = torch.randn(2, 2, 2, 32, 8)
+        try:
+            with pytest.raises(kv_wire.KVTransferError) as err:
+                await kv_wire.send_kv("127.0.0.1", port, "r1", list(range(32)), kv, 1, 16, token="other")
+            ok = await kv_wire.send_kv("127.0.0.1", port, "r2", list(range(32)), kv, 1, 16, token="run-token")
+            assert ok.tokens_sent == 32
+        finally:
+            server.close()
+        return str(err.value), got
+
+    why, got = asyncio.run(main())
+    assert why.startswith("receiver refused: ") and "KV token" in why
+    assert "fail" not in got and isinstance(got["inc"], kv_wire.Incoming)  # r2 arrived, r1 failed nothing

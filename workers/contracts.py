@@ -84,6 +84,7 @@ class WorkerConfig(Contract):
     host_ip: str
     kv_port: int = Field(default=7070, ge=1, le=65535)
     broker: BrokerInfo
+    kv_token: str = ""  # per-run secret a KV sender puts in HELLO; receivers refuse others ("": no check)
     model_path: str
     # real: the small model computes every token; modeled: no forward pass (workers/modeled.py)
     compute: Literal["real", "modeled"] = "real"

@@ -73,7 +73,8 @@ class DecodeWorker(HandoffMixin, Worker):
 
     async def start(self) -> None:
         self.server = await kv_wire.serve_kv(self.cfg.host_ip, self.cfg.kv_port, self._offer, self._arrived,
-                                             self._transfer_failed, expect=self.runner.shape)
+                                             self._transfer_failed, expect=self.runner.shape,
+                                             token=self.cfg.kv_token)
         self.spawn(self._loop())
 
     def active(self) -> int:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import socket
 import struct
 import time
@@ -101,6 +102,7 @@ class Hello(_Frame):
     kv_heads: int = Field(ge=1, le=4096)
     head_dim: int = Field(ge=1, le=65536)
     block_size: int = Field(ge=1, le=1 << 20)
+    token: str = Field(default="", max_length=256)  # the run's KV token (only the run's workers know it)
 
     def shape(self) -> ModelShape:
         return ModelShape(self.layers, self.kv_heads, self.head_dim, DTYPE_NAMES[self.dtype])
@@ -231,7 +233,7 @@ def decode_block(payload: bytes, layers: int, heads: int, head_dim: int, dtype: 
 async def send_kv(
     host: str, port: int, request_id: str, tokens: list[int], kv: torch.Tensor, first_token: int,
     block_size: int, cancel: asyncio.Event | None = None, corrupt_block: int | None = None,
-    on_progress: Callable[[TransferStats], None] | None = None, frame_tokens: int = 0,
+    on_progress: Callable[[TransferStats], None] | None = None, frame_tokens: int = 0, token: str = "",
 ) -> TransferStats:
     """Send the part of ``kv`` (for ``tokens``) the receiver lacks, in frames of whole blocks
     (``frame_tokens``, default ``FRAME_TOKENS``). Raises KVTransferError."""
@@ -257,9 +259,11 @@ async def send_kv(
     watcher = asyncio.create_task(cut_off()) if cancel is not None else None
     try:
         hello = Hello(rid=request_id, tokens=tokens, dtype=str(kv.dtype), layers=layers,  # type: ignore[arg-type]
-                      kv_heads=heads, head_dim=head_dim, block_size=block_size)
+                      kv_heads=heads, head_dim=head_dim, block_size=block_size, token=token)
         st.bytes_sent += await _write(writer, HELLO, hello.model_dump_json().encode())
         ftype, payload = await _read(reader)
+        if ftype == ACK:  # refused before any offer (a bad HELLO): the receiver says why
+            raise KVTransferError(f"receiver refused: {_parse(Ack, payload, 'ACK').error}")
         offer = _parse(Offer, payload, "OFFER")
         if ftype != OFFER or offer.error is not None or offer.have is None:
             raise KVTransferError(f"receiver refused: {offer.error or f'frame type {ftype}'}")
@@ -329,19 +333,20 @@ FailFn = Callable[[str, str], Awaitable[None]]
 
 
 async def serve_kv(host: str, port: int, offer: OfferFn, done: DoneFn, fail: FailFn,
-                   expect: ModelShape | None = None) -> asyncio.Server:
+                   expect: ModelShape | None = None, token: str = "") -> asyncio.Server:
     """Accept transfers (``receive_kv`` for each connection)."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await receive_kv(reader, writer, offer, done, fail, expect)
+        await receive_kv(reader, writer, offer, done, fail, expect, token)
 
     return await asyncio.start_server(handle, host, port)
 
 
 async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, offer: OfferFn, done: DoneFn,
-                     fail: FailFn, expect: ModelShape | None = None) -> None:
+                     fail: FailFn, expect: ModelShape | None = None, token: str = "") -> None:
     """One transfer, receiver side. ``offer(rid, tokens)`` returns the cached prefix length to
-    claim; ``expect`` (the receiver's own model) is the only KV layout accepted. Never raises:
+    claim; ``expect`` (the receiver's own model) is the only KV layout accepted, and with a
+    ``token`` only a HELLO carrying it (a sender of this run) is served. Never raises:
     whatever the peer sends, the transfer ends with ``done`` or with ``fail`` and a reason
     (``fail`` only once the request id is known), and the connection is closed."""
     rid: str | None = None
@@ -353,6 +358,8 @@ async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
         if ftype != HELLO:
             raise KVTransferError(f"expected HELLO, got frame type {ftype}")
         hello = _parse(Hello, payload, "HELLO")
+        if token and not hmac.compare_digest(hello.token.encode(), token.encode()):
+            raise KVTransferError("HELLO without this run's KV token")  # a stranger: no request is failed
         rid, tokens, shape = hello.rid, hello.tokens, hello.shape()
         if expect is not None and shape != expect:
             raise KVTransferError(f"KV layout {shape} is not this worker's {expect}")

@@ -133,7 +133,8 @@ class PrefillWorker(Worker):
             waited = time.time() - queued
             try:
                 st = await kv_wire.send_kv(target.host, target.port, cmd.rid, cmd.prompt, kv, first,
-                                           self.cfg.block_size, cancel=cancel, corrupt_block=corrupt)
+                                           self.cfg.block_size, cancel=cancel, corrupt_block=corrupt,
+                                           token=self.cfg.kv_token)
             finally:
                 self.peers.release(target.worker)
         except kv_wire.KVTransferError as e:
