@@ -187,10 +187,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from testbed.report import rebuild
+    from testbed.report import rebuild, write_repetitions
 
-    paths = rebuild(args.run_dir)
-    print((args.run_dir / "report.md").read_text())
+    if len(args.run_dirs) > 1:
+        if args.out is None:
+            raise InputError("--out: needed with several RUN_DIRs (where repetitions.md goes)")
+        path = write_repetitions(args.run_dirs, args.out)
+        print(path.read_text())
+        print(f"written: {path}")
+        return 0
+    if args.out is not None:
+        raise InputError("--out: only with several RUN_DIRs (one run's report is rebuilt in place)")
+    run_dir = args.run_dirs[0]
+    paths = rebuild(run_dir)
+    print((run_dir / "report.md").read_text())
     print(f"written: {', '.join(str(p) for p in paths)}")
     return 0
 

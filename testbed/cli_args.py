@@ -112,8 +112,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(command="verify")
 
-    p = sub.add_parser("report", help="rebuild report.md and the plots of a saved run (nothing is re-run)")
-    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a folder written by `testbed run`")
+    p = sub.add_parser("report", help="rebuild report.md and the plots of a saved run, or tabulate repetitions "
+                                      "(mean and 95%% interval over several runs); nothing is re-run")
+    p.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR", help="folders written by `testbed run`")
+    p.add_argument("--out", type=Path, help="with several RUN_DIRs: where repetitions.md goes (required)")
     p.set_defaults(command="report")
 
     bench = sub.add_parser("bench", help="benchmarks (slow; not part of make test)")

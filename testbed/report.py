@@ -25,6 +25,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from testbed.confidence import mean_ci  # noqa: E402
+from testbed.errors import InputError  # noqa: E402
 from testbed.fidelity import format_verdict  # noqa: E402
 from testbed.metrics import Summary  # noqa: E402
 from testbed.results import REQUESTS_FILE, SUMMARY_FILE, RunSummary, load_run  # noqa: E402
@@ -365,3 +367,101 @@ def plot(df: pd.DataFrame, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+# ----------------------------------------------------------------- repetitions of one setup
+REPEAT_COLUMNS: list[tuple[str, str, float, str]] = [
+    ("ttft_p50_s", "TTFT p50 ms", 1000, "{:.0f}"), ("ttft_p90_s", "p90", 1000, "{:.0f}"),
+    ("ttft_p99_s", "p99", 1000, "{:.0f}"), ("tpot_p50_s", "TPOT p50 ms", 1000, "{:.1f}"),
+    ("e2e_p50_s", "E2E p50 ms", 1000, "{:.0f}"), ("slo_attainment", "SLO met %", 100, "{:.1f}"),
+    ("goodput_rps", "goodput rps", 1, "{:.3f}"), ("wan_kv_bytes", "WAN KV MB", 1e-6, "{:.1f}"),
+    ("rld_share", "RLD share %", 100, "{:.1f}"),
+]  # fmt: skip
+
+
+def _same_setup(runs: list[tuple[Path, RunSummary]]) -> None:
+    first_dir, first = runs[0]
+    for d, s in runs[1:]:
+        checks = (("scenario", first.scenario.name, s.scenario.name), ("trace", first.trace.trace, s.trace.trace),
+                  ("token scale", first.trace.token_scale, s.trace.token_scale),
+                  ("policies", list(first.policies), list(s.policies)))
+        for what, a, b in checks:
+            if a != b:
+                raise InputError(f"{d}: not a repetition of {first_dir}: {what} {b!r} vs {a!r}")
+
+
+def repetitions_markdown(runs: list[tuple[Path, RunSummary]]) -> str:
+    """One table over repeated runs of one setup: per policy and metric the mean and its 95 %
+    confidence interval (Student's t), with n; how many runs passed the fidelity verdict; the
+    report's headline figures with intervals."""
+    _same_setup(runs)
+    first = runs[0][1]
+    n = len(runs)
+    header = ["policy", *(c[1] for c in REPEAT_COLUMNS), "fidelity passed"]
+    lines = [f"# Repetitions: {first.scenario.name} on {Path(first.trace.trace).name} (n = {n})", "",
+             f"Runs: {', '.join(str(d) for d, _ in runs)}; dilations "
+             f"{', '.join(f'{s.emulation.dilation:g}' for _, s in runs)}; times in {first.units}.",
+             "Cells: mean ± half-width of the 95 % confidence interval (Student's t, n - 1 degrees of freedom).",
+             "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for policy in first.policies:
+        cells = [policy]
+        for key, _, scale, fmt in REPEAT_COLUMNS:
+            ci = mean_ci([getattr(s.policies[policy], key) for _, s in runs if getattr(s.policies[policy], key)
+                          is not None])
+            cells.append("-" if ci is None else ci.format(scale, fmt) + ("" if ci.n == n else f" (n={ci.n})"))
+        cells.append(f"{sum(s.policies[policy].fidelity.passed for _, s in runs)}/{n}")
+        lines.append("| " + " | ".join(cells) + " |")
+    rows = _paper_rows_over(runs)
+    if rows:
+        lines += ["", "The report's figures beside these runs':", "", "| figure | report | these runs |",
+                  "|---|---:|---:|", *(f"| {a} | {b} | {c} |" for a, b, c in rows)]
+    return "\n".join(lines) + "\n"
+
+
+def _paper_rows_over(runs: list[tuple[Path, RunSummary]]) -> list[tuple[str, str, str]]:
+    def values(fn: Any) -> list[float]:
+        out = []
+        for _, s in runs:
+            v = fn(s)
+            if v is not None:
+                out.append(v)
+        return out
+
+    def p50(name: str) -> Any:
+        return lambda s: getattr(_first(s, name), "ttft_p50_s", None)
+
+    def change(q: str, base: str) -> Any:
+        def fn(s: RunSummary) -> float | None:
+            new, old = _get(_first(s, "pdd"), q), _get(_first(s, base), q)
+            return None if new is None or not old else 100 * (new - old) / old
+        return fn
+
+    def gap(s: RunSummary) -> float | None:
+        a, b = p50("cross-dc")(s), p50("same-dc")(s)
+        return None if a is None or b is None else a - b
+
+    specs: list[tuple[str, str, Any, str, float, str]] = [
+        ("same-dc TTFT P50", "4.2 s", p50("same-dc"), "{:.2f}", 1, " s"),
+        ("cross-dc TTFT P50", "6.7 s", p50("cross-dc"), "{:.2f}", 1, " s"),
+        ("cross-dc minus same-dc TTFT P50", "+2.5 s", gap, "{:+.2f}", 1, " s"),
+        ("PDD TTFT P50 vs same-dc", "-51.5 % (percentile not stated)", change("ttft_p50_s", "same-dc"), "{:+.1f}", 1,
+         " %"),
+        ("PDD TTFT P99 vs cross-dc", "not stated", change("ttft_p99_s", "cross-dc"), "{:+.1f}", 1, " %"),
+        ("RLD share of output tokens (PDD)", "6.2 %", lambda s: _get(_first(s, "pdd"), "rld_share"), "{:.1f}", 100,
+         " %"),
+    ]
+    rows = []
+    for label, said, fn, fmt, scale, unit in specs:
+        ci = mean_ci(values(fn))
+        if ci is not None:
+            rows.append((label, said, f"{ci.format(scale, fmt)}{unit} (n={ci.n})"))
+    return rows
+
+
+def write_repetitions(run_dirs: list[Path], out: Path) -> Path:
+    """``testbed report RUN_DIR RUN_DIR ... --out DIR``: the repetitions table of several runs."""
+    runs = [(d, load_run(d)[0]) for d in run_dirs]
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "repetitions.md"
+    path.write_text(repetitions_markdown(runs))
+    return path

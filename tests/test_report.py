@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from testbed import report
+from testbed.confidence import mean_ci, t975
 from testbed.cost import HardwareCost, cost_per_million_tokens, hardware_cost
 from testbed.emulation import EmulationPlan
 from testbed.errors import InputError
@@ -53,11 +54,11 @@ def _policy(df: pd.DataFrame) -> PolicySummary:
     return PolicySummary(**dict(summarize(df, [], Slo(ttft_s=3.0))), policy_stats=PolicyReport(), fidelity=Verdict())
 
 
-def _saved_run(out: Path) -> RunSummary:
+def _saved_run(out: Path, shift: float = 0.0) -> RunSummary:
     frames = {
-        "same-dc": _rows([1.0 + 0.1 * i for i in range(20)]),
-        "cross-dc": _rows([2.0 + 0.5 * i for i in range(20)], wan_s=0.5),
-        "pdd": _rows([1.5 + 0.1 * i for i in range(20)], wan_s=0.5, relay=True),
+        "same-dc": _rows([shift + 1.0 + 0.1 * i for i in range(20)]),
+        "cross-dc": _rows([shift + 2.0 + 0.5 * i for i in range(20)], wan_s=0.5),
+        "pdd": _rows([shift + 1.5 + 0.1 * i for i in range(20)], wan_s=0.5, relay=True),
     }
     sc = scenario_with(emulated=True)
     summary = RunSummary(
@@ -163,3 +164,38 @@ def test_cost_table_in_the_report(tmp_path: Path) -> None:
     table = report.cost_table(priced)
     assert table is not None and "| pdd | 2 x h100 + line | 2.50 | +25.0 % | 1.500 |" in table
     assert "## Hardware cost" in report.report_markdown(priced)
+
+
+def test_mean_and_confidence_interval() -> None:
+    ci = mean_ci([1.95, 2.05, 2.15])
+    assert ci is not None and ci.n == 3 and ci.mean == pytest.approx(2.05)
+    assert ci.half == pytest.approx(4.303 * 0.1 / 3**0.5)  # t(0.975, 2) x s / sqrt(n)
+    assert ci.format(1000) == "2050 ± 248"
+    one = mean_ci([3.0])
+    assert one is not None and one.half is None and one.format() == "3"
+    assert mean_ci([]) is None and mean_ci([float("nan")]) is None
+    assert t975(45) == 2.021 and t975(500) == 1.960  # between rows: the wider interval
+
+
+def test_repetitions_table_over_saved_runs(tmp_path: Path) -> None:
+    dirs = [tmp_path / f"run{i}" for i in range(3)]
+    for i, d in enumerate(dirs):
+        _saved_run(d, shift=0.1 * i)
+    res = subprocess.run([sys.executable, "-m", "testbed", "report", *map(str, dirs), "--out", str(tmp_path / "rep")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    text = (tmp_path / "rep" / "repetitions.md").read_text()
+    assert "(n = 3)" in text
+    same = next(line for line in text.splitlines() if line.startswith("| same-dc |"))
+    assert same.split(" | ")[1] == "2050 ± 248"  # TTFT P50 1.95, 2.05, 2.15 s
+    assert same.rstrip(" |").endswith("3/3")
+    assert "| cross-dc minus same-dc TTFT P50 | +2.5 s | +4.80 ± 0.00 s (n=3) |" in text
+    # A run of another setup is refused, naming it.
+    other = tmp_path / "other"
+    _saved_run(other)
+    s, _ = load_run(other)
+    (other / "summary.json").write_text(s.model_copy(update={"speed": 2.0, "policies": {
+        "same-dc": s.policies["same-dc"]}}).model_dump_json())
+    res = subprocess.run([sys.executable, "-m", "testbed", "report", str(dirs[0]), str(other), "--out",
+                          str(tmp_path / "rep2")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and f"{other}: not a repetition of {dirs[0]}: policies" in res.stderr
