@@ -11,6 +11,7 @@ addresses, and ``testbed.net.build`` instantiates it (Mininet's Topo vs Mininet 
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 from enum import StrEnum
 from pathlib import Path
@@ -274,14 +275,22 @@ class Scenario(_Strict):
     def model_dir(self) -> str:
         """The small real model the workers run: ``workers.model``, or the default one
         (created on first use)."""
+        from testbed.traces.workload import VOCAB_HIGH
         from workers.model import ensure_default_model
 
         if not self.workers.model:
             return str(ensure_default_model())
         path = self.workers.model
+        where = f"{self.source}: " if self.source else ""
         if not (path / "config.json").is_file():
-            where = f"{self.source}: " if self.source else ""
             raise InputError(f"{where}workers.model: {path} is not a model directory (no config.json)")
+        try:
+            vocab = json.loads((path / "config.json").read_text()).get("vocab_size")
+        except (OSError, ValueError, AttributeError) as e:
+            raise InputError(f"{where}workers.model: {path}/config.json is unreadable: {e}") from e
+        if not isinstance(vocab, int) or vocab < VOCAB_HIGH:
+            raise InputError(f"{where}workers.model: {path} has a vocabulary of {vocab} tokens; traces are "
+                             f"synthesised from token ids below {VOCAB_HIGH}")
         return str(path)
 
     def wan_direction(self, src_dc: str, dst_dc: str) -> WanDirection:

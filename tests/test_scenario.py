@@ -87,3 +87,15 @@ def test_plan_addresses_and_sizing() -> None:
     assert s.queue_bytes == pytest.approx(max(rate / 8 * 0.031, 4 * sc.network.mtu), rel=0.01)
     assert s.burst_bytes >= rate / 8 * 0.001
     assert s.burst_bytes >= 2 * sc.network.mtu
+
+
+def test_a_model_path_that_is_no_usable_model_is_an_input_error(tmp_path: Path) -> None:
+    missing = load_scenario(TOPOLOGIES / "two-dc.yaml", {"workers": {"model": str(tmp_path / "nope")}})
+    with pytest.raises(InputError, match=r"workers.model: .*/nope is not a model directory \(no config.json\)"):
+        missing.model_dir()
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "config.json").write_text('{"vocab_size": 100}')
+    tiny = load_scenario(TOPOLOGIES / "two-dc.yaml", {"workers": {"model": str(small)}})
+    with pytest.raises(InputError, match="has a vocabulary of 100 tokens; traces are synthesised from token ids below"):
+        tiny.model_dir()
