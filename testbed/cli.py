@@ -161,7 +161,7 @@ def cmd_trace_stats(args: argparse.Namespace) -> int:
     from testbed.traces.stats import format_stats, trace_stats
 
     st = trace_stats(load_trace(args.file, args.format, args.token_scale), args.block)
-    print(json.dumps(st, indent=2) if args.json else format_stats(st))
+    print(st.model_dump_json(indent=2) if args.json else format_stats(st))
     return 0
 
 

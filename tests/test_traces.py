@@ -164,18 +164,18 @@ def test_hit_rates_block_granular_in_arrival_order(tmp_path: Path) -> None:
     rates = list(hit_rates(load_trace(p)).values())
     assert rates == pytest.approx([0, 1024 / 1536, 0.96, 0.512, 0.512])
     st = trace_stats(load_trace(p))
-    assert st["hit_buckets"]["0-90%"] == pytest.approx(0.8) and st["hit_buckets"]["95-97%"] == pytest.approx(0.2)
-    assert st["mean_hit_rate"] == pytest.approx(sum(rates) / 5)
-    assert st["arrival_rate_rps"] == pytest.approx(5 / 0.004)
+    assert st.hit_buckets["0-90%"] == pytest.approx(0.8) and st.hit_buckets["95-97%"] == pytest.approx(0.2)
+    assert st.mean_hit_rate == pytest.approx(sum(rates) / 5)
+    assert st.arrival_rate_rps == pytest.approx(5 / 0.004)
 
 
 def test_generator_follows_the_default_target_and_is_deterministic(tmp_path: Path) -> None:
     sessions, header = generate(GenConfig(sessions=40, duration_s=90, seed=5))
     write_jsonl(tmp_path / "g.jsonl", sessions, header)
     st = trace_stats(load_trace(tmp_path / "g.jsonl"))
-    assert 0.85 <= st["mean_hit_rate"] <= 0.95
-    assert 0.70 <= st["share_above_95"] <= 0.80
-    assert 0.02 <= st["low_hit_short_output_share"] <= 0.05
+    assert 0.85 <= st.mean_hit_rate <= 0.95
+    assert 0.70 <= st.share_above_95 <= 0.80
+    assert 0.02 <= st.low_hit_short_output_share <= 0.05
     again, header2 = generate(GenConfig(sessions=40, duration_s=90, seed=5))
     assert again == sessions and header2 == header
     assert generate(GenConfig(sessions=40, duration_s=90, seed=6))[0] != sessions
@@ -183,8 +183,8 @@ def test_generator_follows_the_default_target_and_is_deterministic(tmp_path: Pat
     wl = load_trace(tmp_path / "g.jsonl")
     write_jsonl(tmp_path / "m.jsonl", mooncake_lines(wl))
     st_m = trace_stats(load_trace(tmp_path / "m.jsonl"))
-    assert st_m["requests"] == st["requests"]
-    assert st_m["mean_hit_rate"] == pytest.approx(st["mean_hit_rate"], abs=1e-9)
+    assert st_m.requests == st.requests
+    assert st_m.mean_hit_rate == pytest.approx(st.mean_hit_rate, abs=1e-9)
 
 
 @pytest.mark.parametrize("name", ["agentic-default.jsonl", "agentic-quick.jsonl"])

@@ -94,10 +94,10 @@ def generate(cfg: GenConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         sessions, header, p_used = _generate_once(cfg, p_high)
         wl = sessions_workload(Path("<generated>"), enumerate(sessions, 2), cfg.calibrate_scale)
         stats = trace_stats(wl)
-        err = stats["share_above_95"] - cfg.above_95
+        err = stats.share_above_95 - cfg.above_95
         if best is None or abs(err) < best[0]:
-            best = (abs(err), sessions, {**header, "achieved_above_95": round(stats["share_above_95"], 4),
-                                         "achieved_mean_hit": round(stats["mean_hit_rate"], 4)})
+            best = (abs(err), sessions, {**header, "achieved_above_95": round(stats.share_above_95, 4),
+                                         "achieved_mean_hit": round(stats.mean_hit_rate, 4)})
         if abs(err) < 0.005:
             break
         p_high = min(1.0, max(0.0, p_used - err * 1.2))

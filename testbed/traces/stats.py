@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict
 
 from testbed.traces.workload import Workload, block_hashes
 
@@ -42,13 +43,47 @@ def _bucket(rate_pct: float) -> int:
     return len(HIT_BUCKETS) - 1
 
 
-def _pcts(values: list[int]) -> dict[str, float]:
+class Spread(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+    max: float
+    min: float
+
+
+class TraceStats(BaseModel):
+    """What ``testbed trace stats`` prints (and ``--json`` writes)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    trace: str
+    format: str
+    requests: int
+    token_scale: int
+    block_size: int
+    meta: dict[str, Any] = {}  # the trace file's own header fields
+    sessions: int
+    closed_loop_turns: int
+    input_tokens: Spread
+    output_tokens: Spread
+    duration_s: float
+    arrival_rate_rps: float | None
+    mean_hit_rate: float
+    hit_buckets: dict[str, float]  # "lo-hi%" -> share of requests
+    share_above_95: float
+    low_hit_short_output_share: float
+
+
+def _pcts(values: list[int]) -> Spread:
     a = np.asarray(values, dtype=float)
-    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
-            "p99": float(np.percentile(a, 99)), "max": float(a.max()), "min": float(a.min())}
+    return Spread(mean=float(a.mean()), p50=float(np.percentile(a, 50)), p90=float(np.percentile(a, 90)),
+                  p99=float(np.percentile(a, 99)), max=float(a.max()), min=float(a.min()))
 
 
-def trace_stats(wl: Workload, block: int | None = None) -> dict[str, Any]:
+def trace_stats(wl: Workload, block: int | None = None) -> TraceStats:
     rates = hit_rates(wl, block)
     est = wl.first_sent()
     counts = [0] * len(HIT_BUCKETS)
@@ -58,40 +93,39 @@ def trace_stats(wl: Workload, block: int | None = None) -> dict[str, Any]:
     span = max(est.values()) - min(est.values())
     low_hit_short = sum(1 for r in wl.requests if rates[r.rid] < 0.5 and r.output_len * 4 < r.input_len
                         and r.hints.short_output)
-    return {
-        **wl.describe(),
-        "block_size": block or wl.block_size,
-        "sessions": len({r.session for r in wl.requests if r.session}),
-        "closed_loop_turns": sum(1 for r in wl.requests if r.after),
-        "input_tokens": _pcts([r.input_len for r in wl.requests]),
-        "output_tokens": _pcts([r.output_len for r in wl.requests]),
-        "duration_s": span,
-        "arrival_rate_rps": n / span if span > 0 else None,
-        "mean_hit_rate": float(np.mean(list(rates.values()))),
-        "hit_buckets": {f"{lo}-{hi}%": c / n for (lo, hi), c in zip(HIT_BUCKETS, counts, strict=True)},
-        "share_above_95": sum(c for (lo, _), c in zip(HIT_BUCKETS, counts, strict=True) if lo >= 95) / n,
-        "low_hit_short_output_share": low_hit_short / n,
-    }
+    return TraceStats(
+        trace=str(wl.source), format=wl.format, requests=n, token_scale=wl.token_scale,
+        block_size=block or wl.block_size, meta=wl.meta,
+        sessions=len({r.session for r in wl.requests if r.session}),
+        closed_loop_turns=sum(1 for r in wl.requests if r.after),
+        input_tokens=_pcts([r.input_len for r in wl.requests]),
+        output_tokens=_pcts([r.output_len for r in wl.requests]),
+        duration_s=span, arrival_rate_rps=n / span if span > 0 else None,
+        mean_hit_rate=float(np.mean(list(rates.values()))),
+        hit_buckets={f"{lo}-{hi}%": c / n for (lo, hi), c in zip(HIT_BUCKETS, counts, strict=True)},
+        share_above_95=sum(c for (lo, _), c in zip(HIT_BUCKETS, counts, strict=True) if lo >= 95) / n,
+        low_hit_short_output_share=low_hit_short / n,
+    )  # fmt: skip
 
 
-def format_stats(s: dict[str, Any]) -> str:
-    def row(name: str, d: dict[str, float]) -> str:
-        return (f"  {name:14} mean {d['mean']:9.1f}  p50 {d['p50']:8.0f}  p90 {d['p90']:8.0f}  "
-                f"p99 {d['p99']:8.0f}  max {d['max']:8.0f}")
+def format_stats(s: TraceStats) -> str:
+    def row(name: str, d: Spread) -> str:
+        return (f"  {name:14} mean {d.mean:9.1f}  p50 {d.p50:8.0f}  p90 {d.p90:8.0f}  "
+                f"p99 {d.p99:8.0f}  max {d.max:8.0f}")
 
-    rate = s["arrival_rate_rps"]
+    rate = s.arrival_rate_rps
     lines = [
-        f"trace {s['trace']} ({s['format']}, token scale {s['token_scale']}, block {s['block_size']} tokens)",
-        f"  requests {s['requests']}" + (f" in {s['sessions']} sessions ({s['closed_loop_turns']} closed-loop turns)"
-                                         if s["sessions"] else ""),
-        f"  duration {s['duration_s']:.1f} s, arrival rate " + (f"{rate:.2f} req/s" if rate else "-"),
-        row("input tokens", s["input_tokens"]),
-        row("output tokens", s["output_tokens"]),
-        f"  prefix hit rate (unbounded cache, arrival order): mean {100 * s['mean_hit_rate']:.1f}%, "
-        f"above 95%: {100 * s['share_above_95']:.1f}% of requests",
+        f"trace {s.trace} ({s.format}, token scale {s.token_scale}, block {s.block_size} tokens)",
+        f"  requests {s.requests}" + (f" in {s.sessions} sessions ({s.closed_loop_turns} closed-loop turns)"
+                                      if s.sessions else ""),
+        f"  duration {s.duration_s:.1f} s, arrival rate " + (f"{rate:.2f} req/s" if rate else "-"),
+        row("input tokens", s.input_tokens),
+        row("output tokens", s.output_tokens),
+        f"  prefix hit rate (unbounded cache, arrival order): mean {100 * s.mean_hit_rate:.1f}%, "
+        f"above 95%: {100 * s.share_above_95:.1f}% of requests",
     ]
-    for name, share in s["hit_buckets"].items():
+    for name, share in s.hit_buckets.items():
         lines.append(f"    {name:8} {100 * share:5.1f}%  {'#' * round(50 * share)}")
     lines.append(f"  low-hit (<50%) short-output requests flagged short_output: "
-                 f"{100 * s['low_hit_short_output_share']:.1f}%")
+                 f"{100 * s.low_hit_short_output_share:.1f}%")
     return "\n".join(lines)
