@@ -240,3 +240,31 @@ def test_wire_refuses_a_sender_without_the_runs_token() -> None:
     why, got = asyncio.run(main())
     assert why.startswith("receiver refused: ") and "KV token" in why
     assert "fail" not in got and isinstance(got["inc"], kv_wire.Incoming)  # r2 arrived, r1 failed nothing
+
+
+def test_a_task_that_raises_ends_its_worker() -> None:
+    """A bug in a spawned task (the decode loop, an extend) must not leave a worker that
+    reports itself up and never answers: it stops, and says why."""
+    from types import SimpleNamespace
+
+    from workers.runtime import Worker
+
+    async def main() -> Worker:
+        w = object.__new__(Worker)  # no model, no broker: only the task bookkeeping is under test
+        w.cfg, w.tasks, w.stopping, w.crashed = SimpleNamespace(name="decode-x"), set(), asyncio.Event(), None
+
+        async def decode_loop() -> None:
+            raise KeyError("rid-7")
+
+        async def fine() -> None:
+            return None
+
+        w.spawn(fine())
+        await asyncio.sleep(0)
+        assert not w.stopping.is_set()
+        w.spawn(decode_loop())
+        await asyncio.wait_for(w.stopping.wait(), timeout=2)
+        return w
+
+    w = asyncio.run(main())
+    assert w.crashed is not None and "decode_loop: KeyError: 'rid-7'" in w.crashed and not w.tasks
