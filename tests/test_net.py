@@ -36,8 +36,8 @@ def test_rtt_and_goodput_match_configuration(delay_ms: float, rate_mbit: float) 
     wan_goodput = [r for r in rows if r.metric == "goodput" and r.path.startswith("wan")]
     assert len(wan_goodput) == 2  # both directions
     for r in wan_goodput:
-        # Upper bound: shaping is applied. A 2 s window at MTU 65000 holds only ~400 frames at
-        # 100 Mbit/s, and the bottleneck buffer draining into the window has measured 103.7 %.
+        # Upper bound: shaping is applied. The figure is a slope fitted over the window, so a
+        # burst at an edge (the delay line descheduled, then catching up) counts only in part.
         assert 0.9 * rate_mbit <= r.measured <= 1.05 * rate_mbit
 
 

@@ -68,3 +68,20 @@ def test_delay_line_backend_builds_only_the_rate_and_its_byte_buffer() -> None:
                            use_netem=False)
     assert [(c, k) for c, k, _ in ipr.calls] == [("add", "htb"), ("add-class", "htb"), ("add", "bfifo")]
     assert ipr.calls[2][2]["limit"] == 250_000
+
+
+def test_goodput_fit_weighs_a_burst_at_the_window_edge_by_its_share() -> None:
+    """A delay line descheduled for 150 ms as the window opens releases those frames inside
+    it: two end points would read 7.5 % high, the fitted slope stays within 2 %."""
+    from testbed.net.measure import _slope
+
+    rate = 62.5e6  # bytes/s (500 Mbit/s)
+    times = [i * 0.01 for i in range(201)]
+    counter = [int(rate * t) for t in times]
+    # The counter lags 150 ms of traffic when the window opens and catches up within 20 ms.
+    counter[0] -= int(rate * 0.15)
+    counter[1] -= int(rate * 0.075)
+    end_points = (counter[-1] - counter[0]) / (times[-1] - times[0])
+    assert end_points > 1.07 * rate
+    assert abs(_slope(list(zip(times, counter, strict=True))) - rate) < 0.02 * rate
+    assert _slope([(0.0, 5)]) == 0.0
