@@ -1,7 +1,8 @@
 """MQTT broker lifecycle: mosquitto started by the testbed inside the router's namespace.
 
 A generated config binds one listener to the router host's emulated address only, with no
-anonymous access and no persistence; nothing from a system-wide mosquitto service is used.
+anonymous access; sessions persist across a restart of the broker (saved when it exits);
+nothing from a system-wide mosquitto service is used.
 Least privilege (``BrokerAccess``): every component has its own per-run credential and an
 ACL that lets it read and write only its own topics (``acl_rules``): a worker reads its
 command topic and writes its status, events and token streams (decoders also write the
@@ -104,10 +105,14 @@ def start_broker(net: Network, router_host: str, workers: dict[str, str]) -> tup
             "allow_anonymous false",
             f"password_file {pw}",
             f"acl_file {acl}",
-            "persistence false",
+            # Persistent sessions survive a broker restart (a fault of #11): saved on exit only.
+            "persistence true",
+            f"persistence_location {d}/",
+            "autosave_interval 0",
             f"log_dest file {d / 'mosquitto.log'}",
             "log_type error",
             "log_type warning",
+            "log_type notice", "log_type information",
             "max_inflight_messages 0",
             "max_queued_messages 100000",
             "set_tcp_nodelay true",
@@ -118,9 +123,18 @@ def start_broker(net: Network, router_host: str, workers: dict[str, str]) -> tup
     for path in (pw, acl, conf):
         _own(path, uid, gid, 0o600)
     _own(d, uid, gid, 0o700)
-    proc = net.spawn(router_host, [MOSQUITTO, "-c", str(conf)], name="mosquitto", log=d / "stdout.log")
     access = BrokerAccess(admin=creds["admin"], router=creds["router"], client=creds["client"],
                           workers={name: creds[f"w-{name}"] for name in workers})
+    return launch_broker(net, router_host), access
+
+
+def launch_broker(net: Network, router_host: str) -> subprocess.Popen[bytes]:
+    """Start mosquitto with the run's configuration (written by ``start_broker``) and wait
+    until it listens; also how a ``broker-restart`` fault brings it back."""
+    d = net.run.dir / "broker"
+    ip = net.ip_of(router_host)
+    proc = net.spawn(router_host, [MOSQUITTO, "-c", str(d / "mosquitto.conf")], name="mosquitto",
+                     log=d / "stdout.log")
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -130,7 +144,7 @@ def start_broker(net: Network, router_host: str, workers: dict[str, str]) -> tup
         try:
             s.settimeout(0.2)
             s.connect((ip, PORT))
-            return proc, access
+            return proc
         except OSError:
             time.sleep(0.05)
         finally:

@@ -138,6 +138,7 @@ def _window(text: str | None) -> tuple[float, float] | None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from testbed.experiment import RunOptions, run_trace
+    from testbed.faults.spec import parse_fault
     from testbed.metrics import Slo
     from testbed.traces import load_trace
 
@@ -151,8 +152,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     wl = load_trace(args.trace, args.format, args.token_scale).select(args.limit, _window(args.window))
     if not wl.requests:
         raise InputError(f"{args.trace}: --window/--limit leave no request")
+    faults = tuple(parse_fault(text) for text in args.fault)
+    for text, fault in zip(args.fault, faults, strict=True):
+        try:
+            sc.check_fault(fault)
+        except ValueError as e:
+            raise InputError(f"--fault {text!r}: {e}") from None
     opts = RunOptions(args.impairment, args.dilation, args.allow_infidelity, args.speed, args.limit, args.window,
-                      Slo(args.slo_ttft, args.slo_tpot), args.timeout, Path(args.out) if args.out else None)
+                      Slo(args.slo_ttft, args.slo_tpot), args.timeout, Path(args.out) if args.out else None, faults)
     return run_trace(sc, wl, policies, opts)
 
 

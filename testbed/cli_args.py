@@ -69,6 +69,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--allow-infidelity", action="store_true",
                    help="exit 0 even when the fidelity verdict fails (it is still printed and saved)")
     p.add_argument("--out", help="results folder (default runs/<timestamp>)")
+    p.add_argument("--fault", action="append", default=[], metavar="KIND@START[+DUR][:k=v,...]",
+                   help="inject a fault at an emulated time of the replay (repeatable): wan-down, loss (pct), "
+                        "delay (ms), rate (mbit), partition (dc), kill (host), broker-restart; e.g. wan-down@10+5, "
+                        "kill@20:host=relay; see README, Faults")
     p.set_defaults(command="run")
 
     trace = sub.add_parser("trace", help="trace statistics and generation")

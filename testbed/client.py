@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import gc
+import secrets
 import sys
 import threading
 import time
@@ -26,7 +28,8 @@ from pydantic import ValidationError
 from testbed import netns
 from testbed.traces.workload import RequestSpec
 from workers.contracts import BrokerInfo
-from workers.control import QOS, Request, RouterStatus, Tokens, Topics, no_delay, rid_of, why_invalid
+from workers.control import Request, RouterStatus, Tokens, Topics, rid_of, why_invalid
+from workers.mqtt_session import Session
 
 
 @dataclass
@@ -35,6 +38,7 @@ class ClientRecord:
     prompt_len: int
     max_new: int
     sent: float = 0.0
+    ended: float | None = None  # when the request finished (completed or failed), client clock
     token_times: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     error: str | None = None
@@ -52,7 +56,8 @@ class ProtocolError(Exception):
 
 
 async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[RequestSpec], timeout_s: float,
-                  progress: Callable[[int, int, int], None] | None) -> dict[str, ClientRecord]:
+                  progress: Callable[[int, int, int], None] | None,
+                  on_start: Callable[[float], None] | None = None) -> dict[str, ClientRecord]:
     # aiomqtt connects from an executor thread: those threads must live in the namespace too.
     asyncio.get_running_loop().set_default_executor(
         concurrent.futures.ThreadPoolExecutor(2, initializer=netns.join, initargs=(ns,))
@@ -68,110 +73,121 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
     finished = asyncio.Event()
     n_done = 0
     pending: set[asyncio.Task[None]] = set()
-    async with aiomqtt.Client(broker.host, broker.port, username=broker.username, password=broker.password,
-                              identifier=f"{topics.root}-client", keepalive=10) as client:
-        no_delay(client)
-        await client.subscribe(topics.all_tokens, qos=QOS)
-        await client.subscribe(topics.router_status, qos=QOS)
-        ready = asyncio.Event()
+    client = Session.client_for(broker.host, broker.port, broker.username, broker.password,
+                                f"{topics.root}-client-{secrets.token_hex(4)}", keepalive=10)
+    session = Session(client, [topics.all_tokens, topics.router_status], "client")
+    ready = asyncio.Event()
 
-        async def read() -> None:
-            async for msg in client.messages:
-                now = time.time()
-                payload = msg.payload if isinstance(msg.payload, (bytes, bytearray)) else b""
-                try:
-                    if str(msg.topic) == topics.router_status:
-                        if RouterStatus.model_validate_json(payload).state == "ready":
-                            ready.set()
-                        continue
-                    t = Tokens.model_validate_json(payload)
-                except ValidationError as e:
-                    # A malformed message ends the request it names (if it names one of ours),
-                    # never the reader: the other requests go on.
-                    rid = rid_of(payload)
-                    print(f"client: rejected a message on {msg.topic}: {why_invalid(e)}", file=sys.stderr, flush=True)
-                    bad = recs.get(rid) if rid else None
-                    if bad is not None and not bad.done:
-                        bad.error, bad.done = f"client rejected a token message: {why_invalid(e)}", True
-                        complete(bad)
-                    continue
-                rec = recs.get(t.rid)
-                if rec is None or rec.done:
-                    continue
-                if t.error is not None:
-                    rec.error, rec.done = t.error, True
-                else:
-                    if t.start != len(rec.tokens):
-                        rec.error = f"stream out of order: got index {t.start}, expected {len(rec.tokens)}"
-                        rec.done = True
-                    else:
-                        rec.tokens.extend(t.tokens)
-                        rec.token_times.extend([now] * len(t.tokens))
-                        if t.worker not in rec.workers:
-                            rec.workers.append(t.worker)
-                        rec.by_worker[t.worker] = rec.by_worker.get(t.worker, 0) + len(t.tokens)
-                        rec.done = t.done
-                if rec.done:
-                    complete(rec)
-
-        def complete(rec: ClientRecord) -> None:
-            nonlocal n_done
-            n_done += 1
-            if n_done == len(recs):
-                finished.set()
-            for nxt in followers.get(rec.rid, []):
-                if rec.ok:
-                    task = asyncio.create_task(send(nxt, nxt.delay))
-                    pending.add(task)
-                    task.add_done_callback(pending.discard)
-                else:
-                    # An agent cannot take its next turn without this turn's answer.
-                    f = recs[nxt.rid]
-                    f.error, f.done = f"not sent: previous turn {rec.rid} failed", True
-                    complete(f)
-
-        async def send(spec: RequestSpec, delay: float) -> None:
-            if delay > 0:
-                await asyncio.sleep(delay)
-            recs[spec.rid].sent = time.time()
-            req = Request(rid=spec.rid, prompt=spec.prompt, max_new=spec.max_new, hints=spec.hints)
-            await client.publish(topics.requests, req.dump(), qos=QOS)
-
-        reader = asyncio.create_task(read())
+    async def on_message(msg: aiomqtt.Message) -> None:
+        now = time.time()
+        payload = msg.payload if isinstance(msg.payload, (bytes, bytearray)) else b""
         try:
-            await asyncio.wait_for(ready.wait(), timeout=120)
-        except TimeoutError as e:
-            reader.cancel()
-            raise ProtocolError("the router did not report ready within 120 s (workers failed to start?)") from e
-        t0 = time.time()
+            if str(msg.topic) == topics.router_status:
+                if RouterStatus.model_validate_json(payload).state == "ready":
+                    ready.set()
+                return
+            t = Tokens.model_validate_json(payload)
+        except ValidationError as e:
+            # A malformed message ends the request it names (if it names one of ours), never
+            # the reader: the other requests go on.
+            rid = rid_of(payload)
+            print(f"client: rejected a message on {msg.topic}: {why_invalid(e)}", file=sys.stderr, flush=True)
+            bad = recs.get(rid) if rid else None
+            if bad is not None and not bad.done:
+                bad.error, bad.done = f"client rejected a token message: {why_invalid(e)}", True
+                complete(bad)
+            return
+        rec = recs.get(t.rid)
+        if rec is None or rec.done:
+            return
+        if t.error is not None:
+            rec.error, rec.done = t.error, True
+        elif t.start < len(rec.tokens) and rec.tokens[t.start : t.start + len(t.tokens)] == t.tokens:
+            return  # QoS 1 delivers at least once: a repeat after a reconnection
+        elif t.start != len(rec.tokens):
+            rec.error = f"stream out of order: got index {t.start}, expected {len(rec.tokens)}"
+            rec.done = True
+        else:
+            rec.tokens.extend(t.tokens)
+            rec.token_times.extend([now] * len(t.tokens))
+            if t.worker not in rec.workers:
+                rec.workers.append(t.worker)
+            rec.by_worker[t.worker] = rec.by_worker.get(t.worker, 0) + len(t.tokens)
+            rec.done = t.done
+        if rec.done:
+            complete(rec)
 
-        async def ticker() -> None:
-            while True:
-                await asyncio.sleep(1.0)
-                if progress:
-                    failed = sum(1 for r in recs.values() if r.done and r.error)
-                    progress(n_done, len(recs), failed)
+    def complete(rec: ClientRecord) -> None:
+        nonlocal n_done
+        n_done += 1
+        rec.ended = time.time()
+        if n_done == len(recs):
+            finished.set()
+        for nxt in followers.get(rec.rid, []):
+            if rec.ok:
+                task = asyncio.create_task(send(nxt, nxt.delay))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+            else:
+                # An agent cannot take its next turn without this turn's answer.
+                f = recs[nxt.rid]
+                f.error, f.done = f"not sent: previous turn {rec.rid} failed", True
+                complete(f)
 
-        tick = asyncio.create_task(ticker())
-        for spec in sorted((s for s in specs if s.after is None), key=lambda s: s.at):
-            await send(spec, t0 + spec.at - time.time())
-        try:
-            await asyncio.wait_for(finished.wait(), timeout=timeout_s)
-        except TimeoutError:
-            for r in recs.values():
-                if not r.done:
-                    what = "no completion" if r.sent else "not sent (waiting for its previous turn)"
-                    r.error, r.done = f"{what} within the client timeout ({timeout_s} s)", True
-        tick.cancel()
-        reader.cancel()
-        for task in list(pending):
-            task.cancel()
+    async def send(spec: RequestSpec, delay: float) -> None:
+        if delay > 0:
+            await asyncio.sleep(delay)
+        recs[spec.rid].sent = time.time()
+        req = Request(rid=spec.rid, prompt=spec.prompt, max_new=spec.max_new, hints=spec.hints)
+        await session.publish(topics.requests, req.dump())
+
+    async def no_op(first: bool) -> None:
+        return None
+
+    stop = asyncio.Event()
+    connection = asyncio.create_task(session.run(on_message, no_op, stop))
+    waiting = asyncio.create_task(ready.wait())
+    await asyncio.wait({connection, waiting}, timeout=120, return_when=asyncio.FIRST_COMPLETED)
+    if not ready.is_set():
+        stop.set()
+        waiting.cancel()
+        if connection.done():
+            connection.result()  # the broker could not be reached: its error
+        connection.cancel()
+        raise ProtocolError("the router did not report ready within 120 s (workers failed to start?)")
+    t0 = time.time()
+    if on_start is not None:
+        on_start(time.monotonic())
+
+    async def ticker() -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            if progress:
+                failed = sum(1 for r in recs.values() if r.done and r.error)
+                progress(n_done, len(recs), failed)
+
+    tick = asyncio.create_task(ticker())
+    for spec in sorted((s for s in specs if s.after is None), key=lambda s: s.at):
+        await send(spec, t0 + spec.at - time.time())
+    try:
+        await asyncio.wait_for(finished.wait(), timeout=timeout_s)
+    except TimeoutError:
+        for r in recs.values():
+            if not r.done:
+                what = "no completion" if r.sent else "not sent (waiting for its previous turn)"
+                r.error, r.done, r.ended = f"{what} within the client timeout ({timeout_s} s)", True, time.time()
+    tick.cancel()
+    for task in list(pending):
+        task.cancel()
+    stop.set()
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(connection, 5)
     return recs
 
 
 def replay_in_namespace(ns: str, broker: BrokerInfo, topics: Topics, specs: list[RequestSpec],
                         timeout_s: float, progress: Callable[[int, int, int], None] | None = None,
-                        ) -> dict[str, ClientRecord]:
+                        on_start: Callable[[float], None] | None = None) -> dict[str, ClientRecord]:
     """Run the client on a thread inside namespace ``ns`` and wait for it."""
     result: dict[str, dict[str, ClientRecord]] = {}
     error: list[BaseException] = []
@@ -179,7 +195,7 @@ def replay_in_namespace(ns: str, broker: BrokerInfo, topics: Topics, specs: list
     def body() -> None:
         try:
             with netns.entered(ns):
-                result["r"] = asyncio.run(_replay(ns, broker, topics, specs, timeout_s, progress))
+                result["r"] = asyncio.run(_replay(ns, broker, topics, specs, timeout_s, progress, on_start))
         except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
             error.append(e)
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from testbed.broker import BrokerAccess, start_broker
+from testbed.broker import BrokerAccess, launch_broker, start_broker
 from testbed.client import ClientRecord, replay_in_namespace
 from testbed.contracts import PolicyContext, PolicyReport, RequestRecord, RouterConfig, WorkerEndpoint
 from testbed.emulation import EmulationPlan
@@ -77,6 +77,8 @@ class Cluster:
     net: Network
     policy: PolicySpec
     access: BrokerAccess  # every component's broker credential; ``admin`` for the orchestrator
+    broker: subprocess.Popen[bytes]
+    broker_host: str
     workers: dict[str, WorkerConfig] = field(default_factory=dict)
     router: subprocess.Popen[bytes] = field(init=False)
 
@@ -97,8 +99,8 @@ class Cluster:
         routers = sc.hosts_with_role(Role.ROUTER)
         if not routers:
             raise InputError(f"{sc.source}: scenario has no host with role router")
-        _, access = start_broker(net, routers[0], worker_roles(sc))
-        cl = cls(net, policy, access)
+        broker, access = start_broker(net, routers[0], worker_roles(sc))
+        cl = cls(net, policy, access, broker, routers[0])
         ws = sc.workers
         model = sc.model_dir()
         # Only the run's workers may hand a KV receiver a transfer: a per-run token in HELLO.
@@ -130,12 +132,31 @@ class Cluster:
         return cl
 
     def replay(self, specs: list[RequestSpec], timeout_s: float = 900.0,
-               progress: Callable[[int, int, int], None] | None = None) -> dict[str, ClientRecord]:
+               progress: Callable[[int, int, int], None] | None = None,
+               on_start: Callable[[float], None] | None = None) -> dict[str, ClientRecord]:
+        """Replay ``specs`` from the client host; ``on_start(t0)`` (time.monotonic) when the
+        first request is due (a fault timeline starts there)."""
         clients = self.net.scenario.hosts_with_role(Role.CLIENT)
         if not clients:
             raise InputError(f"{self.net.scenario.source}: scenario has no host with role client")
         return replay_in_namespace(self.net.ns_of(clients[0]), self.access.client, self.topics, specs, timeout_s,
-                                   progress)
+                                   progress, on_start)
+
+    def restart_broker(self, downtime_s: float) -> str:
+        """Stop mosquitto (it saves its sessions), wait ``downtime_s``, start it again; every
+        component reconnects on its own (``workers.mqtt_session``)."""
+        old = self.broker
+        old.send_signal(signal.SIGTERM)
+        try:
+            old.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            old.kill()
+            old.wait()
+        time.sleep(downtime_s)
+        t0 = time.monotonic()
+        self.broker = launch_broker(self.net, self.broker_host)
+        took = time.monotonic() - t0
+        return f"mosquitto pid {old.pid} stopped; pid {self.broker.pid} listening {took:.2f} s after its start"
 
     def router_records(self) -> dict[str, RequestRecord]:
         """Stop the router (it writes its records on exit) and read them."""

@@ -16,7 +16,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -26,6 +26,7 @@ from testbed.client import ClientRecord
 from testbed.contracts import PolicyReport, RequestRecord
 from testbed.emulation import EmulationPlan
 from testbed.errors import InputError
+from testbed.faults.spec import AppliedFault, Fault
 from testbed.fidelity import Verdict, cpu_seconds, format_verdict, judge
 from testbed.metrics import Slo
 from testbed.net.build import Impairment, Network
@@ -79,22 +80,29 @@ class PolicyRun:
     policy: PolicyReport
     verdict: Verdict
     impairment: str  # the WAN impairment backend that ran, and why
+    faults: list[AppliedFault] = field(default_factory=list)
 
 
 def run_policy(sc: Scenario, impairment: Impairment | str, policy: PolicySpec, specs: list[RequestSpec],
                dtype: str | None = None, faults: dict[str, WorkerFaults] | None = None,
-               timeout_s: float = 1800.0, emulation: EmulationPlan | None = None) -> PolicyRun:
+               timeout_s: float = 1800.0, emulation: EmulationPlan | None = None,
+               timeline: list[Fault] | None = None) -> PolicyRun:
     """Build network + cluster for one policy, replay ``specs`` (times already in real
-    seconds), tear down. Returns records, statistics and the fidelity verdict."""
+    seconds) with the fault ``timeline`` applied, tear down. Returns records, statistics,
+    the faults as applied and the fidelity verdict."""
     from testbed.cluster import Cluster
+    from testbed.faults.inject import FaultInjector, annotate_failures
 
     wire = emulation.wire_scenario(sc) if emulation else sc
+    d = emulation.dilation if emulation else 1.0
     with network_session(wire, impairment) as net:
         cl = Cluster.start(net, policy, faults=faults, dtype=dtype, emulation=emulation)
+        injector = FaultInjector(net, timeline or [], d, emulation.wire_rate_bps if emulation else None,
+                                 cl.restart_broker)
         progress = Progress(policy.label)
         t0 = time.monotonic()
         try:
-            recs = cl.replay(specs, timeout_s=timeout_s, progress=progress)
+            recs = cl.replay(specs, timeout_s=timeout_s, progress=progress, on_start=injector.start)
         except Exception:
             for name in ["router", *cl.workers]:
                 tail = cl.log_tail(name if name == "router" else f"worker-{name}", 1500)
@@ -103,13 +111,20 @@ def run_policy(sc: Scenario, impairment: Impairment | str, policy: PolicySpec, s
             raise
         finally:
             progress.close()
+            applied = injector.stop()
+        if applied:
+            failed = {r.rid: ((r.sent - injector.t0_wall) / d, ((r.ended or r.sent) - injector.t0_wall) / d, r.error)
+                      for r in recs.values() if r.error is not None and r.sent}  # sent: it lived
+            for rid, why in annotate_failures(failed, applied).items():
+                recs[rid].error = why
         wall = time.monotonic() - t0
         cpu = {p.name: s for p in net.run.processes if (s := cpu_seconds(p.pid)) is not None}
         router = cl.router_records()
         workers = cl.worker_stats()
         policy_report = cl.policy_stats()  # read before the run directory goes with the network
     verdict = judge(workers, net.delayline_stats_final, cpu, wall)
-    return PolicyRun(recs, router, workers, policy_report, verdict, f"{net.impairment} ({net.impairment_reason})")
+    return PolicyRun(recs, router, workers, policy_report, verdict, f"{net.impairment} ({net.impairment_reason})",
+                     applied)
 
 
 @dataclass(frozen=True)
@@ -125,6 +140,7 @@ class RunOptions:
     slo: Slo = Slo()
     timeout_s: float = 1800.0
     out: Path | None = None
+    faults: tuple[Fault, ...] = ()  # from the command line; the scenario's own come first
 
 
 def emulation_plan(sc: Scenario, wl: Workload, specs: list[RequestSpec], dilation: float | str | None,
@@ -178,7 +194,8 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
     workers: dict[str, dict[str, WorkerStats]] = {}
     for spec in policies:
         t0 = time.monotonic()
-        run = run_policy(sc, opts.impairment, spec, specs, timeout_s=opts.timeout_s * d, emulation=plan)
+        run = run_policy(sc, opts.impairment, spec, specs, timeout_s=opts.timeout_s * d, emulation=plan,
+                         timeline=[*sc.faults, *opts.faults])
         df = request_rows(run.recs, run.router, specs, plan.scales)
         name = spec.label
         frames[name] = df
@@ -186,7 +203,8 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
         cost = hardware_cost(sc, make_policy(spec))
         per_mtok = cost_per_million_tokens(cost, measured.duration_s, measured.output_tokens_emulated) if cost else None
         s = summaries[name] = PolicySummary(**dict(measured), policy_stats=run.policy, fidelity=run.verdict,
-                                            cost=cost, cost_per_mtok=per_mtok, impairment=run.impairment)
+                                            cost=cost, cost_per_mtok=per_mtok, impairment=run.impairment,
+                                            faults=run.faults)
         workers[name] = run.workers
         if len(summaries) == 1:
             print(f"WAN impairment: {run.impairment}", flush=True)

@@ -15,7 +15,7 @@ import os
 
 from pydantic import BaseModel, ConfigDict
 
-from testbed.net.delayline import DelayLineReport
+from testbed.net.delayline_contract import DelayLineReport
 from workers.contracts import WorkerStats, WorstOverrun
 
 MAX_OVERRUN_FRACTION = 0.01

@@ -143,6 +143,19 @@ def cost_table(summary: RunSummary) -> str | None:
     return "\n".join(lines)
 
 
+def fault_table(summary: RunSummary) -> str | None:
+    """The fault timeline of each policy's run as applied (emulated seconds), and how many
+    requests failed while each fault was in effect; None without faults."""
+    lines = ["| policy | fault | applied s | cleared s | what was done | failed during |", "|---|---|---|---|---|---|"]
+    for name, s in summary.policies.items():
+        for f in s.faults:
+            during = sum(f.fault in (why or "") for why in s.failures.values())
+            applied = f"{f.applied_s:.2f}" if f.applied_s is not None else "-"
+            cleared = f"{f.cleared_s:.2f}" if f.cleared_s is not None else "-"
+            lines.append(f"| {name} | `{f.fault}` | {applied} | {cleared} | {f.error or f.detail} | {during} |")
+    return "\n".join(lines) if len(lines) > 2 else None
+
+
 def report_markdown(summary: RunSummary) -> str:
     """``report.md`` of a run: everything in it comes from ``summary.json``."""
     t, e = summary.trace, summary.emulation
@@ -175,6 +188,7 @@ def report_markdown(summary: RunSummary) -> str:
         paper_comparison(summary),
         "",
         *(["## Hardware cost", "", costs, ""] if (costs := cost_table(summary)) else []),
+        *(["## Faults", "", faults, ""] if (faults := fault_table(summary)) else []),
         "## Fidelity",
         "",
         "```",

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict
 
 from testbed.cost import HardwareCost
 from testbed.errors import InputError
+from testbed.faults.spec import AppliedFault
 from testbed.fidelity import Verdict
 from testbed.metrics import Summary
 from testbed.policies.base import PolicyReport
@@ -76,6 +77,7 @@ class PolicySummary(Summary):
     impairment: str = ""  # the WAN impairment backend that ran (netem or the delay line) and why
     cost: HardwareCost | None = None  # None: the scenario states no prices
     cost_per_mtok: float | None = None  # the deployment's price for the run per 1M emulated output tokens
+    faults: list[AppliedFault] = []  # the fault timeline as it was applied
 
 
 class RunSummary(_Saved):

@@ -24,7 +24,6 @@ from testbed.contracts import RequestRecord, RouterConfig
 from testbed.policies import ClusterView, Policy, RequestState, make_policy
 from testbed.policies.base import WorkerView
 from workers.control import (
-    QOS,
     CancelCmd,
     Done,
     Event,
@@ -38,12 +37,14 @@ from workers.control import (
     Status,
     Tokens,
     Topics,
-    no_delay,
     parse_event,
     rid_of,
     why_invalid,
 )
+from workers.mqtt_session import Session
 
+WILL_SETTLE_S = 0.3  # a worker's death is acted on this long after its will (a broker restart shows first)
+RESTART_GRACE_S = 3.0  # after the router reconnects, how long a worker has to say "up" again
 ENDED_KEPT = 4096  # finished requests whose late events (cut-off transfers, cache-only KV) still count
 
 
@@ -59,12 +60,15 @@ class Router:
         self.inflight: dict[str, RequestState] = {}
         self.finished: dict[str, RequestRecord] = {}  # rid -> record (late events still land)
         self.ended: dict[str, RequestState] = {}  # finished requests, for the policy's late events
-        self.client: aiomqtt.Client | None = None
+        self.session: Session | None = None
         self.ready = False
+        self.pending: set[asyncio.Task[None]] = set()
+        self.last_up: dict[str, float] = {}  # worker -> time.monotonic() of its last "up" status
+        self.suspects: set[str] = set()  # workers whose "dead" status is being confirmed
 
     async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
-        assert self.client is not None
-        await self.client.publish(topic, payload, qos=QOS, retain=retain)
+        assert self.session is not None
+        await self.session.publish(topic, payload, retain=retain)
 
     async def main(self) -> None:
         stop = asyncio.Event()
@@ -72,41 +76,44 @@ class Router:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         b = self.cfg.broker
-        async with aiomqtt.Client(b.host, b.port, username=b.username, password=b.password,
-                                  identifier=f"{self.cfg.run_id}-router", keepalive=5) as client:
-            self.client = client
-            no_delay(client)
-            for t in (self.topics.requests, self.topics.all_status, self.topics.events):
-                await client.subscribe(t, qos=QOS)
-            reader = asyncio.create_task(self._read(client))
-            sweeper = asyncio.create_task(self._sweep())
-            await stop.wait()
-            reader.cancel()
-            sweeper.cancel()
+        client = Session.client_for(b.host, b.port, b.username, b.password, f"{self.cfg.run_id}-router", keepalive=5)
+        self.session = Session(client, [self.topics.requests, self.topics.all_status, self.topics.events], "router")
+
+        async def on_connect(first: bool) -> None:
+            if self.ready:  # retained: a restarted broker may have lost it
+                await self._publish_state("ready")
+
+        async def on_stop() -> None:
             for rid in list(self.inflight):
                 await self._fail(rid, "router stopped")
-            await self.publish(self.topics.router_status,
-                               RouterStatus(state="stopped", workers={}, policy=self.policy.describe()).dump(),
-                               retain=True)
+            await self._publish_state("stopped")
+
+        sweeper = asyncio.create_task(self._sweep())
+        await self.session.run(self._on_message, on_connect, stop, on_stop)
+        sweeper.cancel()
         tmp = Path(self.cfg.records_path + ".tmp")
         tmp.write_text("".join(r.model_dump_json() + "\n" for r in self.finished.values()))
         tmp.replace(self.cfg.records_path)
         Path(self.cfg.records_path + ".policy.json").write_text(self.policy.stats().model_dump_json())
 
-    async def _read(self, client: aiomqtt.Client) -> None:
-        async for msg in client.messages:
-            topic = str(msg.topic)
-            payload = msg.payload
-            assert isinstance(payload, (bytes, bytearray))
-            try:
-                if topic == self.topics.requests:
-                    await self._admit(Request.model_validate_json(payload))
-                elif topic == self.topics.events:
-                    await self._on_event(parse_event(payload))
-                elif topic.endswith("/status"):
-                    await self._on_status(Status.model_validate_json(payload))
-            except ValidationError as e:
-                await self._reject(topic, payload, e)
+    async def _on_message(self, msg: aiomqtt.Message) -> None:
+        topic = str(msg.topic)
+        payload = msg.payload
+        assert isinstance(payload, (bytes, bytearray))
+        try:
+            if topic == self.topics.requests:
+                await self._admit(Request.model_validate_json(payload))
+            elif topic == self.topics.events:
+                await self._on_event(parse_event(payload))
+            elif topic.endswith("/status"):
+                await self._on_status(Status.model_validate_json(payload))
+        except ValidationError as e:
+            await self._reject(topic, payload, e)
+
+    async def _publish_state(self, state: str) -> None:
+        workers = {n: x.role for n, x in self.view.workers.items()} if state == "ready" else {}
+        await self.publish(self.topics.router_status, RouterStatus(state=state, workers=workers,  # type: ignore[arg-type]
+                                                                   policy=self.policy.describe()).dump(), retain=True)
 
     async def _reject(self, topic: str, payload: bytes | bytearray, error: ValidationError) -> None:
         """A message failed validation: log it; fail the request it names (if any), nothing else."""
@@ -126,17 +133,78 @@ class Router:
         w = self.view.workers.get(st.worker)
         if w is None:
             return
-        was_up, w.up, w.active, w.queued = w.up, st.state == "up", st.active, st.queued
-        if was_up and not w.up:
-            for rid, req in list(self.inflight.items()):
-                if req.plan and st.worker in req.plan.workers:
-                    await self._fail(rid, f"worker {st.worker} died")
+        if st.state == "up":
+            w.up, w.active, w.queued = True, st.active, st.queued
+            self.last_up[st.worker] = time.monotonic()
+        elif w.up and st.worker not in self.suspects:
+            # Still routable until confirmed: a request planned onto it meanwhile fails with
+            # the others if the death is real (_on_worker_death).
+            self.suspects.add(st.worker)
+            task = asyncio.create_task(self._confirm_death(st.worker, time.monotonic()))
+            self.pending.add(task)
+            task.add_done_callback(self.pending.discard)
         if not self.ready and all(x.up for x in self.view.workers.values()):
             self.ready = True
-            workers = {n: x.role for n, x in self.view.workers.items()}
-            await self.publish(self.topics.router_status,
-                               RouterStatus(state="ready", workers=workers,  # type: ignore[arg-type]
-                                            policy=self.policy.describe()).dump(), retain=True)
+            await self._publish_state("ready")
+
+    async def _confirm_death(self, name: str, news_at: float) -> None:
+        """A "dead" status is a worker's last will, or its own word when it stops. A broker
+        that shuts down sends the will of every client, live workers included, just before
+        it drops the router too (and a restarted one hands the retained wills out again):
+        if the router's connection goes within WILL_SETTLE_S, or came back within
+        RESTART_GRACE_S, the worker has until RESTART_GRACE_S after the reconnection to
+        say "up" again. Otherwise it is gone, WILL_SETTLE_S after the news."""
+        session = self.session
+        assert session is not None
+        losses = session.losses
+        await asyncio.sleep(WILL_SETTLE_S)
+        if session.losses != losses or not session.connected.is_set() or session.since_reconnect() < RESTART_GRACE_S:
+            await session.connected.wait()
+            await asyncio.sleep(max(0.0, RESTART_GRACE_S - session.since_reconnect()))
+        self.suspects.discard(name)
+        if self.last_up.get(name, 0.0) <= news_at:  # no "up" since the news: gone
+            self.view.workers[name].up = False
+            await self._worker_died(name)
+
+    async def _worker_died(self, name: str) -> None:
+        print(f"router: worker {name} is gone", file=sys.stderr, flush=True)
+        for req in list(self.inflight.values()):
+            if req.plan and name in req.plan.workers:
+                await self._on_worker_death(req, name)
+
+    async def _on_worker_death(self, req: RequestState, dead: str) -> None:
+        """What a dead worker means for one request that named it: nothing when the request
+        no longer needs it (a prefill whose KV every decoder holds, a relay that handed over);
+        the relay finishes alone when the main decoder (or the prefill that still owed it KV)
+        is lost before the handoff; otherwise the request fails, saying which worker died."""
+        plan = req.plan
+        assert plan is not None
+        received = {e.worker for e in req.events if isinstance(e, KvReceived)}
+        relay = plan.relay
+        relay_can_finish = (relay is not None and relay != dead and self.view.workers[relay].up
+                            and not req.handed_off)
+        reason = f"worker {dead} died"
+        if dead == plan.prefill:
+            if plan.decode in received and (relay is None or relay in received):
+                return
+            if relay_can_finish and relay in received:
+                await self._relay_alone(req, reason)
+                return
+        elif dead == relay:
+            if req.handed_off:
+                return
+        elif dead == plan.decode and relay_can_finish:
+            await self._relay_alone(req, reason)
+            return
+        await self._fail(req.rid, reason)
+
+    async def _relay_alone(self, req: RequestState, reason: str) -> None:
+        """The main decoder cannot take over: the relay finishes the request alone (once)."""
+        assert req.plan is not None and req.plan.relay is not None
+        if req.md_failed is not None:
+            return
+        req.md_failed = reason
+        await self.publish(self.topics.cmd(req.plan.relay), HandoffCmd(rid=req.rid, mode="local").dump())
 
     async def _admit(self, r: Request) -> None:
         req = RequestState(r.rid, r.prompt, r.max_new, time.time(), r.hints)
@@ -174,10 +242,7 @@ class Router:
             md_lost = (plan is not None and relay is not None and not req.handed_off
                        and (ev.before_handoff or ev.target == plan.decode))
             if md_lost:
-                # The main decoder cannot take over: the relay finishes the request alone.
-                assert relay is not None
-                req.md_failed = ev.reason
-                await self.publish(self.topics.cmd(relay), HandoffCmd(rid=ev.rid, mode="local").dump())
+                await self._relay_alone(req, ev.reason)
                 return
             await self._fail(ev.rid, ev.reason)
         elif isinstance(ev, KvReceived) and plan is not None and relay and ev.worker == plan.decode:

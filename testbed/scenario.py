@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from testbed.errors import InputError
+from testbed.faults.spec import Fault, as_fault
 from workers.contracts import DeviceSpec
 
 NAME_RE = r"^[a-z][a-z0-9]{0,11}(-[a-z0-9]{1,11})*$"
@@ -203,6 +204,8 @@ class Scenario(_Strict):
     models: dict[str, ModelCard] = {}
     emulation: Emulation | None = Field(default=None, description="null: rates and times are taken as given")
     costs: Costs | None = Field(default=None, description="hardware prices (cost per output token, cost table)")
+    faults: list[Annotated[Fault, BeforeValidator(as_fault)]] = Field(
+        default=[], description="fault timeline applied in every run (testbed.faults.spec), e.g. wan-down@20+5")
     source: Path | None = Field(default=None, exclude=True)
 
     @model_validator(mode="after")
@@ -232,6 +235,11 @@ class Scenario(_Strict):
             unpriced = sorted(used - set(self.costs.devices))
             if unpriced:
                 raise ValueError(f"costs.devices has no price for device profile {unpriced[0]!r}")
+        for i, fault in enumerate(self.faults):
+            try:
+                self.check_fault(fault)
+            except ValueError as e:
+                raise ValueError(f"faults[{i}] {fault.label}: {e}") from None
         if self.emulation is not None and self.emulation.model not in self.models:
             raise ValueError(f"emulation.model names unknown model {self.emulation.model!r}")
         a, b = self.wan.between
@@ -241,6 +249,16 @@ class Scenario(_Strict):
         if a == b:
             raise ValueError("wan.between must name two different datacenters")
         return self
+
+    def check_fault(self, fault: Fault) -> None:
+        """A fault names this scenario's datacenters, worker hosts and shaped directions
+        (ValueError otherwise)."""
+        workers = {h: str(spec.role) for dc in self.datacenters.values() for h, spec in dc.hosts.items()
+                   if spec.role in (Role.PREFILL, Role.DECODE, Role.RELAY_DECODE)}
+        a, b = self.wan.between
+        unshaped = {name for name, d in ((f"{a}->{b}", self.wan.forward), (f"{b}->{a}", self.wan.reverse))
+                    if d.rate_mbit is None}
+        fault.check_against(list(self.datacenters), workers, unshaped)
 
     # Convenience lookups used by the network plan and the router.
     def datacenter_of(self, host: str) -> str:

@@ -17,7 +17,7 @@ from testbed import netns
 from testbed.cluster import Cluster
 from testbed.contracts import PlanInfo, PolicyContext, PolicyReport, RequestRecord, RouterConfig, WorkerEndpoint
 from testbed.experiment import network_session
-from testbed.net.delayline import DelayLineConfig, DelayLineReport, DirectionConfig, DirectionReport
+from testbed.net.delayline_contract import DelayLineConfig, DelayLineReport, DirectionConfig, DirectionReport
 from testbed.policies import make_policy, parse_policy, parse_policy_list
 from testbed.policies.pdd import Pdd
 from testbed.policies.spec import PddSpec, SameDcSpec, spec_from_json

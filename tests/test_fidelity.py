@@ -23,7 +23,7 @@ from testbed.emulation import EmulationPlan, round_up
 from testbed.experiment import run_policy
 from testbed.fidelity import judge
 from testbed.metrics import itls, request_rows, summarize
-from testbed.net.delayline import LATE_EDGES_US, DelayLineReport, DirectionReport, late_percentile
+from testbed.net.delayline_contract import LATE_EDGES_US, DelayLineReport, DirectionReport, late_percentile
 from testbed.net.plan import make_plan
 from testbed.policies import parse_policy
 from testbed.results import load_run

@@ -70,6 +70,24 @@ def test_delay_line_backend_builds_only_the_rate_and_its_byte_buffer() -> None:
     assert ipr.calls[2][2]["limit"] == 250_000
 
 
+def test_faults_change_netem_and_htb_in_place() -> None:
+    """What a fault does where netem exists: a direction down is 100 % loss, a delay spike
+    raises netem's delay and its limit (more frames in flight), a rate drop changes the htb
+    class; each a ``change`` of the qdisc the build added, never a rebuild."""
+    ipr = RecordingIPRoute()
+    s = _shaping(100, 10.0, 0.0, queue_bytes=250_000)
+    shaping.change_netem(ipr, "wan0", s, 1500, loss_pct=100.0)  # type: ignore[arg-type]
+    shaping.change_netem(ipr, "wan0", s, 1500, extra_delay_ms=40.0)  # type: ignore[arg-type]
+    shaping.change_rate(ipr, "wan0", 10_000_000, s.burst_bytes)  # type: ignore[arg-type]
+    (c1, k1, down), (c2, _, slow), (c3, k3, rate) = ipr.calls
+    assert (c1, k1, down["parent"], down["handle"]) == ("change", "netem", "1:10", "10:")
+    assert down["loss"] == 100.0 and down["delay"] == 10_000
+    assert c2 == "change" and slow["delay"] == 50_000 and slow["loss"] == 0.5  # the configured loss stays
+    assert slow["limit"] > down["limit"] == shaping.netem_params(s, 1500).limit_packets
+    assert (c3, k3, rate["handle"], rate["rate"], rate["ceil"]) == ("change-class", "htb", "1:10", "10000000bit",
+                                                                   "10000000bit")
+
+
 def test_goodput_fit_weighs_a_burst_at_the_window_edge_by_its_share() -> None:
     """A delay line descheduled for 150 ms as the window opens releases those frames inside
     it: two end points would read 7.5 % high, the fitted slope stays within 2 %."""

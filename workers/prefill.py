@@ -116,9 +116,11 @@ class PrefillWorker(Worker):
 
         async def relay_cancel() -> None:  # either the whole request or this target
             waits = [asyncio.ensure_future(events[k].wait()) for k in ("", target.worker)]
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            for w in waits:
-                w.cancel()
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:  # also when the transfer ended first and this watcher is cancelled
+                for w in waits:
+                    w.cancel()
             cancel.set()
 
         watcher = asyncio.ensure_future(relay_cancel())

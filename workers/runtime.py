@@ -34,7 +34,6 @@ from workers.control import (
     Status,
     Tokens,
     Topics,
-    no_delay,
     parse_command,
     rid_of,
     why_invalid,
@@ -42,6 +41,7 @@ from workers.control import (
 from workers.device import Pacer, make_pacer
 from workers.model import ModelRunner
 from workers.modeled import ModeledRunner
+from workers.mqtt_session import Session
 from workers.radix_cache import RadixCache
 
 T = TypeVar("T")
@@ -62,7 +62,7 @@ class Worker:
         # compute and its pacing wait, so an extend waits for the decode step in flight (as
         # on an accelerator) and its overrun counts only its own compute.
         self.device = asyncio.Lock()
-        self.client: aiomqtt.Client | None = None
+        self.session: Session | None = None
         self.stopping = asyncio.Event()
         self.crashed: str | None = None  # why a task of this worker failed (the worker then ends)
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -94,8 +94,8 @@ class Worker:
             await asyncio.sleep(wait)
 
     async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
-        assert self.client is not None
-        await self.client.publish(topic, payload, qos=QOS, retain=retain)
+        assert self.session is not None
+        await self.session.publish(topic, payload, retain=retain)
 
     def stamp(self, rid: str) -> dict[str, Any]:
         """The fields every event carries: request, this worker, now."""
@@ -191,35 +191,34 @@ class Worker:
         dead = Status(worker=self.cfg.name, role=self.cfg.role, state="dead").dump()
         will = aiomqtt.Will(self.topics.status(self.cfg.name), dead, qos=QOS, retain=True)
         b = self.cfg.broker
-        async with aiomqtt.Client(
-            b.host, b.port, username=b.username, password=b.password, identifier=f"{self.cfg.run_id}-{self.cfg.name}",
-            will=will, keepalive=5, max_inflight_messages=1000,
-        ) as client:  # fmt: skip
-            self.client = client
-            no_delay(client)
-            await self.start()
-            await client.subscribe(self.topics.cmd(self.cfg.name), qos=QOS)
-            await self.publish_status()
-            self.spawn(self._status_loop())
-            reader = asyncio.create_task(self._read(client))
-            await self.stopping.wait()
-            reader.cancel()
+        client = Session.client_for(b.host, b.port, b.username, b.password, f"{self.cfg.run_id}-{self.cfg.name}",
+                                    keepalive=5, will=will)
+        self.session = Session(client, [self.topics.cmd(self.cfg.name)], self.cfg.name)
+
+        async def on_connect(first: bool) -> None:
+            if first:
+                await self.start()
+                self.spawn(self._status_loop())
+            await self.publish_status()  # retained: a restarted broker may have lost it
+
+        async def on_stop() -> None:
             self._sample_cache()
             self.write_stats()
             await self.publish(self.topics.status(self.cfg.name), dead, retain=True)
+
+        await self.session.run(self._on_message, on_connect, self.stopping, on_stop)
         if self.crashed is not None:
             raise SystemExit(f"{self.cfg.name}: {self.crashed}")
 
-    async def _read(self, client: aiomqtt.Client) -> None:
-        async for message in client.messages:
-            payload = message.payload
-            assert isinstance(payload, (bytes, bytearray))
-            try:
-                cmd = parse_command(payload)
-            except ValidationError as e:
-                self.reject(payload, e)
-                continue
-            self.spawn(self.handle(cmd))
+    async def _on_message(self, message: aiomqtt.Message) -> None:
+        payload = message.payload
+        assert isinstance(payload, (bytes, bytearray))
+        try:
+            cmd = parse_command(payload)
+        except ValidationError as e:
+            self.reject(payload, e)
+            return
+        self.spawn(self.handle(cmd))
 
     def reject(self, payload: bytes | bytearray, error: ValidationError) -> None:
         """A command failed validation: log it and fail the request it names, if any."""

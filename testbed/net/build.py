@@ -23,7 +23,13 @@ from typing import Any, Literal
 from testbed import netns, runstate
 from testbed.errors import BuildError, CapabilityError
 from testbed.net import shaping
-from testbed.net.delayline import DelayLineConfig, DelayLineReport, DirectionConfig
+from testbed.net.delayline_contract import (
+    DelayLineConfig,
+    DelayLineControl,
+    DelayLineReport,
+    DirectionConfig,
+    DirectionOverride,
+)
 from testbed.net.plan import NetworkPlan, Shaping, make_plan, size_lan
 from testbed.scenario import Scenario
 
@@ -129,6 +135,38 @@ class Network:
         proc = netns.spawn(ns, argv, log_path=log, **kw)
         self.run.add_process(proc.pid, name, ns)
         return proc
+
+    # ---------------------------------------------------------------- faults
+    @property
+    def control_path(self) -> Path:
+        return self.run.dir / "delayline-control.json"
+
+    def impair_wan(self, overrides: dict[tuple[str, str], DirectionOverride]) -> None:
+        """Set every WAN direction's fault state at once, in wire units (a direction not in
+        ``overrides`` goes back to its configuration). Delay line: a control file and SIGUSR1;
+        netem: its qdisc changed in place (down = 100 % loss)."""
+        if self.impairment == "netem":
+            with netns.iproute(self.plan.wan_ns) as ipr:
+                for (src, dst), s in self.plan.wan_shaping.items():
+                    o = overrides.get((src, dst), DirectionOverride())
+                    shaping.change_netem(ipr, self.plan.dcs[dst].wan_port, s, self.plan.wan_frame_mtu,
+                                         loss_pct=100.0 if o.down else o.loss_pct, extra_delay_ms=o.extra_delay_ms)
+            return
+        if self.delayline is None or self.delayline.poll() is not None:
+            raise BuildError("the delay line is not running")
+        control = DelayLineControl(directions={f"{src}->{dst}": o for (src, dst), o in overrides.items()})
+        tmp = self.control_path.with_suffix(".tmp")
+        tmp.write_text(control.model_dump_json())
+        tmp.replace(self.control_path)
+        self.delayline.send_signal(signal.SIGUSR1)
+
+    def set_wan_rate(self, src: str, dst: str, rate_bps: int | None) -> None:
+        """The line's rate of one direction (wire bits/s); None: back to its configuration."""
+        s = self.plan.wan_shaping[(src, dst)]
+        if s.rate_bps is None:
+            raise BuildError(f"WAN {src}->{dst} has no rate to change (unshaped)")
+        with netns.iproute(self.plan.wan_ns) as ipr:
+            shaping.change_rate(ipr, self.plan.dcs[dst].wan_port, rate_bps or s.rate_bps, s.burst_bytes)
 
     # ---------------------------------------------------------------- build steps
     _step = "start"
@@ -257,6 +295,7 @@ class Network:
                 for (src, dst), s in p.wan_shaping.items()
             ],
             stats_path=str(self.stats_path), ready_path=str(ready), seed=int(self.run.run_id, 16),
+            control_path=str(self.control_path),
         )  # fmt: skip
         self.delayline = self.spawn(
             p.wan_ns, [sys.executable, "-m", "testbed.net.delayline", cfg.model_dump_json()],

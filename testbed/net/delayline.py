@@ -14,6 +14,10 @@ Guarantees:
   the line as one segment);
 * frames of one direction leave in the order they arrived (jitter never reorders, the way
   a real line behaves; netem reorders, which wrecks TCP);
+* faults are applied on request: ``SIGUSR1`` makes it read ``control_path`` (a
+  ``DelayLineControl``) and apply each direction's override at once: down (every frame
+  dropped, counted as ``drop_fault``), a loss rate, extra delay; an empty control restores
+  the configuration (``testbed.faults.inject``);
 * memory is bounded: a direction holds at most ``max_backlog_bytes`` (excess is dropped and
   counted as ``drop_overflow``);
 * fidelity is reported, not assumed: how late each frame left versus its schedule is
@@ -23,8 +27,8 @@ Guarantees:
   ``late_max_us`` and ``late_over_1ms`` are part of the statistics it writes to
   ``stats_path`` once a second and on exit.
 
-Its contract with the orchestrator: a ``DelayLineConfig`` (JSON, the only argument) in,
-a ``DelayLineReport`` (JSON file) out.
+Its contract with the orchestrator (``testbed.net.delayline_contract``): a
+``DelayLineConfig`` (JSON, the only argument) in, a ``DelayLineReport`` (JSON file) out.
 """
 
 from __future__ import annotations
@@ -45,7 +49,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from pydantic import BaseModel, ConfigDict, Field
+from testbed.net.delayline_contract import (
+    LATE_EDGES_US,
+    DelayLineConfig,
+    DelayLineControl,
+    DirectionOverride,
+    late_percentile,
+)
 
 ETH_P_ALL = 0x0003
 ETH_P_ARP = b"\x08\x06"
@@ -60,82 +70,6 @@ STATS_QUIET_S = 0.005
 SPIN_S = 0.002
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # kernel receive time (CLOCK_REALTIME) per frame
 ANC_SIZE = socket.CMSG_SPACE(16)
-# Lateness histogram bucket upper edges, microseconds (the last bucket is everything above).
-LATE_EDGES_US = (10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 50000, 200000)
-
-
-def late_percentile(hist: list[int], q: float) -> float:
-    """Upper edge (us) of the bucket holding the ``q``-th percentile; inf past the last edge."""
-    total = sum(hist)
-    if not total:
-        return 0.0
-    seen = 0
-    for i, n in enumerate(hist):
-        seen += n
-        if seen >= q / 100 * total:
-            return float(LATE_EDGES_US[i]) if i < len(LATE_EDGES_US) else float("inf")
-    return float("inf")
-
-
-class _Contract(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class DirectionConfig(_Contract):
-    src: str  # datacenter whose WAN port the frames arrive on
-    dst: str
-    delay_ms: float = Field(ge=0)
-    jitter_ms: float = Field(default=0.0, ge=0)
-    loss_pct: float = Field(default=0.0, ge=0, lt=100)
-    max_backlog_bytes: int = Field(gt=0)  # room for rate x delay in flight plus the egress buffer
-
-
-class DelayLineConfig(_Contract):
-    ports: dict[str, str]  # datacenter -> WAN port (interface) in the WAN namespace
-    directions: list[DirectionConfig]
-    stats_path: str
-    ready_path: str | None = None
-    seed: int = 0
-    nice: int = -10
-    rt_priority: int = Field(default=10, ge=1, le=99)
-
-
-class DirectionReport(_Contract):
-    frames_in: int
-    bytes_in: int
-    frames_out: int
-    bytes_out: int
-    drop_loss: int
-    drop_queue_full: int
-    drop_overflow: int
-    drop_error: int
-    backlog_max_bytes: int
-    late_max_us: float
-    late_over_1ms: int
-    delay_sum_ms: float
-    backlog_bytes: int
-    late_hist: list[int] = []
-    late_p50_us: float = 0.0
-    late_p99_us: float = 0.0
-
-
-class DelayLineReport(_Contract):
-    pid: int
-    uptime_s: float
-    final: bool
-    directions: dict[str, DirectionReport]  # "a->b" -> statistics
-
-    def summary(self) -> list[str]:
-        """One line per direction: frames, drops by cause, lateness."""
-        return [
-            f"delay line {name}: {d.frames_out} frames out, drops loss={d.drop_loss} "
-            f"queue-full={d.drop_queue_full} overflow={d.drop_overflow} error={d.drop_error}, "
-            f"lateness p50 <= {d.late_p50_us / 1000:g} ms, p99 <= {d.late_p99_us / 1000:g} ms, "
-            f"max {d.late_max_us / 1000:.2f} ms, late>1ms={d.late_over_1ms}"
-            for name, d in self.directions.items()
-        ]
-
-
 @dataclass
 class DirectionStats:
     frames_in: int = 0
@@ -146,6 +80,7 @@ class DirectionStats:
     drop_queue_full: int = 0
     drop_overflow: int = 0
     drop_error: int = 0
+    drop_fault: int = 0
     backlog_max_bytes: int = 0
     late_max_us: float = 0.0
     late_over_1ms: int = 0
@@ -165,6 +100,9 @@ class Direction:
     loss: float
     max_backlog: int
     rng: random.Random
+    base_delay_s: float = 0.0
+    base_loss: float = 0.0
+    down: bool = False
     queue: collections.deque[tuple[float, bytes]] = field(default_factory=collections.deque)
     backlog: int = 0
     last_due: float = 0.0
@@ -191,6 +129,9 @@ class Direction:
             size = len(frame)
             st.frames_in += 1
             st.bytes_in += size
+            if self.down:
+                st.drop_fault += 1
+                continue
             # ARP only exists because the two gateways share a segment in this emulation;
             # losing it would turn one lost frame into a burst, so loss spares it.
             if self.loss and frame[12:14] != ETH_P_ARP and self.rng.random() < self.loss:
@@ -235,6 +176,13 @@ class Direction:
             q.popleft()
             self.backlog -= len(frame)
 
+    def override(self, o: DirectionOverride) -> None:
+        """Apply a fault's effect (or, with a default override, none). Frames already held
+        keep their schedule; a shorter delay never makes a frame overtake the previous one."""
+        self.down = o.down
+        self.loss = self.base_loss if o.loss_pct is None else o.loss_pct / 100
+        self.delay_s = self.base_delay_s + o.extra_delay_ms / 1000
+
     def next_due(self) -> float | None:
         return self.queue[0][0] if self.queue else None
 
@@ -267,6 +215,21 @@ def write_stats(path: str, dirs: list[Direction], started: float, final: bool) -
     with open(tmp, "w") as f:
         json.dump(report, f)
     os.replace(tmp, path)
+
+
+def apply_control(path: str | None, dirs: list[Direction]) -> None:
+    """Read the control file and apply it; a missing or bad file is reported and ignored
+    (the line keeps forwarding as it was)."""
+    if path is None:
+        return
+    try:
+        with open(path) as f:
+            control = DelayLineControl.model_validate_json(f.read())
+    except (OSError, ValueError) as e:
+        print(f"delay line: control file {path}: {e}", file=sys.stderr, flush=True)
+        return
+    for d in dirs:
+        d.override(control.directions.get(d.name, DirectionOverride()))
 
 
 def run(cfg: DelayLineConfig) -> None:
@@ -304,10 +267,18 @@ def run(cfg: DelayLineConfig) -> None:
             loss=d.loss_pct / 100,
             max_backlog=d.max_backlog_bytes,
             rng=random.Random(rng.random()),
+            base_delay_s=d.delay_ms / 1e3,
+            base_loss=d.loss_pct / 100,
         )
         for d in cfg.directions
     ]
     by_fd = {d.src.fileno(): d for d in dirs}
+    # SIGUSR1 (apply the control file) wakes select through this pipe, at once.
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGUSR1, lambda *_: None)
     started = time.monotonic()
     next_stats = started
     stats_path = cfg.stats_path
@@ -336,12 +307,17 @@ def run(cfg: DelayLineConfig) -> None:
                 timeout = min(timeout, max(0.0, due - now - SPIN_S))
         wlist = [d.dst for d in dirs if d.blocked]
         try:
-            readable, _, _ = select.select(list(by_fd), wlist, [], max(0.0, timeout))
+            readable, _, _ = select.select([*by_fd, wake_r], wlist, [], max(0.0, timeout))
         except InterruptedError:
             continue
         now = time.monotonic()
         for fd in readable:
-            by_fd[fd].ingest(now, clock_offset)
+            if fd == wake_r:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 512)
+                apply_control(cfg.control_path, dirs)
+            else:
+                by_fd[fd].ingest(now, clock_offset)
     write_stats(stats_path, dirs, started, final=True)
     if qos is not None:
         os.close(qos)

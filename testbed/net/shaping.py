@@ -7,7 +7,7 @@ into a ``BuildError`` and tears down. Nothing here retries or carries on unshape
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pyroute2 import IPRoute
 from pyroute2.ethtool import Ethtool
@@ -79,6 +79,26 @@ def netem_params(s: Shaping, mtu: int) -> NetemParams:
         limit = 1000
     return NetemParams(delay_us=round(s.delay_ms * 1000), jitter_us=round(s.jitter_ms * 1000), loss_pct=s.loss_pct,
                        limit_packets=limit, fifo_child=s.jitter_ms > 0)
+
+
+def change_rate(ipr: IPRoute, ifname: str, rate_bps: int, burst: int) -> None:
+    """Change the htb class of ``add_rate_limit`` (or of the netem layout) in place."""
+    ipr.tc(
+        "change-class", "htb", index=_ifindex(ipr, ifname), handle="1:10", parent="1:",
+        rate=f"{rate_bps}bit", ceil=f"{rate_bps}bit", burst=burst, cburst=burst,
+    )  # fmt: skip
+
+
+def change_netem(ipr: IPRoute, ifname: str, s: Shaping, mtu: int, loss_pct: float | None = None,
+                 extra_delay_ms: float = 0.0) -> None:
+    """Change the netem qdisc of ``add_wan_qdiscs`` in place: a fault's loss (None: the
+    configured loss) and extra delay on top of the direction's shaping."""
+    p = netem_params(replace(s, delay_ms=s.delay_ms + extra_delay_ms), mtu)  # room for the extra
+    ipr.tc(
+        "change", "netem", index=_ifindex(ipr, ifname), handle="10:", parent="1:10" if s.rate_bps else "root",
+        delay=p.delay_us, jitter=p.jitter_us,
+        loss=p.loss_pct if loss_pct is None else loss_pct, limit=p.limit_packets,
+    )  # fmt: skip
 
 
 def add_wan_qdiscs(ipr: IPRoute, ifname: str, s: Shaping, mtu: int, use_netem: bool) -> None:

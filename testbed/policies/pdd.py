@@ -24,6 +24,12 @@ still lands in the MD's cache, as the history a session's next turn will extend;
 those off would keep the MD's cache cold and push every later turn onto the RLD.
 ``cutoff=off`` never cuts.
 
+Degraded service (faults, ``testbed.faults``): with no main decoder alive (dead, or cut off
+by the WAN long enough for its broker session to lapse) a request goes **P-RLD** (counted as
+``P-RLD (no main decoder)``); with no relay alive, **P-MD** (``P-MD (no relay)``). The
+router's side of the same rule: a main decoder lost before the handoff leaves the relay to
+finish alone (``testbed.router``).
+
 Options (``pdd:key=value,...``, parsed once into ``PddOptions`` in ``spec.py``):
 ``handoff`` one-shot | catch-up | adaptive (one-shot while the RLD has at least ``load``
 requests in flight, catch-up otherwise); ``threshold`` (catch-up batch, tokens, default
@@ -69,7 +75,13 @@ class Pdd(Policy):
     def plan(self, req: RequestState, cluster: ClusterView) -> Plan:
         o = self.opts
         p = cluster.pick("prefill", prompt=req.prompt)
-        md = cluster.pick_outside("decode", p.dc, prompt=req.prompt)
+        try:
+            md = cluster.pick_outside("decode", p.dc, prompt=req.prompt)
+        except LookupError:
+            # No main decoder alive (dead, or cut off by the WAN): the relay serves alone.
+            rld = cluster.pick("relay-decode", dc=p.dc)
+            self.counts["P-RLD (no main decoder)"] += 1
+            return Plan("P-RLD", p.name, rld.name)
         index = self.indexes.setdefault(md.name, PrefixIndex(self.ctx.block_size, self.ctx.decode_cache_tokens))
         have = index.match(req.prompt) if self.drc else 0
         delta = max(0, req.prompt_len - have)
@@ -83,7 +95,11 @@ class Pdd(Policy):
             return Plan("P-RLD", p.name, rld.name, info=info)
         self.wan.started(req.rid, delta_bytes)
         if wait > o.relay_s:
-            rld = cluster.pick("relay-decode", dc=p.dc)
+            try:
+                rld = cluster.pick("relay-decode", dc=p.dc)
+            except LookupError:  # no relay alive: the main decoder serves alone
+                self.counts["P-MD (no relay)"] += 1
+                return Plan("P-MD", p.name, md.name, info=info)
             self.counts["P-RLD-MD"] += 1
             return Plan("P-RLD-MD", p.name, md.name, relay=rld.name, info=info)
         self.counts["P-MD"] += 1

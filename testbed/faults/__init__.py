@@ -1,0 +1,1 @@
+"""Fault timelines: described in ``spec``, applied to a running emulation by ``inject``."""

@@ -1,0 +1,187 @@
+"""Apply a fault timeline to a running emulation, at the emulated times it gives.
+
+``FaultInjector`` runs on its own thread from the moment the replay's clock starts
+(``start``): each fault is applied at ``at_s`` x dilation real seconds later and cleared at
+its end. Network faults go through the network backend (``Network.impair_wan``,
+``Network.set_wan_rate``), in wire units mapped by the run's emulation like the scenario's
+own WAN; several faults active on one direction combine (down wins, the highest loss,
+delays add up, the lowest rate). ``kill`` sends SIGKILL to the worker's recorded PID;
+``broker-restart`` goes through the cluster. Every application is logged (stderr) and kept
+as an ``AppliedFault`` (saved with the run): planned and actual emulated times, what was
+done, and any error (a fault that could not be applied is reported, never silently skipped).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from testbed.faults.spec import NETWORK_KINDS, AppliedFault, Fault
+from testbed.net.build import Network
+from testbed.net.delayline_contract import DirectionOverride
+
+
+@dataclass
+class _Wire:
+    """Emulated -> wire units of the run (``EmulationPlan``; identity without one)."""
+
+    dilation: float = 1.0
+    rate_bps: Callable[[float], float] = field(default=lambda bps: bps)
+
+
+class FaultInjector:
+    def __init__(self, net: Network, faults: list[Fault], dilation: float = 1.0,
+                 wire_rate_bps: Callable[[float], float] | None = None,
+                 restart_broker: Callable[[float], str] | None = None) -> None:
+        self.net = net
+        self.faults = sorted(faults, key=lambda f: f.at_s)
+        self.wire = _Wire(dilation, wire_rate_bps or (lambda bps: bps))
+        self.restart_broker = restart_broker
+        self.log: list[AppliedFault] = [AppliedFault(fault=f.label, kind=f.kind, at_s=f.at_s) for f in self.faults]
+        self.active: set[int] = set()  # indexes of network faults in effect
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0 = 0.0
+        self.t0_wall = time.time()  # emulated time 0 on the wall clock (the client's records)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, t0: float | None = None) -> None:
+        """Start the timeline; ``t0`` (time.monotonic) is emulated time 0."""
+        if self._thread is not None:
+            return
+        self._t0 = time.monotonic() if t0 is None else t0
+        self.t0_wall = time.time() - (time.monotonic() - self._t0)
+        if not self.faults:
+            return
+        self._thread = threading.Thread(target=self._run, name="faults", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> list[AppliedFault]:
+        """Stop applying (faults still pending are logged as not applied); the log."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        for i, entry in enumerate(self.log):
+            if entry.applied_s is None and entry.error is None:
+                self.log[i] = entry.model_copy(update={"error": "not applied: the replay ended first"})
+        return self.log
+
+    def emulated_now(self) -> float:
+        return (time.monotonic() - self._t0) / self.wire.dilation
+
+    # ------------------------------------------------------------------ the timeline
+    def _run(self) -> None:
+        events = sorted([(f.at_s, 0, i) for i, f in enumerate(self.faults)]
+                        + [(f.end_s, 1, i) for i, f in enumerate(self.faults) if f.end_s is not None])
+        for at_s, clear, i in events:
+            if self._stop.wait(max(0.0, self._t0 + at_s * self.wire.dilation - time.monotonic())):
+                return
+            if clear and self.log[i].applied_s is None:
+                continue  # never applied: nothing to clear
+            now = self.emulated_now()
+            try:
+                detail = self._clear(i) if clear else self._apply(i)
+            except Exception as e:  # noqa: BLE001 - a fault that fails is reported, the run goes on
+                self._record(i, clear, now, error=f"{type(e).__name__}: {e}")
+                continue
+            self._record(i, clear, now, detail=detail)
+
+    def _record(self, i: int, clear: bool, now: float, detail: str = "", error: str | None = None) -> None:
+        entry = self.log[i]
+        if error is not None:
+            update = {"error": error}
+        elif clear:
+            update = {"cleared_s": now}
+        else:
+            update = {"applied_s": now, "detail": detail}
+        self.log[i] = entry.model_copy(update=update)
+        what = "cleared" if clear else "applied"
+        print(f"  fault {entry.fault}: {'FAILED ' + error if error else what} at {now:.2f} s emulated"
+              + (f" ({detail})" if detail and not clear else ""), file=sys.stderr, flush=True)
+
+    def _apply(self, i: int) -> str:
+        f = self.faults[i]
+        if f.kind in NETWORK_KINDS:
+            self.active.add(i)
+            return self._push_network(f)
+        if f.kind == "kill":
+            return self._kill(f.host or "")
+        if f.kind == "broker-restart":
+            if self.restart_broker is None:
+                raise RuntimeError("no broker in this run")
+            return self.restart_broker((f.duration_s or 0.0) * self.wire.dilation)
+        raise ValueError(f"unknown fault kind {f.kind}")
+
+    def _clear(self, i: int) -> str:
+        f = self.faults[i]
+        if f.kind in NETWORK_KINDS:
+            self.active.discard(i)
+            return self._push_network(f)
+        return ""  # broker-restart's duration is its downtime, inside _apply
+
+    # ------------------------------------------------------------------ kinds
+    def _directions(self, f: Fault) -> list[tuple[str, str]]:
+        a, b = self.net.plan.wan_between
+        if f.dir == "both" or f.kind == "partition":
+            return [(a, b), (b, a)]
+        src, dst = f.dir.split("->")
+        return [(src, dst)]
+
+    def _push_network(self, changed: Fault) -> str:
+        """Recompute every direction's state from the faults now active, and apply it."""
+        overrides: dict[tuple[str, str], DirectionOverride] = {}
+        rates: dict[tuple[str, str], float] = {}
+        for key in self.net.plan.wan_shaping:
+            down, loss, extra = False, None, 0.0
+            for i in self.active:
+                f = self.faults[i]
+                if key not in self._directions(f):
+                    continue
+                if f.kind in ("wan-down", "partition"):
+                    down = True
+                elif f.kind == "loss" and f.pct is not None:
+                    loss = max(loss or 0.0, f.pct)
+                elif f.kind == "delay" and f.ms is not None:
+                    extra += f.ms * self.wire.dilation
+                elif f.kind == "rate" and f.mbit is not None:
+                    rates[key] = min(rates.get(key, float("inf")), f.mbit * 1e6)
+            if down or loss is not None or extra:
+                overrides[key] = DirectionOverride(down=down, loss_pct=loss, extra_delay_ms=extra)
+        if changed.kind == "rate":
+            for key in self._directions(changed):
+                emulated = rates.get(key)
+                self.net.set_wan_rate(*key, None if emulated is None else int(self.wire.rate_bps(emulated)))
+        else:
+            self.net.impair_wan(overrides)
+        dirs = ", ".join(f"{s}->{d}" for s, d in self._directions(changed))
+        if changed.kind == "partition":
+            return f"datacenter {changed.dc} cut off ({dirs} down)"
+        what = {"wan-down": "down", "loss": f"loss {changed.pct} %", "delay": f"+{changed.ms} ms",
+                "rate": f"at {changed.mbit} Mbit/s"}[changed.kind]
+        return f"{dirs} {what}"
+
+    def _kill(self, host: str) -> str:
+        name = f"worker-{host}"
+        procs = [p for p in self.net.run.processes if p.name == name]
+        if not procs:
+            raise LookupError(f"no process {name} in this run")
+        pid = procs[-1].pid
+        os.kill(pid, signal.SIGKILL)
+        return f"SIGKILL to {name} (pid {pid})"
+
+
+def annotate_failures(errors: dict[str, tuple[float, float, str]], log: list[AppliedFault]) -> dict[str, str]:
+    """Failure reasons that name the faults in effect while the request lived.
+
+    ``errors``: rid -> (sent, ended, reason), times in emulated seconds of the fault clock.
+    """
+    out = {}
+    for rid, (sent, ended, reason) in errors.items():
+        during = [f.fault for f in log if f.active_between(sent, ended)]
+        out[rid] = reason + (f" (during fault {', '.join(during)})" if during else "")
+    return out

@@ -1,0 +1,167 @@
+"""Faults on a running emulation (root): the delay line obeys the injector, and requests
+survive what can be survived, end with a reason naming the fault otherwise, and never hang."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from testbed.cluster import Cluster
+from testbed.experiment import network_session
+from testbed.faults.inject import FaultInjector
+from testbed.faults.spec import parse_fault
+from testbed.net import measure
+from testbed.net.delayline import STATS_PERIOD_S
+from testbed.net.delayline_contract import DirectionOverride
+from testbed.policies import parse_policy
+from testbed.traces.workload import RequestSpec
+from testbed.verify import compare, verification_prompts
+from workers.model import ModelRunner, ensure_default_model
+
+from .conftest import ROOT, built, needs_root, scenario_with, small_wan
+
+pytestmark = needs_root
+
+
+def test_delay_line_takes_a_direction_down_adds_delay_and_loss_and_restores() -> None:
+    with built(small_wan(5.0, None)) as net:
+        src, dst = net.ns_of("ha"), net.ip_of("hc")
+        assert measure.ping(src, dst, count=10).received == 10
+        net.impair_wan({("a", "b"): DirectionOverride(down=True)})
+        time.sleep(0.05)
+        assert measure.ping(src, dst, count=10, timeout_s=0.5, warmup=0).received == 0
+        net.impair_wan({("b", "a"): DirectionOverride(extra_delay_ms=20.0)})  # a->b back up
+        time.sleep(0.05)
+        slow = measure.ping(src, dst, count=10)
+        assert slow.received == 10 and 2 * 5 + 20 - 1 <= slow.median_ms <= 2 * 5 + 20 + 3, slow.rtts_ms
+        net.impair_wan({("a", "b"): DirectionOverride(loss_pct=50.0)})
+        lossy = measure.ping(src, dst, count=200, interval_s=0.002, timeout_s=0.5)
+        assert 25 <= lossy.loss_pct <= 75, lossy.loss_pct
+        net.impair_wan({})
+        time.sleep(0.05)
+        back = measure.ping(src, dst, count=10)
+        assert back.received == 10 and abs(back.median_ms - 10) < 1.5
+        time.sleep(2 * STATS_PERIOD_S)
+        stats = net.delayline_stats()
+    assert stats is not None and stats.directions["a->b"].drop_fault >= 10  # counted, by cause
+    assert stats.directions["a->b"].drop_loss > 0 and stats.directions["b->a"].drop_fault == 0
+
+
+def test_a_rate_fault_changes_the_line_and_its_end_restores_it() -> None:
+    from testbed import netns
+
+    def rate_of(net, dst: str) -> int:  # noqa: ANN001
+        with netns.iproute(net.plan.wan_ns) as ipr:
+            idx = ipr.link_lookup(ifname=net.plan.dcs[dst].wan_port)[0]
+            cls = [c for c in ipr.get_classes(index=idx) if c.get("handle") == 0x10010]
+        return cls[0].get_nested("TCA_OPTIONS", "TCA_HTB_PARMS")["rate"] * 8
+
+    with built(small_wan(5.0, 100)) as net:
+        net.set_wan_rate("a", "b", 20_000_000)
+        assert rate_of(net, "b") == 20_000_000 and rate_of(net, "a") == 100_000_000
+        g = measure.goodput(net.ns_of("ha"), net.ns_of("hc"), net.ip_of("hc"), seconds=1.5, warmup=1.0)
+        assert 0.85 * 20e6 <= g.bits_per_second <= 1.1 * 20e6, g
+        net.set_wan_rate("a", "b", None)
+        assert rate_of(net, "b") == 100_000_000
+
+
+@pytest.fixture(scope="module")
+def spread_prompts() -> tuple[list[RequestSpec], dict[str, list[int]]]:
+    """Requests over ~5 s (faults land while some are in flight), with greedy references."""
+    specs = [replace(s, at=0.3 * i) for i, s in enumerate(verification_prompts(16, seed=5, max_len=768))]
+    runner = ModelRunner(ensure_default_model(), "float64")
+    return specs, {s.rid: runner.reference(s.prompt, s.max_new) for s in specs}
+
+
+def _run(policy: str, faults: list[str], specs: list[RequestSpec], timeout_s: float = 90):
+    sc = scenario_with()
+    with network_session(sc, "auto") as net:
+        cl = Cluster.start(net, parse_policy(policy), dtype="float64")
+        inj = FaultInjector(net, [parse_fault(f) for f in faults], restart_broker=cl.restart_broker)
+        t0 = time.monotonic()
+        try:
+            recs = cl.replay(specs, timeout_s=timeout_s, on_start=inj.start)
+        finally:
+            log = inj.stop()
+        router = cl.router_records()
+    return recs, router, log, time.monotonic() - t0
+
+
+def test_wan_outage_and_broker_restart_lose_nothing(spread_prompts) -> None:
+    """A WAN outage shorter than the broker's keepalive stalls transfers and streams, which
+    then resume; a broker restart is ridden out by every component (persistent sessions,
+    paho's resends): every request completes with exactly the reference tokens."""
+    specs, refs = spread_prompts
+    recs, router, log, _ = _run("pdd:relay_s=0", ["wan-down@0.8+1.5", "broker-restart@2.5+0.5"], specs)
+    assert all(e.applied_s is not None and e.error is None for e in log), log
+    assert {rid: r.error for rid, r in recs.items() if r.error} == {}
+    assert compare(specs, refs, recs) == []  # no token missing, repeated or out of order
+    assert all(r.token_times == sorted(r.token_times) for r in recs.values())
+    assert {router[s.rid].pipeline for s in specs} == {"P-RLD-MD"}
+
+
+def test_a_dead_main_decoder_leaves_the_relay_to_finish_and_new_requests_to_it(spread_prompts) -> None:
+    specs, refs = spread_prompts
+    kill_at = 1.5
+    recs, router, log, _ = _run("pdd:relay_s=0", [f"kill@{kill_at}:host=decode-b"], specs)
+    assert log[0].applied_s is not None
+    assert all(r.done for r in recs.values())
+    ok = [s for s in specs if recs[s.rid].ok]
+    assert compare(ok, refs, recs) == []
+    failed = {rid: r.error for rid, r in recs.items() if r.error}
+    # Only requests the relay had begun to hand over may fail, naming the dead decoder.
+    for rid, why in failed.items():
+        events = router[rid].events
+        assert "decode-b" in (why or ""), why
+        assert router[rid].pipeline == "P-RLD-MD" and any(e.kind in ("handoff", "extended") for e in events), \
+            (rid, why, [(e.kind, e.worker) for e in events])
+    rescued = [rid for rid, rec in router.items() if rec.md_failed and recs[rid].ok]
+    later = [s.rid for s in specs if s.at > kill_at + 1.0]
+    assert later and all(recs[rid].ok and router[rid].pipeline == "P-RLD" for rid in later)
+    assert rescued or failed  # the kill landed on requests in flight
+
+
+def test_a_dead_relay_after_handoff_affects_nothing(spread_prompts) -> None:
+    specs, refs = spread_prompts
+    recs, router, _, _ = _run("pdd:relay_s=0", ["kill@2:host=relay"], specs)
+    assert all(r.done for r in recs.values())
+    for rid, r in recs.items():
+        if not r.ok:  # only requests still on the relay (before their handoff) may fail
+            assert "relay" in (r.error or "") and not any(e.kind == "extended" for e in router[rid].events), \
+                (rid, r.error, [(e.kind, e.worker) for e in router[rid].events])
+    handed = [rid for rid, rec in router.items() if any(e.kind == "extended" for e in rec.events)]
+    assert handed and all(recs[rid].ok for rid in handed)
+    assert compare([s for s in specs if recs[s.rid].ok], refs, recs) == []
+    assert all(router[s.rid].pipeline == "P-MD" for s in specs if s.at > 3.0)
+
+
+def test_run_with_faults_accounts_for_every_request_and_saves_the_timeline(tmp_path: Path) -> None:
+    """The command of issue #11: faults from the command line, every request accounted for."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"session": f"s{i}", "start_s": 0.4 * i, "turns": [
+        {"new_tokens": 300, "output_tokens": 64}, {"new_tokens": 20, "output_tokens": 64, "delay_s": 0.2}]}) + "\n"
+        for i in range(8)))
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, "-m", "testbed", "run", "--trace", str(trace), "--policies", "pdd",
+                          "--token-scale", "4", "--dilation", "1", "--allow-infidelity", "--out", str(out),
+                          "--fault", "wan-down@1+1", "--fault", "kill@2:host=relay"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode in (0, 1), res.stdout + res.stderr
+    assert "fault wan-down@1+1: applied at" in res.stderr and "fault kill@2:host=relay: applied at" in res.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    applied = summary["policies"]["pdd"]["faults"]
+    assert [f["fault"] for f in applied] == ["wan-down@1+1", "kill@2:host=relay"]
+    assert all(f["applied_s"] is not None and f["error"] is None for f in applied)
+    assert applied[0]["cleared_s"] == pytest.approx(2.0, abs=0.5)
+    rows = pd.read_csv(out / "requests.csv")
+    assert len(rows) == 16
+    assert (rows.ok | rows.error.astype("string").fillna("").str.len().gt(0)).all()  # completed, or failed: why
+    for why in rows.error.dropna():
+        assert "(during fault" in why or why.startswith("not sent: previous turn"), why
