@@ -36,12 +36,13 @@ class Slo:
 
 
 def _kept_off(e: KvSent, planned_delta: int | None) -> int:
-    """KV bytes a cut-off kept off the line: what the receiver lacked minus what was sent. A
-    transfer cut off while it waited in the sender's queue never asked the receiver what it
-    lacked; the router's estimate at planning time stands in."""
+    """KV bytes a cut-off kept off the line: what the receiver lacked minus what crossed (the
+    receiver's TCP acknowledged; bytes still in the sender's socket buffer were discarded by
+    the reset). A transfer cut off while it waited in the sender's queue never asked the
+    receiver what it lacked; the router's estimate at planning time stands in."""
     if e.written == 0 and e.planned_payload == 0:
         return planned_delta or 0
-    return max(0, e.planned_payload - e.payload)
+    return max(0, e.planned_payload - min(e.payload, e.bytes))
 
 
 def request_rows(recs: dict[str, ClientRecord], router: dict[str, RequestRecord],

@@ -276,12 +276,14 @@ def test_no_wan_round_trip_on_the_decode_path_and_reports_do_not_depend_on_dilat
     assert cross == pytest.approx(same, rel=0.10), (same, cross)
     # The emulated step: 7.6 B bf16 weights + KV at ~200 tokens from 3.35 TB/s, plus 2 ms.
     assert same == pytest.approx(0.002 + 15.22e9 / 3.35e12, rel=0.15)
-    # Same work at another dilation reports the same emulated times (beyond noise). TPOT holds
-    # to 10 %. The median TTFT of these five requests does not yet: 2.29 s at D 4 against
-    # 1.66 s at D 8 in one clean-clone suite (38 %), within 25 % in every other run; the cause
-    # is open (issue #9's note), so only a gross dependence on the dilation fails here.
+    # A 200-token KV transfer over the idle line: HELLO/OFFER (one round trip), 11.5 MB at
+    # 10 Gbit/s (9 ms), half a round trip: ~0.2 s, plus the first (fresh) connection's slow
+    # start for one request of five. Fresh connections per transfer made this 1.6-3.0 s, and
+    # dependent on the dilation (the kernel's TCP timers are not dilated).
+    assert cross_ttft < 0.4, cross_ttft
+    # Same work at another dilation reports the same emulated times (beyond noise).
     cross8, cross8_ttft = _tpot(sc, "cross-dc", 8.0)
-    assert cross8 == pytest.approx(cross, rel=0.10) and cross8_ttft == pytest.approx(cross_ttft, rel=0.5)
+    assert cross8 == pytest.approx(cross, rel=0.10) and cross8_ttft == pytest.approx(cross_ttft, rel=0.15)
 
 
 @needs_root

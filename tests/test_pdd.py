@@ -297,5 +297,8 @@ def test_kv_kept_off_the_wan_by_a_cut_off_in_the_queue_or_mid_transfer() -> None
 
     queued = _kv_sent("q", "decode-b", 1.0, 1.0).model_copy(update={"cancelled": True})
     assert _kept_off(queued, 5000) == 5000  # never started: the router's planned delta stands in
-    mid = queued.model_copy(update={"written": 3000, "payload": 2900, "planned_payload": 8000})
+    mid = queued.model_copy(update={"written": 3000, "payload": 2900, "bytes": 3000, "planned_payload": 8000})
     assert _kept_off(mid, 5000) == 5100  # what the receiver lacked minus what crossed
+    # Written into the socket but reset before it crossed: only the acknowledged bytes count.
+    buffered = mid.model_copy(update={"written": 8100, "payload": 8000, "bytes": 1200})
+    assert _kept_off(buffered, 5000) == 6800

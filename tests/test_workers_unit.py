@@ -242,6 +242,64 @@ def test_wire_refuses_a_sender_without_the_runs_token() -> None:
     assert "fail" not in got and isinstance(got["inc"], kv_wire.Incoming)  # r2 arrived, r1 failed nothing
 
 
+def test_wire_keeps_a_connection_for_the_next_transfer_and_replaces_a_dead_one() -> None:
+    """A sender's transfers to one receiver share one connection (no handshake, no new slow
+    start); a cut-off transfer's connection is never reused; a kept connection the receiver
+    closed while idle is replaced without failing the transfer."""
+
+    async def main() -> tuple[list[str], int, int]:
+        arrived: list[str] = []
+        accepted = 0
+
+        async def offer(rid: str, toks: list[int]) -> int:
+            return 0
+
+        async def done(inc: kv_wire.Incoming) -> None:
+            arrived.append(inc.request_id)
+
+        async def fail(rid: str, msg: str) -> None:
+            arrived.append(f"failed {rid}")
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal accepted
+            accepted += 1
+            try:
+                while await kv_wire.receive_kv(reader, writer, offer, done, fail, keep_open=True):
+                    pass
+            finally:
+                writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        pool = kv_wire.Connections()
+        kv = torch.randn(2, 2, 2, 64, 8)
+        try:
+            for rid in ("a", "b", "c"):
+                await kv_wire.send_kv("127.0.0.1", port, rid, list(range(64)), kv, 1, 16, pool=pool)
+            reused = accepted
+            cancel = asyncio.Event()
+            cancel.set()
+            cut = await kv_wire.send_kv("127.0.0.1", port, "d", list(range(64)), kv, 1, 16, cancel=cancel, pool=pool)
+            assert cut.cancelled
+            await kv_wire.send_kv("127.0.0.1", port, "e", list(range(64)), kv, 1, 16, pool=pool)
+            # The receiver closes every kept connection (a restart): the next transfer still arrives.
+            for conns in pool._idle.values():
+                for _, w in conns:
+                    w.transport.abort()
+            await asyncio.sleep(0.05)
+            await kv_wire.send_kv("127.0.0.1", port, "f", list(range(64)), kv, 1, 16, pool=pool)
+            await asyncio.sleep(0.05)
+        finally:
+            pool.close()
+            server.close()
+        return arrived, reused, accepted
+
+    arrived, reused, accepted = asyncio.run(main())
+    assert reused == 1  # three transfers, one connection
+    assert [r for r in arrived if not r.startswith("failed d")] == ["a", "b", "c", "e", "f"]
+    assert accepted == 3  # the cut-off closed the first; one more replaced the one closed while idle
+
+
 def test_a_task_that_raises_ends_its_worker() -> None:
     """A bug in a spawned task (the decode loop, an extend) must not leave a worker that
     reports itself up and never answers: it stops, and says why."""

@@ -34,6 +34,7 @@ class PrefillWorker(Worker):
         self.cancels: dict[str, dict[str, asyncio.Event]] = {}
         self.pending_ships: dict[str, int] = {}  # transfers of a request still running
         self.peers = PeerQueues(cfg.kv_streams_per_peer)  # transfers to one receiver take turns
+        self.kv_conns = kv_wire.Connections()  # kept open between transfers, per receiver
         self.busy = 0
 
     async def start(self) -> None:
@@ -136,7 +137,7 @@ class PrefillWorker(Worker):
             try:
                 st = await kv_wire.send_kv(target.host, target.port, cmd.rid, cmd.prompt, kv, first,
                                            self.cfg.block_size, cancel=cancel, corrupt_block=corrupt,
-                                           token=self.cfg.kv_token)
+                                           token=self.cfg.kv_token, pool=self.kv_conns)
             finally:
                 self.peers.release(target.worker)
         except kv_wire.KVTransferError as e:

@@ -36,7 +36,7 @@ from testbed.scenario import Scenario
 Impairment = Literal["auto", "netem", "delayline"]
 
 # Large TCP windows: a WAN of 1 Gbit/s x 40 ms needs 5 MB in flight, a 10G LAN more.
-TCP_MEM = "4096 131072 134217728"
+TCP_MEM = "4096 33554432 134217728"
 
 
 @dataclass
@@ -218,6 +218,9 @@ class Network:
         netns.write_sysctl(ns, "net.ipv6.conf.default.disable_ipv6", 1)
         netns.write_sysctl(ns, "net.ipv4.tcp_rmem", TCP_MEM)
         netns.write_sysctl(ns, "net.ipv4.tcp_wmem", TCP_MEM)
+        # A KV connection kept open between transfers (workers/kv_wire.py) keeps its window,
+        # as a transfer engine's would; the default would restart slow start after each idle.
+        netns.write_sysctl(ns, "net.ipv4.tcp_slow_start_after_idle", 0)
 
     def _veth(self, ns_a: str, if_a: str, ns_b: str, if_b: str, mtu: int | None = None) -> None:
         # Created from inside ns_a with the peer placed straight into ns_b: the pair never
