@@ -15,7 +15,7 @@ TOKEN_SCALE ?= 16
 POLICIES ?= same-dc,cross-dc,pdd
 RUN_ARGS ?=
 
-.PHONY: setup debs test lint run-trace run-cluster bench-net bench-handoff clean distclean
+.PHONY: soak bench-cache setup debs test lint run-trace run-cluster bench-net bench-handoff clean distclean
 
 setup: debs $(STAMP)
 
@@ -52,11 +52,22 @@ run-cluster: setup
 	$(VENV)/bin/testbed run --scenario topologies/paper.yaml --trace $(TRACE) --token-scale $(TOKEN_SCALE) \
 	  --policies $(POLICIES) $(RUN_ARGS)
 
+# 30 minutes of replay at 1.5x the default load with a random fault every minute (pdd): every
+# request must complete or fail with a reason (0 hung, 0 lost); memory of every process over time.
+SOAK_MINUTES ?= 30
+soak: setup
+	$(VENV)/bin/testbed clean
+	$(VENV)/bin/testbed soak --scenario $(SCENARIO) --trace $(TRACE) --token-scale $(TOKEN_SCALE) \
+	  --minutes $(SOAK_MINUTES) $(SOAK_ARGS)
+
 lint: setup
 	$(VENV)/bin/ruff check testbed workers tests
 
 bench-net: setup
 	$(VENV)/bin/testbed bench net --scenario topologies/bench-net.yaml
+
+bench-cache: setup
+	$(PY) -m testbed.bench.cache
 
 bench-handoff: setup
 	$(VENV)/bin/testbed bench handoff --scenario $(SCENARIO)

@@ -1,4 +1,4 @@
-"""Command-line interface: ``testbed net|clean|run|trace|verify|bench``.
+"""Command-line interface: ``testbed net|clean|run|trace|verify|report|soak|bench``.
 
 Argument parsing and calls only: what a command does lives in its own module
 (``testbed.experiment`` runs policies and traces, ``testbed.verify`` checks tokens,
@@ -138,7 +138,7 @@ def _window(text: str | None) -> tuple[float, float] | None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from testbed.experiment import RunOptions, run_trace
-    from testbed.faults.spec import parse_fault
+    from testbed.faults.spec import parse_faults
     from testbed.metrics import Slo
     from testbed.traces import load_trace
 
@@ -152,12 +152,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     wl = load_trace(args.trace, args.format, args.token_scale).select(args.limit, _window(args.window))
     if not wl.requests:
         raise InputError(f"{args.trace}: --window/--limit leave no request")
-    faults = tuple(parse_fault(text) for text in args.fault)
-    for text, fault in zip(args.fault, faults, strict=True):
-        try:
-            sc.check_fault(fault)
-        except ValueError as e:
-            raise InputError(f"--fault {text!r}: {e}") from None
+    faults = parse_faults(args.fault, sc.check_fault)
     opts = RunOptions(args.impairment, args.dilation, args.allow_infidelity, args.speed, args.limit, args.window,
                       Slo(args.slo_ttft, args.slo_tpot), args.timeout, Path(args.out) if args.out else None, faults)
     return run_trace(sc, wl, policies, opts)
@@ -212,14 +207,22 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_soak(args: argparse.Namespace) -> int:
+    from testbed.soak import SoakOptions, run_soak
+    from testbed.traces import load_trace
+
+    opts = SoakOptions(args.minutes, args.load, args.policy, args.fault_every, args.seed, args.dilation, args.out)
+    return run_soak(load_scenario(args.scenario), load_trace(args.trace, args.format, args.token_scale), opts)
+
+
 COMMANDS = {
     "net up": cmd_net_up, "net down": cmd_net_down, "net check": cmd_net_check, "clean": cmd_clean,
     "run": cmd_run, "trace stats": cmd_trace_stats, "trace gen": cmd_trace_gen, "verify": cmd_verify,
-    "report": cmd_report,
+    "report": cmd_report, "soak": cmd_soak,
     "bench net": cmd_bench_net, "bench handoff": cmd_bench_handoff,
 }  # fmt: skip
 # Commands that build namespaces need root (``clean`` decides for itself: nothing to clean needs none).
-NEEDS_ROOT = {"net up", "net down", "net check", "run", "verify", "bench net", "bench handoff"}
+NEEDS_ROOT = {"net up", "net down", "net check", "run", "verify", "bench net", "bench handoff", "soak"}
 
 
 def main(argv: list[str] | None = None) -> int:

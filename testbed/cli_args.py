@@ -122,6 +122,21 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="with several RUN_DIRs: where repetitions.md goes (required)")
     p.set_defaults(command="report")
 
+    p = sub.add_parser("soak", help="a long replay under a random fault every minute: nothing may hang or be "
+                                    "lost; memory of every process over time")
+    scenario_opts(p)
+    p.add_argument("--trace", type=Path, default=Path("traces/agentic-quick.jsonl"))
+    trace_opts(p)
+    p.add_argument("--minutes", type=float, default=30.0, help="wall-clock minutes of replay (default 30)")
+    p.add_argument("--load", type=float, default=1.5, help="times the trace's own rate (default 1.5)")
+    p.add_argument("--policy", default="pdd", help="one policy, name[:key=value,...] (default pdd)")
+    p.add_argument("--fault-every", type=float, default=60.0, metavar="S",
+                   help="a fault of a random kind every S wall seconds (default 60)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--dilation", metavar="D|auto", help="default: the scenario's")
+    p.add_argument("--out", type=Path, help="results folder (default runs/soak-<timestamp>)")
+    p.set_defaults(command="soak")
+
     bench = sub.add_parser("bench", help="benchmarks (slow; not part of make test)")
     bsub = bench.add_subparsers(dest="bench_cmd", required=True)
     p = bsub.add_parser("net", help="highest WAN goodput, RTT error, up/down time")

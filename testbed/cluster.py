@@ -63,6 +63,8 @@ def worker_configs(sc: Scenario, net: Network, broker: BrokerInfo | dict[str, Br
                 block_size=ws.block_size, prefill_chunk=ws.prefill_chunk,
                 cache_tokens=ws.prefill_cache_tokens if role == "prefill" else ws.decode_cache_tokens,
                 max_batch=ws.max_batch, kv_timeout_s=ws.kv_timeout_s * d, kv_streams_per_peer=ws.kv_streams_per_peer,
+                kv_capacity_tokens=(None if role == "prefill" or ws.decode_kv_tokens is None
+                                    else -(-ws.decode_kv_tokens // (emulation.scales.s_in if emulation else 1))),
                 device=device,
                 cost=emulation.cost() if emulation else None,
                 scales=emulation.scales if emulation else Scales(),
@@ -141,6 +143,16 @@ class Cluster:
             raise InputError(f"{self.net.scenario.source}: scenario has no host with role client")
         return replay_in_namespace(self.net.ns_of(clients[0]), self.access.client, self.topics, specs, timeout_s,
                                    progress, on_start)
+
+    def restart_worker(self, host: str) -> str:
+        """Start a killed worker again from its configuration (empty caches); it announces
+        itself "up" and the router routes to it again."""
+        if host not in self.workers:
+            raise LookupError(f"no worker on {host}")
+        path = self.net.run.dir / f"worker-{host}.cfg.json"
+        proc = self.net.spawn(host, [sys.executable, "-m", "workers", str(path)], name=f"worker-{host}",
+                              log=self.net.run.dir / f"worker-{host}.log")
+        return f"worker-{host} started again (pid {proc.pid})"
 
     def restart_broker(self, downtime_s: float) -> str:
         """Stop mosquitto (it saves its sessions), wait ``downtime_s``, start it again; every

@@ -98,7 +98,7 @@ def run_policy(sc: Scenario, impairment: Impairment | str, policy: PolicySpec, s
     with network_session(wire, impairment) as net:
         cl = Cluster.start(net, policy, faults=faults, dtype=dtype, emulation=emulation)
         injector = FaultInjector(net, timeline or [], d, emulation.wire_rate_bps if emulation else None,
-                                 cl.restart_broker)
+                                 cl.restart_broker, cl.restart_worker)
         progress = Progress(policy.label)
         t0 = time.monotonic()
         try:

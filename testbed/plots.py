@@ -161,3 +161,19 @@ def plot(df: pd.DataFrame, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def plot_rss(rss: pd.DataFrame, path: Path) -> None:
+    """Resident memory of every process over a soak (one line per process incarnation)."""
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for (name, pid), g in rss.groupby(["process", "pid"]):
+        ax.plot(g.t_s / 60, g.rss_mb, lw=1, label=f"{name} ({pid})")
+    ax.set_xlabel("minutes into the soak")
+    ax.set_ylabel("resident memory (MB)")
+    ax.set_title("memory of every process")
+    if len(rss):
+        ax.legend(fontsize=6, ncol=2, loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

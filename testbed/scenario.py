@@ -131,6 +131,10 @@ class WorkerSettings(_Strict):
     prefill_cache_tokens: int = Field(default=262144, ge=0)
     decode_cache_tokens: int = Field(default=262144, ge=0)
     max_batch: int = Field(default=32, ge=1)
+    decode_kv_tokens: int | None = Field(default=None, ge=1, description=(
+        "KV a decoder holds for the requests it decodes (prompt + output tokens each; emulated tokens "
+        "when emulating): a request whose KV arrived waits for room, its first token unsent; null: "
+        "bounded by max_batch only"))
     kv_timeout_s: float = Field(default=120.0, gt=0)
     kv_streams_per_peer: int = Field(
         default=1, ge=1, le=64,

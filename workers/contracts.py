@@ -94,6 +94,7 @@ class WorkerConfig(Contract):
     prefill_chunk: int = Field(default=512, ge=1)
     cache_tokens: int = Field(default=262144, ge=0)
     max_batch: int = Field(default=32, ge=1)
+    kv_capacity_tokens: int | None = Field(default=None, ge=1)  # decoders: KV of admitted requests (replayed tokens)
     kv_timeout_s: float = Field(default=120.0, gt=0)
     kv_streams_per_peer: int = Field(default=1, ge=1)
     device: DeviceSpec = DeviceSpec()
@@ -161,6 +162,9 @@ class DecodeCounters(Contract):
     handoffs_sent: int = 0
     extends_done: int = 0
     extend_mismatches: int = 0
+    admission_waits: int = 0  # requests whose KV arrived when the decoder had no room
+    admission_wait_max_s: float = 0.0  # the longest of those waits (real seconds)
+    admission_queue_max: int = 0
 
 
 class WorkerStats(Contract):

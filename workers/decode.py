@@ -8,6 +8,13 @@ is kept in one left-padded buffer across steps (``DecodeBatch``): a joining requ
 only its own KV in, a leaving one frees its row; the batch is rebuilt only when it has no
 spare row or its headroom is used up.
 
+Admission: a request whose KV has arrived joins the batch only when the decoder has room
+(fewer than ``max_batch`` running, and its prompt + output within ``kv_capacity_tokens`` of
+KV together with the running and held requests'); otherwise it waits in arrival order, and
+its first token is streamed only when it is admitted, so time spent queueing at a full
+decoder is part of its TTFT, as it would be on a real one. A request that could never fit
+fails at once.
+
 The decode-side radix cache (DRC) keeps prompts' KV so a later request that shares a prefix
 needs only the missing part from the network: the receiver states its cached prefix before
 any block is sent.
@@ -59,6 +66,7 @@ class DecodeWorker(HandoffMixin, Worker):
         self.waiting: dict[str, Seq] = {}
         self.running: dict[str, Seq] = {}
         self.held: dict[str, Seq] = {}  # main decoder: KV here, stream still on the relay
+        self.admission: dict[str, tuple[Seq, float]] = {}  # KV arrived, no room yet: (seq, since), FIFO
         self.registered: dict[str, asyncio.Event] = {}
         self.wake = asyncio.Event()
         self.step_log: deque[tuple[int, float]] = deque(maxlen=2000)  # (batch size, real seconds), recent
@@ -70,6 +78,9 @@ class DecodeWorker(HandoffMixin, Worker):
         self.handoffs_sent = 0
         self.extends_done = 0
         self.extend_mismatches = 0
+        self.admission_waits = 0
+        self.admission_wait_max_s = 0.0
+        self.admission_queue_max = 0
 
     async def start(self) -> None:
         self.server = await kv_wire.serve_kv(self.cfg.host_ip, self.cfg.kv_port, self._offer, self._arrived,
@@ -81,7 +92,27 @@ class DecodeWorker(HandoffMixin, Worker):
         return len(self.running)
 
     def queued(self) -> int:
-        return len(self.waiting) + len(self.held)
+        return len(self.waiting) + len(self.held) + len(self.admission)
+
+    def kv_in_use(self) -> int:
+        """KV tokens the admitted requests may grow to (prompt + output each)."""
+        return sum(s.prompt_len + s.max_new for s in (*self.running.values(), *self.held.values()))
+
+    def _has_room(self, seq: Seq) -> bool:
+        cap = self.cfg.kv_capacity_tokens
+        return len(self.running) < self.cfg.max_batch and (
+            cap is None or self.kv_in_use() + seq.prompt_len + seq.max_new <= cap)
+
+    async def admit_queued(self) -> None:
+        """Admit waiting requests, oldest first, while there is room (called whenever a
+        request leaves the batch)."""
+        while self.admission:
+            rid, (seq, since) = next(iter(self.admission.items()))
+            if not self._has_room(seq):
+                return
+            del self.admission[rid]
+            self.admission_wait_max_s = max(self.admission_wait_max_s, time.time() - since)
+            await self._start(seq)
 
     def stats(self) -> WorkerStats:
         by_batch: dict[int, list[float]] = {}
@@ -91,6 +122,8 @@ class DecodeWorker(HandoffMixin, Worker):
             step_ms_by_batch={b: 1000 * sum(v) / len(v) for b, v in sorted(by_batch.items())},
             tokens_out=self.tokens_out, batch_builds=self.batch_builds, handoffs_sent=self.handoffs_sent,
             extends_done=self.extends_done, extend_mismatches=self.extend_mismatches,
+            admission_waits=self.admission_waits, admission_wait_max_s=self.admission_wait_max_s,
+            admission_queue_max=self.admission_queue_max,
         )  # fmt: skip
         return super().stats().model_copy(update={"decode": counters})
 
@@ -162,10 +195,24 @@ class DecodeWorker(HandoffMixin, Worker):
             seq.main.pred, seq.out = inc.first_token, []
             self.held[seq.rid] = seq
             return
+        cap = self.cfg.kv_capacity_tokens
+        if cap is not None and seq.prompt_len + seq.max_new > cap:
+            await self.fail(seq.rid, f"{seq.prompt_len + seq.max_new} tokens of KV exceed {self.cfg.name}'s "
+                                     f"capacity of {cap}")
+            return
+        if self.admission or not self._has_room(seq):
+            self.admission[seq.rid] = (seq, time.time())
+            self.admission_waits += 1
+            self.admission_queue_max = max(self.admission_queue_max, len(self.admission))
+            return
+        await self._start(seq)
+
+    async def _start(self, seq: Seq) -> None:
+        """Admitted: the first token goes out and the request joins the batch."""
         if seq.relay is not None and seq.relay.eager_budget == 0:
             seq.paused = True  # hand over before streaming anything
         else:
-            self.stream(seq.rid, 0, [inc.first_token], done=self.finished(seq))
+            self.stream(seq.rid, 0, [seq.out[0]], done=self.finished(seq))
             seq.streamed = 1
             if self.finished(seq):
                 self.complete(seq)
@@ -222,6 +269,7 @@ class DecodeWorker(HandoffMixin, Worker):
                     self.complete(seq)
                 elif seq.relay is not None:
                     await self.maybe_hand_off(seq)
+            await self.admit_queued()
 
     def _form_batch(self, wanted: list[Seq]) -> tuple[DecodeBatch | ModeledBatch, list[Seq]]:
         """The decode batch for ``wanted`` and its members in row order (compute thread).
@@ -266,11 +314,13 @@ class DecodeWorker(HandoffMixin, Worker):
                        taken_over_at=seq.main.extended if seq.main is not None else None))
 
     async def drop(self, rid: str) -> Seq | None:
-        seq = self.waiting.pop(rid, None) or self.running.pop(rid, None) or self.held.pop(rid, None)
+        seq = (self.waiting.pop(rid, None) or self.running.pop(rid, None) or self.held.pop(rid, None)
+               or self.admission.pop(rid, (None, 0.0))[0])
         self.registered.pop(rid, None)
         if seq is not None and seq.path:
             self.cache.unlock(seq.path)
             seq.path = []
+        self.spawn(self.admit_queued())  # room may have been freed
         return seq
 
     async def fail(self, rid: str, reason: str) -> None:

@@ -54,6 +54,15 @@ class Session:
         client.pending_calls_threshold = 100_000
         return client
 
+    @staticmethod
+    async def discard(host: str, port: int, username: str, password: str, identifier: str) -> None:
+        """End whatever session the broker keeps under ``identifier`` (a clean connection,
+        closed at once): a worker started again after a crash must not be handed its dead
+        predecessor's queued commands, nor leave that session queueing every new one."""
+        async with aiomqtt.Client(host, port, username=username, password=password, identifier=identifier,
+                                  clean_session=True):
+            pass
+
     def since_reconnect(self) -> float:
         """Seconds since the last reconnection (inf: connected once, never lost)."""
         return float("inf") if self.reconnected_at is None else time.monotonic() - self.reconnected_at

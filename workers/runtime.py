@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import signal
 import sys
 import time
@@ -191,8 +192,10 @@ class Worker:
         dead = Status(worker=self.cfg.name, role=self.cfg.role, state="dead").dump()
         will = aiomqtt.Will(self.topics.status(self.cfg.name), dead, qos=QOS, retain=True)
         b = self.cfg.broker
-        client = Session.client_for(b.host, b.port, b.username, b.password, f"{self.cfg.run_id}-{self.cfg.name}",
-                                    keepalive=5, will=will)
+        identifier = f"{self.cfg.run_id}-{self.cfg.name}"
+        with contextlib.suppress(aiomqtt.MqttError):  # no broker yet: the session below reports it
+            await Session.discard(b.host, b.port, b.username, b.password, identifier)
+        client = Session.client_for(b.host, b.port, b.username, b.password, identifier, keepalive=5, will=will)
         self.session = Session(client, [self.topics.cmd(self.cfg.name)], self.cfg.name)
 
         async def on_connect(first: bool) -> None:

@@ -60,6 +60,10 @@ class Seq:
     main: MainState | None = None
 
     @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    @property
     def kv(self) -> torch.Tensor:
         assert self.buf is not None
         return self.buf[:, :, :, : self.n]

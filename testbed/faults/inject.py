@@ -5,8 +5,9 @@
 its end. Network faults go through the network backend (``Network.impair_wan``,
 ``Network.set_wan_rate``), in wire units mapped by the run's emulation like the scenario's
 own WAN; several faults active on one direction combine (down wins, the highest loss,
-delays add up, the lowest rate). ``kill`` sends SIGKILL to the worker's recorded PID;
-``broker-restart`` goes through the cluster. Every application is logged (stderr) and kept
+delays add up, the lowest rate). ``kill`` sends SIGKILL to the worker's recorded PID (and, at
+its end, the cluster starts it again with empty caches); ``broker-restart`` goes through the
+cluster. Every application is logged (stderr) and kept
 as an ``AppliedFault`` (saved with the run): planned and actual emulated times, what was
 done, and any error (a fault that could not be applied is reported, never silently skipped).
 """
@@ -37,11 +38,13 @@ class _Wire:
 class FaultInjector:
     def __init__(self, net: Network, faults: list[Fault], dilation: float = 1.0,
                  wire_rate_bps: Callable[[float], float] | None = None,
-                 restart_broker: Callable[[float], str] | None = None) -> None:
+                 restart_broker: Callable[[float], str] | None = None,
+                 restart_worker: Callable[[str], str] | None = None) -> None:
         self.net = net
         self.faults = sorted(faults, key=lambda f: f.at_s)
         self.wire = _Wire(dilation, wire_rate_bps or (lambda bps: bps))
         self.restart_broker = restart_broker
+        self.restart_worker = restart_worker
         self.log: list[AppliedFault] = [AppliedFault(fault=f.label, kind=f.kind, at_s=f.at_s) for f in self.faults]
         self.active: set[int] = set()  # indexes of network faults in effect
         self._stop = threading.Event()
@@ -102,7 +105,7 @@ class FaultInjector:
         self.log[i] = entry.model_copy(update=update)
         what = "cleared" if clear else "applied"
         print(f"  fault {entry.fault}: {'FAILED ' + error if error else what} at {now:.2f} s emulated"
-              + (f" ({detail})" if detail and not clear else ""), file=sys.stderr, flush=True)
+              + (f" ({detail})" if detail else ""), file=sys.stderr, flush=True)
 
     def _apply(self, i: int) -> str:
         f = self.faults[i]
@@ -122,6 +125,10 @@ class FaultInjector:
         if f.kind in NETWORK_KINDS:
             self.active.discard(i)
             return self._push_network(f)
+        if f.kind == "kill":
+            if self.restart_worker is None:
+                raise RuntimeError("no cluster to restart the worker in")
+            return self.restart_worker(f.host or "")
         return ""  # broker-restart's duration is its downtime, inside _apply
 
     # ------------------------------------------------------------------ kinds

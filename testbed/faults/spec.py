@@ -14,20 +14,22 @@ kind                keys                                  what happens
 ``delay``           ``ms`` (required), ``dir``            ``ms`` added to the one-way delay
 ``rate``            ``mbit`` (required), ``dir``          the line's rate drops to ``mbit``
 ``partition``       ``dc`` (required)                     the datacenter is cut off: both directions
-``kill``            ``host`` (required)                   SIGKILL of the worker on that host
+``kill``            ``host`` (required)                   SIGKILL of the worker on that host; with
+                                                          a DURATION it is started again after it
 ``broker-restart``  none                                  the broker stops; it restarts after
                                                           DURATION (0 if none)
 ==================  ====================================  =======================================
 
-A fault without a duration lasts until the run ends (``kill`` has none: a killed worker stays
-dead). Values are the *emulated* system's (delay, rate): the injector maps them to the wire
-with the run's emulation, as for the scenario's own WAN. This module only describes;
+A fault without a duration lasts until the run ends (a killed worker stays dead). Values
+are the *emulated* system's (delay, rate): the injector maps them to the wire with the
+run's emulation, as for the scenario's own WAN. This module only describes;
 ``testbed.faults.inject`` applies a timeline to a running emulation.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -77,8 +79,6 @@ class Fault(BaseModel):
         extra = sorted(given - required - optional)
         if extra:
             raise ValueError(f"{self.kind} takes no {', '.join(extra)}")
-        if self.kind == "kill" and self.duration_s is not None:
-            raise ValueError("kill has no duration: a killed worker stays dead")
         if self.dir != "both" and not re.fullmatch(r"[a-z][a-z0-9]{0,7}->[a-z][a-z0-9]{0,7}", self.dir):
             raise ValueError(f"dir must be both or SRC->DST (datacenter names), got {self.dir!r}")
         return self
@@ -170,6 +170,20 @@ def parse_fault(text: str, where: str = "--fault") -> Fault:
         return _parse(text)
     except ValueError as e:
         raise InputError(f"{where} {text!r}: {e}") from None
+
+
+def parse_faults(texts: list[str], check: Callable[[Fault], None]) -> tuple[Fault, ...]:
+    """Command-line faults, each also ``check``-ed against the scenario (ValueError there
+    becomes an InputError naming the spec)."""
+    out = []
+    for text in texts:
+        fault = parse_fault(text)
+        try:
+            check(fault)
+        except ValueError as e:
+            raise InputError(f"--fault {text!r}: {e}") from None
+        out.append(fault)
+    return tuple(out)
 
 
 def as_fault(value: object) -> object:

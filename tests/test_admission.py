@@ -1,0 +1,45 @@
+"""Bounded decoders (root): a request whose KV arrived at a full decoder waits, its first
+token unsent, and joins when a request leaves; one that could never fit fails at once."""
+
+from __future__ import annotations
+
+from testbed.cluster import Cluster
+from testbed.experiment import network_session
+from testbed.metrics import request_rows
+from testbed.policies import parse_policy
+from testbed.traces.workload import RequestSpec, synth_tokens
+from testbed.verify import compare
+from workers.model import ModelRunner, ensure_default_model
+
+from .conftest import needs_root, scenario_with
+
+pytestmark = needs_root
+
+
+def test_a_full_decoder_queues_requests_and_their_first_token_waits() -> None:
+    # Room for two requests of 100 + 40 tokens at a time (capacity), never more than 3 (batch).
+    sc = scenario_with({"workers": {"max_batch": 3, "decode_kv_tokens": 300}})
+    specs = [RequestSpec(f"q{i}", synth_tokens(f"adm-{i}", 100), 40, at=0.01 * i) for i in range(5)]
+    big = RequestSpec("big", synth_tokens("adm-big", 280), 40, at=0.0)
+    runner = ModelRunner(ensure_default_model(), "float32")
+    refs = {s.rid: runner.reference(s.prompt, s.max_new) for s in specs}
+    with network_session(sc, "auto") as net:
+        cl = Cluster.start(net, parse_policy("same-dc"))
+        recs = cl.replay([*specs, big], timeout_s=120)
+        router = cl.router_records()
+        stats = cl.worker_stats()
+    assert recs["big"].error == "320 tokens of KV exceed decode-a's capacity of 300"
+    assert compare(specs, refs, recs) == []
+    counters = stats["decode-a"].decode
+    assert counters is not None and counters.admission_waits >= 3 and counters.admission_queue_max >= 3
+    df = request_rows(recs, router).set_index("rid")
+    first = {rid: recs[rid].token_times[0] for rid in refs}
+    last = {rid: recs[rid].token_times[-1] for rid in refs}
+    # At most two requests stream at any moment: every first token comes after all but one
+    # of the requests that started before it had finished.
+    for rid in refs:
+        streaming = [o for o in refs if o != rid and first[o] < first[rid] < last[o]]
+        assert len(streaming) <= 1, (rid, streaming)
+    # The wait is in TTFT: the last two admitted waited for earlier ones to finish.
+    ttfts = sorted(df.loc[list(refs), "ttft_s"])
+    assert ttfts[-1] > 2 * ttfts[0]

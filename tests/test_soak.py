@@ -1,0 +1,63 @@
+"""``testbed soak``: its workload and fault schedule (no root), and a short soak end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from testbed.scenario import load_scenario
+from testbed.soak import random_faults, soak_specs
+from testbed.traces import load_trace
+
+from .conftest import ROOT, TOPOLOGIES, needs_root
+
+
+def test_the_trace_repeats_back_to_back_with_whole_sessions() -> None:
+    wl = load_trace(ROOT / "traces" / "agentic-quick.jsonl", "auto", 16)
+    specs = soak_specs(wl, wall_s=120.0, load=1.5, dilation=2.0)
+    rids = [s.rid for s in specs]
+    assert len(rids) == len(set(rids))
+    assert {r.split("-", 1)[0] for r in rids} >= {"c0", "c1", "c2"}
+    roots = [s for s in specs if s.after is None]
+    assert max(s.at for s in roots) < 120.0
+    kept = set(rids)
+    assert all(s.after in kept for s in specs if s.after is not None)  # no turn without its session
+    # Each copy is the trace at 1.5x its rate, stretched by the dilation, one span after the last.
+    base = sorted(s.at for s in wl.specs(1.5 / 2.0) if s.after is None)
+    span = base[-1] + 1.0
+    for k in (0, 1):
+        copy = sorted(s.at for s in roots if s.rid.startswith(f"c{k}-"))
+        assert copy == pytest.approx([t + k * span for t in base])
+
+
+def test_random_faults_cover_every_kind_and_fit_the_scenario() -> None:
+    sc = load_scenario(TOPOLOGIES / "two-dc.yaml")
+    faults = random_faults(sc, wall_s=3600, every_s=60, dilation=3.0, seed=4)
+    assert len(faults) == 59
+    assert {f.kind for f in faults} == {"wan-down", "loss", "delay", "rate", "partition", "kill", "broker-restart"}
+    assert [f.at_s for f in faults] == pytest.approx([60 * (k + 1) / 3.0 for k in range(59)], abs=0.01)
+    for f in faults:
+        sc.check_fault(f)  # names the scenario's datacenters, workers, shaped directions
+        assert f.duration_s is not None  # a killed worker comes back: the cluster lives on
+    assert random_faults(sc, 3600, 60, 3.0, seed=4) == faults  # seeded
+
+
+@needs_root
+def test_a_short_soak_ends_every_request_and_samples_memory(tmp_path: Path) -> None:
+    out = tmp_path / "soak"
+    res = subprocess.run([sys.executable, "-m", "testbed", "soak", "--minutes", "0.6", "--fault-every", "7",
+                          "--token-scale", "16", "--dilation", "1.5", "--seed", "3", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads((out / "soak.json").read_text())
+    assert report["hung"] == 0 and report["lost"] == 0
+    assert report["completed"] + report["failed"] == report["requests"] > 0
+    assert sum(report["faults_by_kind"].values()) >= 4
+    names = {m["name"] for m in report["memory"]}
+    assert {"router", "mosquitto", "worker-prefill", "worker-decode-b", "orchestrator"} <= names
+    assert all((out / f).stat().st_size > 0 for f in ("requests.csv", "rss.csv", "rss.png"))
+    assert "hung 0, lost 0" in res.stdout
