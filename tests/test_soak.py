@@ -49,14 +49,14 @@ def test_random_faults_cover_every_kind_and_fit_the_scenario() -> None:
 @needs_root
 def test_a_short_soak_ends_every_request_and_samples_memory(tmp_path: Path) -> None:
     out = tmp_path / "soak"
-    res = subprocess.run([sys.executable, "-m", "testbed", "soak", "--minutes", "0.6", "--fault-every", "7",
+    res = subprocess.run([sys.executable, "-m", "testbed", "soak", "--minutes", "0.4", "--fault-every", "5",
                           "--token-scale", "16", "--dilation", "1.5", "--seed", "3", "--out", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads((out / "soak.json").read_text())
     assert report["hung"] == 0 and report["lost"] == 0
     assert report["completed"] + report["failed"] == report["requests"] > 0
-    assert sum(report["faults_by_kind"].values()) >= 4
+    assert sum(report["faults_by_kind"].values()) >= 3
     names = {m["name"] for m in report["memory"]}
     assert {"router", "mosquitto", "worker-prefill", "worker-decode-b", "orchestrator"} <= names
     assert all((out / f).stat().st_size > 0 for f in ("requests.csv", "rss.csv", "rss.png"))
