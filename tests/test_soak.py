@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from testbed import netns
 from testbed.scenario import load_scenario
 from testbed.soak import random_faults, soak_specs
 from testbed.traces import load_trace
@@ -49,6 +50,7 @@ def test_random_faults_cover_every_kind_and_fit_the_scenario() -> None:
 @needs_root
 def test_a_short_soak_ends_every_request_and_samples_memory(tmp_path: Path) -> None:
     out = tmp_path / "soak"
+    namespaces = set(netns.list_namespaces())
     res = subprocess.run([sys.executable, "-m", "testbed", "soak", "--minutes", "0.4", "--fault-every", "5",
                           "--token-scale", "16", "--dilation", "1.5", "--seed", "3", "--out", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -61,3 +63,7 @@ def test_a_short_soak_ends_every_request_and_samples_memory(tmp_path: Path) -> N
     assert {"router", "mosquitto", "worker-prefill", "worker-decode-b", "orchestrator"} <= names
     assert all((out / f).stat().st_size > 0 for f in ("requests.csv", "rss.csv", "rss.png"))
     assert "hung 0, lost 0" in res.stdout
+    # Nothing left behind, killed-and-restarted workers and the restarted broker included.
+    assert set(netns.list_namespaces()) == namespaces
+    pids = {m["pid"] for m in report["memory"] if m["name"] != "orchestrator"}
+    assert pids and not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
