@@ -31,6 +31,14 @@ import paho.mqtt.client as paho
 from workers.control import QOS, no_delay
 
 RETRY_S = 0.2
+KEEPALIVE_S = 5.0  # emulated seconds: a worker silent for 1.5x this is announced dead (its will)
+
+
+def keepalive_for(dilation: float) -> int:
+    """The broker keepalive in real seconds: the emulated system's, stretched by the
+    dilation (a 4 s outage of the emulated line must not outlast an undilated 5 s
+    keepalive just because the host runs it 3x slower)."""
+    return max(1, round(KEEPALIVE_S * dilation))
 
 
 class Session:

@@ -42,7 +42,7 @@ from workers.control import (
 from workers.device import Pacer, make_pacer
 from workers.model import ModelRunner
 from workers.modeled import ModeledRunner
-from workers.mqtt_session import Session
+from workers.mqtt_session import Session, keepalive_for
 from workers.radix_cache import RadixCache
 
 T = TypeVar("T")
@@ -195,7 +195,8 @@ class Worker:
         identifier = f"{self.cfg.run_id}-{self.cfg.name}"
         with contextlib.suppress(aiomqtt.MqttError):  # no broker yet: the session below reports it
             await Session.discard(b.host, b.port, b.username, b.password, identifier)
-        client = Session.client_for(b.host, b.port, b.username, b.password, identifier, keepalive=5, will=will)
+        client = Session.client_for(b.host, b.port, b.username, b.password, identifier,
+                                    keepalive=keepalive_for(self.cfg.scales.dilation), will=will)
         self.session = Session(client, [self.topics.cmd(self.cfg.name)], self.cfg.name)
 
         async def on_connect(first: bool) -> None:
