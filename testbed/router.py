@@ -199,12 +199,15 @@ class Router:
         await self._fail(req.rid, reason)
 
     async def _relay_alone(self, req: RequestState, reason: str) -> None:
-        """The main decoder cannot take over: the relay finishes the request alone (once)."""
+        """The main decoder cannot take over: the relay finishes the request alone (once),
+        and the main decoder lets go of whatever it holds for it (a decoder whose broker
+        session lapsed comes back holding it: a 30-minute soak saw it grow by gigabytes)."""
         assert req.plan is not None and req.plan.relay is not None
         if req.md_failed is not None:
             return
         req.md_failed = reason
         await self.publish(self.topics.cmd(req.plan.relay), HandoffCmd(rid=req.rid, mode="local").dump())
+        await self.publish(self.topics.cmd(req.plan.decode), CancelCmd(rid=req.rid).dump())
 
     async def _admit(self, r: Request) -> None:
         req = RequestState(r.rid, r.prompt, r.max_new, time.time(), r.hints)
