@@ -66,4 +66,14 @@ def test_a_short_soak_ends_every_request_and_samples_memory(tmp_path: Path) -> N
     # Nothing left behind, killed-and-restarted workers and the restarted broker included.
     assert set(netns.list_namespaces()) == namespaces
     pids = {m["pid"] for m in report["memory"] if m["name"] != "orchestrator"}
-    assert pids and not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+    assert pids and not [pid for pid in pids if _ours_alive(pid)]
+
+
+def _ours_alive(pid: int) -> bool:
+    """A process of the run still running (not a zombie being reaped, not a reused pid)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, IndexError):
+        return False
+    return state != "Z" and any(k in cmdline for k in (b"workers", b"mosquitto", b"testbed"))
