@@ -67,7 +67,7 @@ def test_a_rate_fault_changes_the_line_and_its_end_restores_it() -> None:
         net.set_wan_rate("a", "b", 20_000_000)
         assert rate_of(net, "b") == 20_000_000 and rate_of(net, "a") == 100_000_000
         g = measure.goodput(net.ns_of("ha"), net.ns_of("hc"), net.ip_of("hc"), seconds=1.5, warmup=1.0,
-                            window_bytes=measure.window_for(20e6, 0.010))
+                            window_bytes=measure.window_for(20e6, 0.010, net.plan.wan_shaping[("a", "b")].queue_bytes))
         assert 0.85 * 20e6 <= g.bits_per_second <= 1.1 * 20e6, g
         net.set_wan_rate("a", "b", None)
         assert rate_of(net, "b") == 100_000_000

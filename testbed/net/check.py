@@ -103,7 +103,7 @@ def run_check(net: Network, rtt_samples: int = 40, goodput_s: float = 3.0) -> li
         window = None
         if is_wan and rate:
             rtt_s = (sc.wan_direction(sdc, ddc).delay_ms + sc.wan_direction(ddc, sdc).delay_ms) / 1000
-            window = measure.window_for(rate * 1e6, rtt_s)
+            window = measure.window_for(rate * 1e6, rtt_s, p.wan_shaping[(sdc, ddc)].queue_bytes)
         res_g = measure.goodput(src.ns, dst.ns, dst.ip, seconds=goodput_s, window_bytes=window)
         mbit = res_g.bits_per_second / 1e6
         if res_g.error:
