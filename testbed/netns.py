@@ -18,6 +18,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pyroute2 import IPRoute
@@ -206,7 +207,40 @@ def spawn(
     pass_fds: Sequence[int] = (),
     stdout: int | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start ``argv`` inside namespace ``ns``; stdout+stderr go to ``log_path`` if given."""
+    """Start ``argv`` inside namespace ``ns``; stdout+stderr go to ``log_path`` if given.
+
+    The child gets SIGTERM when this process ends (``PR_SET_PDEATHSIG``). That signal fires
+    when the *thread* that forked the child ends, not the process: a worker restarted from
+    the fault injector's thread was terminated as soon as the fault timeline ended (a soak
+    lost all four workers at its last fault). So only the main thread forks directly; any
+    other thread hands the fork to one spawner thread that lives as long as the process.
+    """
+    kw = {"log_path": log_path, "env": env, "pass_fds": pass_fds, "stdout": stdout}
+    if threading.current_thread() is threading.main_thread():
+        return _spawn(ns, argv, **kw)  # type: ignore[arg-type]
+    return _spawner().submit(_spawn, ns, argv, **kw).result()
+
+
+_SPAWNER: list[ThreadPoolExecutor] = []
+_SPAWNER_LOCK = threading.Lock()
+
+
+def _spawner() -> ThreadPoolExecutor:
+    with _SPAWNER_LOCK:
+        if not _SPAWNER:  # an executor's thread waits for work until the interpreter exits
+            _SPAWNER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner"))
+        return _SPAWNER[0]
+
+
+def _spawn(
+    ns: str,
+    argv: Sequence[str],
+    *,
+    log_path: Path | None = None,
+    env: dict[str, str] | None = None,
+    pass_fds: Sequence[int] = (),
+    stdout: int | None = None,
+) -> subprocess.Popen[bytes]:
     ns_path = str(NETNS_DIR / ns)
     if not os.path.exists(ns_path):
         raise FileNotFoundError(f"namespace {ns} does not exist")

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -116,6 +117,20 @@ def test_teardown_leaves_nothing() -> None:
     assert not [n for n in netns.list_namespaces() if n.startswith(prefix)]
     assert not any(netns.is_alive(p, None) for p in pids)
     assert not (runstate.STATE_ROOT / prefix[3:]).exists()
+
+
+def test_a_process_started_from_a_passing_thread_outlives_that_thread() -> None:
+    """A worker restarted by a fault is spawned from the injector's thread; the parent-death
+    signal must not fire when that thread ends (a soak lost every restarted worker so)."""
+    with built(small_wan(1.0, None)) as net:
+        got: list[subprocess.Popen[bytes]] = []
+        t = threading.Thread(target=lambda: got.append(net.spawn("hc", ["sleep", "30"], name="sleeper")))
+        t.start()
+        t.join()
+        time.sleep(0.5)
+        assert got[0].poll() is None, "killed when the thread that started it ended"
+        pid = got[0].pid
+    assert not netns.is_alive(pid, None)  # teardown still ends it
 
 
 def test_build_failure_undoes_everything(monkeypatch: pytest.MonkeyPatch) -> None:
