@@ -15,7 +15,7 @@ TOKEN_SCALE ?= 16
 POLICIES ?= same-dc,cross-dc,pdd
 RUN_ARGS ?=
 
-.PHONY: soak bench-cache setup debs test lint run-trace run-cluster bench-net bench-handoff clean distclean
+.PHONY: reproduce soak bench-cache setup debs test lint run-trace run-cluster bench-net bench-handoff clean distclean
 
 setup: debs $(STAMP)
 
@@ -51,6 +51,36 @@ run-cluster: setup
 	$(VENV)/bin/testbed clean
 	$(VENV)/bin/testbed run --scenario topologies/paper.yaml --trace $(TRACE) --token-scale $(TOKEN_SCALE) \
 	  --policies $(POLICIES) $(RUN_ARGS)
+
+# The report's experiment (issue #10): the load calibrated against its +2.5 s, the policies at
+# that load beside its figures, the SLA-throughput sweep (and BCR) and the hit-rate bathtub,
+# one report in $(REPRO_OUT)/reproduce.md. QUICK=1: fewer requests, loads and rates.
+REPRO_SCENARIO ?= $(SCENARIO)
+REPRO_TRACE ?= $(TRACE)
+REPRO_STAMP := $(shell date +%Y%m%d-%H%M%S)
+REPRO_OUT ?= runs/reproduce-$(REPRO_STAMP)
+ifeq ($(QUICK),1)
+REPRO_ARGS ?= --limit 24
+REPRO_STEPS ?= 4
+REPRO_LOADS ?= 0.5:1.5:0.5
+REPRO_HITS ?= 0:1:0.25
+else
+REPRO_ARGS ?=
+REPRO_STEPS ?= 7
+REPRO_LOADS ?= 0.25:2:0.25
+REPRO_HITS ?= 0:1:0.05
+endif
+reproduce: setup
+	$(VENV)/bin/testbed clean
+	$(eval COMMON := --scenario $(REPRO_SCENARIO) --trace $(REPRO_TRACE) --token-scale $(TOKEN_SCALE) $(REPRO_ARGS))
+	$(VENV)/bin/testbed calibrate $(COMMON) --steps $(REPRO_STEPS) --out $(REPRO_OUT)/calibrate || true
+	$(VENV)/bin/testbed sweep $(COMMON) --policies same-dc,pdd --load $(REPRO_LOADS) --out $(REPRO_OUT)/sweep
+	$(VENV)/bin/testbed sweep $(COMMON) --policies same-dc,pdd --load 1 --hit-rate $(REPRO_HITS) --out $(REPRO_OUT)/bathtub
+	{ echo "# make reproduce$(if $(filter 1,$(QUICK)), QUICK=1 (fewer requests, loads and hit rates),)"; \
+	  echo; echo "scenario $(REPRO_SCENARIO), trace $(REPRO_TRACE), token scale $(TOKEN_SCALE) $(REPRO_ARGS)"; echo; \
+	  sed 's/^#/##/' $(REPRO_OUT)/calibrate/calibration.md; echo; sed 's/^#/##/' $(REPRO_OUT)/sweep/sweep.md; echo; \
+	  sed 's/^#/##/' $(REPRO_OUT)/bathtub/bathtub.md; } > $(REPRO_OUT)/reproduce.md
+	@cat $(REPRO_OUT)/reproduce.md; echo "written: $(REPRO_OUT)/reproduce.md"
 
 # 30 minutes of replay at 1.5x the default load with a random fault every minute (pdd): every
 # request must complete or fail with a reason (0 hung, 0 lost); memory of every process over time.

@@ -1,4 +1,4 @@
-"""Command-line interface: ``testbed net|clean|run|trace|verify|report|soak|bench``.
+"""Command-line interface: ``testbed net|clean|run|sweep|calibrate|trace|verify|report|soak|bench``.
 
 Argument parsing and calls only: what a command does lives in its own module
 (``testbed.experiment`` runs policies and traces, ``testbed.verify`` checks tokens,
@@ -14,7 +14,7 @@ import signal
 import sys
 from pathlib import Path
 
-from testbed import netns, runstate
+from testbed import cli_replay, netns, runstate
 from testbed.cli_args import build_parser
 from testbed.errors import InputError, TestbedError
 from testbed.policies.spec import parse_policy_list
@@ -123,38 +123,19 @@ def cmd_bench_handoff(args: argparse.Namespace) -> int:
     return 0
 
 
-def _window(text: str | None) -> tuple[float, float] | None:
-    if text is None:
-        return None
-    lo, sep, hi = text.partition(":")
-    try:
-        w = (float(lo or 0), float(hi) if hi else float("inf"))
-    except ValueError as e:
-        raise InputError(f"--window: expected START:END in seconds, got {text!r}") from e
-    if not sep or w[0] < 0 or w[1] <= w[0]:
-        raise InputError(f"--window: expected START:END in seconds with 0 <= START < END, got {text!r}")
-    return w
-
-
 def cmd_run(args: argparse.Namespace) -> int:
-    from testbed.experiment import RunOptions, run_trace
-    from testbed.faults.spec import parse_faults
-    from testbed.metrics import Slo
-    from testbed.traces import load_trace
+    import dataclasses
 
-    # Everything the user gave is validated before anything is built or started.
-    sc = load_scenario(args.scenario)
-    policies = parse_policy_list(args.policies)
+    from testbed.cli_replay import replay_inputs
+    from testbed.experiment import run_trace
+    from testbed.faults.spec import parse_faults
+
     if args.speed <= 0:
         raise InputError(f"--speed: must be positive, got {args.speed}")
-    if args.limit is not None and args.limit < 1:
-        raise InputError(f"--limit: must be at least 1, got {args.limit}")
-    wl = load_trace(args.trace, args.format, args.token_scale).select(args.limit, _window(args.window))
-    if not wl.requests:
-        raise InputError(f"{args.trace}: --window/--limit leave no request")
+    sc, policies, wl, opts = replay_inputs(args)
     faults = parse_faults(args.fault, sc.check_fault)
-    opts = RunOptions(args.impairment, args.dilation, args.allow_infidelity, args.speed, args.limit, args.window,
-                      Slo(args.slo_ttft, args.slo_tpot), args.timeout, Path(args.out) if args.out else None, faults)
+    opts = dataclasses.replace(opts, allow_infidelity=args.allow_infidelity, speed=args.speed,
+                               out=Path(args.out) if args.out else None, faults=faults)
     return run_trace(sc, wl, policies, opts)
 
 
@@ -218,11 +199,12 @@ def cmd_soak(args: argparse.Namespace) -> int:
 COMMANDS = {
     "net up": cmd_net_up, "net down": cmd_net_down, "net check": cmd_net_check, "clean": cmd_clean,
     "run": cmd_run, "trace stats": cmd_trace_stats, "trace gen": cmd_trace_gen, "verify": cmd_verify,
-    "report": cmd_report, "soak": cmd_soak,
+    "report": cmd_report, "soak": cmd_soak, "sweep": cli_replay.cmd_sweep, "calibrate": cli_replay.cmd_calibrate,
     "bench net": cmd_bench_net, "bench handoff": cmd_bench_handoff,
 }  # fmt: skip
 # Commands that build namespaces need root (``clean`` decides for itself: nothing to clean needs none).
-NEEDS_ROOT = {"net up", "net down", "net check", "run", "verify", "bench net", "bench handoff", "soak"}
+NEEDS_ROOT = {"net up", "net down", "net check", "run", "verify", "bench net", "bench handoff", "soak", "sweep",
+              "calibrate"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,21 +51,25 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         p.add_argument("--token-scale", type=int, default=1, metavar="N",
                        help="divide every length (and the prefix block size) by N")
 
+    def replay_opts(p: argparse.ArgumentParser, policies: str) -> None:
+        """What a replay of a trace needs (run, sweep, calibrate)."""
+        scenario_opts(p)
+        p.add_argument("--trace", type=Path, required=True, help="trace file (formats: traces/README.md)")
+        trace_opts(p)
+        p.add_argument("--policies", "--policy", dest="policies", default=policies,
+                       help=f"comma-separated, each name[:key=value,...] (default {policies})")
+        p.add_argument("--limit", type=int, help="replay only the first N requests")
+        p.add_argument("--window", help="replay only requests sent in START:END seconds of the trace")
+        p.add_argument("--slo-ttft", type=float, default=5.0, help="SLO for goodput: TTFT seconds (default 5)")
+        p.add_argument("--slo-tpot", type=float, default=0.25, help="SLO for goodput: TPOT seconds (default 0.25)")
+        p.add_argument("--timeout", type=float, default=1800.0,
+                       help="give up on a replay after this many (emulated) seconds")
+        p.add_argument("--dilation", metavar="D|auto",
+                       help="real seconds per emulated second (default: the scenario's emulation.time_dilation)")
+
     p = sub.add_parser("run", help="replay a trace under one or more policies; save, plot and compare")
-    scenario_opts(p)
-    p.add_argument("--trace", type=Path, required=True, help="trace file (formats: traces/README.md)")
-    trace_opts(p)
-    p.add_argument("--policies", "--policy", dest="policies", default="same-dc,cross-dc",
-                   help="comma-separated, each name[:key=value,...] (default same-dc,cross-dc)")
+    replay_opts(p, "same-dc,cross-dc")
     p.add_argument("--speed", type=float, default=1.0, help="time compression: 2 = arrivals/delays twice as fast")
-    p.add_argument("--limit", type=int, help="replay only the first N requests")
-    p.add_argument("--window", help="replay only requests sent in START:END seconds of the trace")
-    p.add_argument("--slo-ttft", type=float, default=5.0, help="SLO for goodput: TTFT seconds (default 5)")
-    p.add_argument("--slo-tpot", type=float, default=0.25, help="SLO for goodput: TPOT seconds (default 0.25)")
-    p.add_argument("--timeout", type=float, default=1800.0,
-                   help="give up on the replay after this many (emulated) seconds")
-    p.add_argument("--dilation", metavar="D|auto",
-                   help="real seconds per emulated second (default: the scenario's emulation.time_dilation)")
     p.add_argument("--allow-infidelity", action="store_true",
                    help="exit 0 even when the fidelity verdict fails (it is still printed and saved)")
     p.add_argument("--out", help="results folder (default runs/<timestamp>)")
@@ -74,6 +78,26 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                         "delay (ms), rate (mbit), partition (dc), kill (host), broker-restart; e.g. wan-down@10+5, "
                         "kill@20:host=relay; see README, Faults")
     p.set_defaults(command="run")
+
+    p = sub.add_parser("sweep", help="replay a trace at several offered loads: SLO attainment, SLA throughput "
+                                     "and BCR per policy (each load a saved run)")
+    replay_opts(p, "same-dc,pdd")
+    p.add_argument("--load", required=True, metavar="A:B:STEP|X",
+                   help="loads, x the trace's own rate (e.g. 0.5:2:0.5); with --hit-rate one load X")
+    p.add_argument("--hit-rate", metavar="A:B:STEP", help="sweep the prefix-hit rate instead (e.g. 0:1:0.05): "
+                   "every prompt rewritten to share that fraction with a common stream; the bathtub")
+    p.add_argument("--share", type=float, default=0.9, help="share of requests that must meet the SLO (default 0.9)")
+    p.add_argument("--out", type=Path, help="results folder (default runs/sweep-<timestamp>)")
+    p.set_defaults(command="sweep")
+
+    p = sub.add_parser("calibrate", help="bisect the offered load until cross-dc minus same-dc P50 TTFT is +2.5 s "
+                                         "(the report's), then run the policies there beside the report's figures")
+    replay_opts(p, "same-dc,cross-dc,pdd")
+    p.add_argument("--range", default="0.25:4", metavar="LOW:HIGH", help="loads to search, x the trace's rate")
+    p.add_argument("--tolerance", type=float, default=0.25, help="seconds either side of +2.5 s (default 0.25)")
+    p.add_argument("--steps", type=int, default=7, help="at most this many loads tried (default 7)")
+    p.add_argument("--out", type=Path, help="results folder (default runs/calibrate-<timestamp>)")
+    p.set_defaults(command="calibrate")
 
     trace = sub.add_parser("trace", help="trace statistics and generation")
     tsub = trace.add_subparsers(dest="trace_cmd", required=True)

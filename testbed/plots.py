@@ -5,6 +5,8 @@
 * ``plot_ttft_by_hit`` -> ``ttft_by_hit.png``: TTFT P50/P99 per prefix-hit bucket;
 * ``plot_timeline`` -> ``timeline.png``: KV on the WAN over time, per-worker decode load;
 * ``plot_hit_rates`` -> ``hit_rates.png``: every worker's prefix-cache hit rate over time.
+* ``plot_sweep`` -> ``sweep.png``: SLO attainment and TTFT against offered load (a sweep).
+* ``plot_bathtub`` -> ``bathtub.png``: PDD's benefit against the baseline per prefix-hit rate.
 """
 
 from __future__ import annotations
@@ -176,4 +178,41 @@ def plot_rss(rss: pd.DataFrame, path: Path) -> None:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_sweep(points: pd.DataFrame, path: Path, share: float) -> None:
+    """A load sweep: SLO attainment and TTFT P50/P99 against offered load, per policy."""
+    fig, (ax_slo, ax_ttft) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for policy, g in points.groupby("policy", sort=False):
+        g = g.sort_values("load")
+        ax_slo.plot(g.load, 100 * g.slo_attainment.astype(float), marker="o", label=policy)
+        line = ax_ttft.plot(g.load, g.ttft_p50_s.astype(float), marker="o", label=f"{policy} P50")[0]
+        ax_ttft.plot(g.load, g.ttft_p99_s.astype(float), marker="x", ls="--", color=line.get_color(),
+                     label=f"{policy} P99")
+    ax_slo.axhline(100 * share, color="grey", ls=":", label=f"{100 * share:.0f} % target")
+    ax_slo.set(xlabel="load (x the trace's rate)", ylabel="requests meeting the SLO (%)", title="SLO attainment")
+    ax_ttft.set(xlabel="load (x the trace's rate)", ylabel="TTFT (s)", yscale="log", title="TTFT")
+    for ax in (ax_slo, ax_ttft):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_bathtub(curve: pd.DataFrame, path: Path, base: str, policy: str) -> None:
+    """``policy``'s TTFT change and SLO attainment difference against ``base`` per prefix-hit rate."""
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    if len(curve):
+        x = 100 * curve.hit_target
+        ax.plot(x, -100 * curve.ttft_mean_change.astype(float), marker="o", label="mean TTFT reduction (%)")
+        ax.plot(x, -100 * curve.ttft_p50_change.astype(float), marker="x", label="P50 TTFT reduction (%)")
+        ax.plot(x, curve.slo_points.astype(float), marker="s", ls="--", label="SLO attainment gain (points)")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set(xlabel="prefix-hit rate (%)", ylabel="benefit", title=f"{policy} against {base} by hit rate")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,0 +1,126 @@
+"""The replaying commands' arguments turned into validated inputs, and the commands that
+replay a trace many times (``testbed sweep``, ``testbed calibrate``).
+
+Everything the user gave is validated before anything is built or started: the scenario,
+the policies, the trace (file:line: field on error), ``--limit``/``--window`` and the SLO.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from testbed.errors import InputError
+from testbed.policies.spec import PolicySpec, parse_policy_list
+from testbed.scenario import Scenario, load_scenario
+
+if TYPE_CHECKING:  # the replaying modules (pandas, torch) load only for a command that replays
+    from testbed.experiment import RunOptions
+    from testbed.traces.workload import Workload
+
+
+def _window(text: str | None) -> tuple[float, float] | None:
+    if text is None:
+        return None
+    lo, sep, hi = text.partition(":")
+    try:
+        w = (float(lo or 0), float(hi) if hi else float("inf"))
+    except ValueError as e:
+        raise InputError(f"--window: expected START:END in seconds, got {text!r}") from e
+    if not sep or w[0] < 0 or w[1] <= w[0]:
+        raise InputError(f"--window: expected START:END in seconds with 0 <= START < END, got {text!r}")
+    return w
+
+
+def replay_inputs(args: argparse.Namespace) -> tuple[Scenario, list[PolicySpec], Workload, RunOptions]:
+    """Scenario, policies, workload and the options shared by run, sweep and calibrate."""
+    from testbed.experiment import RunOptions
+    from testbed.metrics import Slo
+    from testbed.traces import load_trace
+
+    sc = load_scenario(args.scenario)
+    policies = parse_policy_list(args.policies)
+    if args.limit is not None and args.limit < 1:
+        raise InputError(f"--limit: must be at least 1, got {args.limit}")
+    if min(args.slo_ttft, args.slo_tpot) <= 0:
+        raise InputError("--slo-ttft and --slo-tpot must be positive")
+    wl = load_trace(args.trace, args.format, args.token_scale).select(args.limit, _window(args.window))
+    if not wl.requests:
+        raise InputError(f"{args.trace}: --window/--limit leave no request")
+    opts = RunOptions(args.impairment, args.dilation, False, 1.0, args.limit, args.window,
+                      Slo(args.slo_ttft, args.slo_tpot), args.timeout)
+    return sc, policies, wl, opts
+
+
+def _out(args: argparse.Namespace, kind: str) -> Path:
+    return args.out or Path("runs") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from testbed.sweep import SweepOptions, load_sweep, parse_range
+
+    hit_rates = parse_range(args.hit_rate, "--hit-rate") if args.hit_rate else None
+    if hit_rates and hit_rates[-1] > 1:
+        raise InputError(f"--hit-rate: rates are fractions in [0, 1], got {args.hit_rate!r}")
+    if hit_rates:
+        try:
+            loads = [float(args.load)]
+        except ValueError as e:
+            raise InputError(f"--load: with --hit-rate one load, got {args.load!r}") from e
+    else:
+        loads = parse_range(args.load, "--load")
+    if loads[0] <= 0:
+        raise InputError(f"--load: loads must be positive, got {args.load!r}")
+    if not 0 < args.share <= 1:
+        raise InputError(f"--share: expected a fraction in (0, 1], got {args.share}")
+    sc, policies, wl, opts = replay_inputs(args)
+    if hit_rates:
+        from testbed.bathtub import hit_sweep
+
+        out = _out(args, "bathtub")
+        hit_sweep(sc, wl, policies, hit_rates, loads[0], SweepOptions(opts, out, args.share))
+        print("\n" + (out / "bathtub.md").read_text())
+        print(f"saved: {out}/bathtub.csv, bathtub.md, bathtub.png, bathtub_points.csv; each rate's run in {out}/hit-*/")
+        return 0
+    out = _out(args, "sweep")
+    load_sweep(sc, wl, policies, loads, SweepOptions(opts, out, args.share))
+    print("\n" + (out / "sweep.md").read_text())
+    print(f"saved: {out}/sweep.json, sweep.csv, sweep.md, sweep.png; each load's run in {out}/load-*/")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from testbed.report import paper_comparison
+    from testbed.results import load_run
+    from testbed.sweep import REPORT_P50_GAP_S, SweepOptions, calibrate
+
+    lo, sep, hi = args.range.partition(":")
+    try:
+        lo_f, hi_f = float(lo), float(hi)
+    except ValueError as e:
+        raise InputError(f"--range: expected LOW:HIGH, got {args.range!r}") from e
+    if not sep or not 0 < lo_f < hi_f:
+        raise InputError(f"--range: expected 0 < LOW < HIGH, got {args.range!r}")
+    if args.tolerance <= 0 or args.steps < 2:
+        raise InputError("--tolerance must be positive and --steps at least 2")
+    sc, policies, wl, opts = replay_inputs(args)
+    out = _out(args, "calibrate")
+    b, final = calibrate(sc, wl, policies, lo_f, hi_f, args.tolerance, args.steps, SweepOptions(opts, out))
+    lines = ["# Load calibration", "", f"Bisection of the offered load (x the trace's rate) for cross-dc minus "
+             f"same-dc P50 TTFT = +{REPORT_P50_GAP_S:g} s (tolerance {args.tolerance:g} s):", "",
+             "| load | gap |", "|---:|---:|"]
+    lines += [f"| {load:.3f} | {gap:+.2f} s |" for load, gap in b.steps]
+    if b.reached:
+        lines += ["", f"Calibrated load: {b.load:g} x the trace's rate (gap {b.value:+.2f} s)."]
+    else:
+        lines += ["", f"NOT REACHED: no load in {args.range} gives +{REPORT_P50_GAP_S:g} s; the closest is "
+                      f"{b.load:g} ({b.value:+.2f} s), used below."]
+    run_dir = Path(final[0].run_dir)
+    lines += ["", f"## The report's figures beside this testbed's at that load (`{run_dir}`)", "",
+              paper_comparison(load_run(run_dir)[0])]
+    (out / "calibration.md").write_text("\n".join(lines) + "\n")
+    print("\n" + "\n".join(lines))
+    print(f"\nsaved: {out / 'calibration.md'}; the bisection's runs in {out}/bisection/")
+    return 0 if b.reached else 1
