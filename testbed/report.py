@@ -218,6 +218,22 @@ def save(out: Path, frames: dict[str, pd.DataFrame], summary: RunSummary) -> lis
     return [out / "requests.csv", out / REQUESTS_FILE, out / SUMMARY_FILE, *rebuild(out)]
 
 
+def merge_runs(run_dirs: list[Path], out: Path) -> list[Path]:
+    """One run folder holding the policies of several runs of the same trace and emulation
+    (a calibration reuses the baselines it already ran at the load it settled on)."""
+    runs = [load_run(d) for d in run_dirs]
+    first = runs[0][0]
+    for d, (s, _) in zip(run_dirs[1:], runs[1:], strict=True):
+        if (s.trace, s.speed, s.emulation) != (first.trace, first.speed, first.emulation):
+            raise InputError(f"{d}: not the same trace, load and emulation as {run_dirs[0]}")
+    summary = first.model_copy(update={
+        "policies": {k: v for s, _ in runs for k, v in s.policies.items()},
+        "workers": {k: v for s, _ in runs for k, v in s.workers.items()},
+    })
+    frames = {str(name): g.drop(columns="policy") for _, df in runs for name, g in df.groupby("policy", sort=False)}
+    return save(out, frames, summary)
+
+
 def rebuild(run_dir: Path) -> list[Path]:
     """``testbed report RUN_DIR``: the report and plots of a saved run, from its files alone."""
     summary, df = load_run(run_dir)

@@ -277,5 +277,18 @@ def calibrate(sc: Scenario, wl: Workload, policies: list[PolicySpec], lo: float,
         return g
 
     b = bisect_increasing(gap, REPORT_P50_GAP_S, lo, hi, tol_s, max_steps)
-    final = run_point(sc, wl, policies, b.load, run, opts.out)
-    return b, final
+    # The baselines already ran at that load; only the other policies run again, and the
+    # point's folder holds them all.
+    from testbed.report import merge_runs
+
+    done = seen[b.load]
+    rest = [p for p in policies if p.label not in {pt.policy for pt in done}]
+    dirs = [Path(done[0].run_dir)]
+    if rest:
+        dirs.append(opts.out / "rest")
+        run_point(sc, wl, rest, b.load, run, dirs[-1])
+        dirs[-1] = dirs[-1] / f"load-{b.load:g}"
+    final_dir = opts.out / f"load-{b.load:g}"
+    merge_runs(dirs, final_dir)
+    summary, _ = load_run(final_dir)
+    return b, [LoadPoint.of(b.load, name, s, final_dir) for name, s in summary.policies.items()]

@@ -54,12 +54,13 @@ def _policy(df: pd.DataFrame) -> PolicySummary:
     return PolicySummary(**dict(summarize(df, [], Slo(ttft_s=3.0))), policy_stats=PolicyReport(), fidelity=Verdict())
 
 
-def _saved_run(out: Path, shift: float = 0.0) -> RunSummary:
+def _saved_run(out: Path, shift: float = 0.0, only: tuple[str, ...] | None = None) -> RunSummary:
     frames = {
         "same-dc": _rows([shift + 1.0 + 0.1 * i for i in range(20)]),
         "cross-dc": _rows([shift + 2.0 + 0.5 * i for i in range(20)], wan_s=0.5),
         "pdd": _rows([shift + 1.5 + 0.1 * i for i in range(20)], wan_s=0.5, relay=True),
     }
+    frames = {k: v for k, v in frames.items() if only is None or k in only}
     sc = scenario_with(emulated=True)
     summary = RunSummary(
         trace=TraceInfo(trace="traces/x.jsonl", format="sessions", requests=20, token_scale=4, block_size=4),
@@ -108,6 +109,21 @@ def test_report_is_rebuilt_from_the_saved_files_alone(tmp_path: Path) -> None:
     assert all((tmp_path / n).stat().st_size > 0 for n in ("latency.png", "ttft_by_hit.png", "timeline.png"))
     summary, df = load_run(tmp_path)
     assert summary.policies["cross-dc"].ttft_p50_s == pytest.approx(6.75) and len(df) == 60
+
+
+def test_runs_of_the_same_trace_and_emulation_merge_into_one_folder(tmp_path: Path) -> None:
+    _saved_run(tmp_path / "all")
+    _saved_run(tmp_path / "base", only=("same-dc", "cross-dc"))
+    _saved_run(tmp_path / "pdd", only=("pdd",))
+    report.merge_runs([tmp_path / "base", tmp_path / "pdd"], tmp_path / "merged")
+    assert (tmp_path / "merged" / "report.md").read_text() == (tmp_path / "all" / "report.md").read_text()
+    merged, df = load_run(tmp_path / "merged")
+    assert list(merged.policies) == ["same-dc", "cross-dc", "pdd"] and len(df) == 60
+    _saved_run(tmp_path / "other", shift=1.0, only=("pdd",))
+    other = load_run(tmp_path / "other")[0].model_copy(update={"speed": 2.0})
+    (tmp_path / "other" / "summary.json").write_text(other.model_dump_json())
+    with pytest.raises(InputError, match="not the same trace, load and emulation"):
+        report.merge_runs([tmp_path / "base", tmp_path / "other"], tmp_path / "bad")
 
 
 def test_report_of_a_folder_that_is_no_run_is_a_clear_error(tmp_path: Path) -> None:
