@@ -254,10 +254,12 @@ def goodput(src_ns: str, dst_ns: str, dst_ip: str, seconds: float = 3.0, warmup:
         samples = _sample_counter(conns, t_to)
         total, span = samples[-1][1] - samples[0][1], samples[-1][0] - samples[0][0]
         rate = _slope(samples)
-    for t in receivers + senders:
+    for t in receivers:
         t.join(timeout=warmup + seconds + 20)
-    for c in conns:
+    for c in conns:  # before the senders: one blocked on a full window ends at once, not at its timeout
         c.close()
+    for t in senders:
+        t.join(timeout=warmup + seconds + 20)
     if errors or not total:
         return GoodputResult(0.0, seconds, total, "; ".join(errors) or "no data received")
     return GoodputResult(rate * 8, span, total)
