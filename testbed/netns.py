@@ -215,10 +215,10 @@ def spawn(
     lost all four workers at its last fault). So only the main thread forks directly; any
     other thread hands the fork to one spawner thread that lives as long as the process.
     """
-    kw = {"log_path": log_path, "env": env, "pass_fds": pass_fds, "stdout": stdout}
+    args = (ns, list(argv), log_path, env, tuple(pass_fds), stdout)
     if threading.current_thread() is threading.main_thread():
-        return _spawn(ns, argv, **kw)  # type: ignore[arg-type]
-    return _spawner().submit(_spawn, ns, argv, **kw).result()
+        return _spawn(*args)
+    return _spawner().submit(_spawn, *args).result()
 
 
 _SPAWNER: list[ThreadPoolExecutor] = []
@@ -232,15 +232,8 @@ def _spawner() -> ThreadPoolExecutor:
         return _SPAWNER[0]
 
 
-def _spawn(
-    ns: str,
-    argv: Sequence[str],
-    *,
-    log_path: Path | None = None,
-    env: dict[str, str] | None = None,
-    pass_fds: Sequence[int] = (),
-    stdout: int | None = None,
-) -> subprocess.Popen[bytes]:
+def _spawn(ns: str, argv: list[str], log_path: Path | None, env: dict[str, str] | None, pass_fds: tuple[int, ...],
+           stdout: int | None) -> subprocess.Popen[bytes]:
     ns_path = str(NETNS_DIR / ns)
     if not os.path.exists(ns_path):
         raise FileNotFoundError(f"namespace {ns} does not exist")
@@ -254,14 +247,14 @@ def _spawn(
     out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - handed to the child
     try:
         return subprocess.Popen(
-            list(argv),
+            argv,
             preexec_fn=_in_child,
             start_new_session=True,
             stdin=subprocess.DEVNULL,
             stdout=stdout if stdout is not None else (out or subprocess.DEVNULL),
             stderr=out or subprocess.DEVNULL,
             env=env,
-            pass_fds=tuple(pass_fds),
+            pass_fds=pass_fds,
         )
     finally:
         if out:
