@@ -72,10 +72,18 @@ class SoakReport(BaseModel):
     faults: list[AppliedFault]
     faults_by_kind: dict[str, int]  # applied without error
     memory: list[ProcessMemory]
+    # Requests sent after the last fault had cleared, and how many of them completed: the
+    # cluster must serve again once the faults are over.
+    after_faults_sent: int = 0
+    after_faults_completed: int = 0
+
+    @property
+    def recovered(self) -> bool:
+        return self.after_faults_sent == 0 or self.after_faults_completed > 0
 
     @property
     def passed(self) -> bool:
-        return self.hung == 0 and self.lost == 0
+        return self.hung == 0 and self.lost == 0 and self.recovered
 
 
 def soak_specs(wl: Workload, wall_s: float, load: float, dilation: float) -> list[RequestSpec]:
@@ -237,6 +245,8 @@ def run_soak(sc: Scenario, wl: Workload, opts: SoakOptions) -> int:
         recs[rid].error = why
     hung = [r for r in recs.values() if (r.error or "").startswith("no completion within the client timeout")]
     lost = [r for r in recs.values() if r.sent and r.rid not in router and not r.ok]
+    last_clear = max((f.cleared_s or f.applied_s or 0.0 for f in applied), default=0.0)
+    after = [r for r in recs.values() if r.sent and (r.sent - injector.t0_wall) / d > last_clear]
     report = SoakReport(
         minutes=opts.minutes, load=opts.load, policy=spec.label, dilation=d, requests=len(recs),
         completed=sum(r.ok for r in recs.values()), failed=sum(not r.ok for r in recs.values()),
@@ -244,7 +254,7 @@ def run_soak(sc: Scenario, wl: Workload, opts: SoakOptions) -> int:
         failures_by_reason=dict(Counter(_reason_kind(r.error) for r in recs.values() if r.error).most_common()),
         faults=applied,
         faults_by_kind=dict(Counter(f.kind for f in applied if f.applied_s is not None and not f.error)),
-        memory=memory,
+        memory=memory, after_faults_sent=len(after), after_faults_completed=sum(r.ok for r in after),
     )  # fmt: skip
     (out / "soak.json").write_text(report.model_dump_json(indent=2))
     pd.DataFrame([{"rid": r.rid, "ok": r.ok, "error": r.error, "sent": r.sent, "ended": r.ended,
@@ -256,7 +266,9 @@ def run_soak(sc: Scenario, wl: Workload, opts: SoakOptions) -> int:
     print(format_soak(report))
     print(f"saved: {out}/soak.json, requests.csv, rss.csv, rss.png")
     if not report.passed:
-        print(f"soak FAILED: {report.hung} hung, {report.lost} lost", file=sys.stderr)
+        print(f"soak FAILED: {report.hung} hung, {report.lost} lost, "
+              f"{report.after_faults_completed}/{report.after_faults_sent} completed after the last fault",
+              file=sys.stderr)
         return 1
     return 0
 
@@ -264,7 +276,9 @@ def run_soak(sc: Scenario, wl: Workload, opts: SoakOptions) -> int:
 def format_soak(r: SoakReport) -> str:
     lines = [f"requests {r.requests}: completed {r.completed}, failed with a reason {r.failed}, "
              f"hung {r.hung}, lost {r.lost}",
-             "faults applied: " + (", ".join(f"{k} {n}" for k, n in sorted(r.faults_by_kind.items())) or "none")]
+             "faults applied: " + (", ".join(f"{k} {n}" for k, n in sorted(r.faults_by_kind.items())) or "none"),
+             f"after the last fault cleared: {r.after_faults_completed} of {r.after_faults_sent} requests sent "
+             "completed"]
     lines += [f"  failed {n:5d}  {why}" for why, n in list(r.failures_by_reason.items())[:12]]
     lines.append(f"{'process':28s} {'pid':>7s} {'peak MB':>8s} {'first MB':>9s} {'last MB':>8s} {'growth':>7s}")
     lines += [f"{m.name:28s} {m.pid:7d} {m.rss_peak_mb:8.1f} {m.rss_first_mb:9.1f} {m.rss_last_mb:8.1f} "

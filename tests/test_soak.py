@@ -47,6 +47,17 @@ def test_random_faults_cover_every_kind_and_fit_the_scenario() -> None:
     assert random_faults(sc, 3600, 60, 3.0, seed=4) == faults  # seeded
 
 
+def test_a_soak_fails_when_nothing_completes_after_the_faults() -> None:
+    from testbed.soak import SoakReport
+
+    base = {"minutes": 1, "load": 1, "policy": "pdd", "dilation": 2, "requests": 10, "completed": 5, "failed": 5,
+            "hung": 0, "lost": 0, "failures_by_reason": {}, "faults": [], "faults_by_kind": {}, "memory": []}
+    assert SoakReport(**base).passed  # no request after the faults: nothing to say
+    assert SoakReport(**base, after_faults_sent=4, after_faults_completed=3).passed
+    assert not SoakReport(**base, after_faults_sent=4, after_faults_completed=0).passed
+    assert not SoakReport(**{**base, "hung": 1}).passed
+
+
 @needs_root
 def test_a_short_soak_ends_every_request_and_samples_memory(tmp_path: Path) -> None:
     out = tmp_path / "soak"
@@ -57,6 +68,8 @@ def test_a_short_soak_ends_every_request_and_samples_memory(tmp_path: Path) -> N
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads((out / "soak.json").read_text())
     assert report["hung"] == 0 and report["lost"] == 0
+    # The cluster serves again once the faults are over (restarted workers included).
+    assert report["after_faults_sent"] == 0 or report["after_faults_completed"] > 0, report
     assert report["completed"] + report["failed"] == report["requests"] > 0
     assert sum(report["faults_by_kind"].values()) >= 3
     names = {m["name"] for m in report["memory"]}
