@@ -264,6 +264,7 @@ def calibrate(sc: Scenario, wl: Workload, policies: list[PolicySpec], lo: float,
     """Bisect the load for cross-dc minus same-dc P50 TTFT = +2.5 s (same-dc and cross-dc
     only), then run ``policies`` at the load found. Returns the bisection and the final points."""
     from testbed.policies.spec import parse_policy_list
+    from testbed.report import merge_runs
 
     run = fixed_dilation(sc, wl, opts.run)
     pair = parse_policy_list("same-dc,cross-dc")
@@ -279,15 +280,12 @@ def calibrate(sc: Scenario, wl: Workload, policies: list[PolicySpec], lo: float,
     b = bisect_increasing(gap, REPORT_P50_GAP_S, lo, hi, tol_s, max_steps)
     # The baselines already ran at that load; only the other policies run again, and the
     # point's folder holds them all.
-    from testbed.report import merge_runs
-
     done = seen[b.load]
-    rest = [p for p in policies if p.label not in {pt.policy for pt in done}]
     dirs = [Path(done[0].run_dir)]
+    rest = [p for p in policies if p.label not in {pt.policy for pt in done}]
     if rest:
-        dirs.append(opts.out / "rest")
-        run_point(sc, wl, rest, b.load, run, dirs[-1])
-        dirs[-1] = dirs[-1] / f"load-{b.load:g}"
+        run_point(sc, wl, rest, b.load, run, opts.out / "rest")
+        dirs.append(opts.out / "rest" / f"load-{b.load:g}")
     final_dir = opts.out / f"load-{b.load:g}"
     merge_runs(dirs, final_dir)
     summary, _ = load_run(final_dir)
