@@ -54,34 +54,41 @@ run-cluster: setup
 
 # The report's experiment (issue #10): the load calibrated against its +2.5 s, the policies at
 # that load beside its figures, the SLA-throughput sweep (and BCR) and the hit-rate bathtub,
-# one report in $(REPRO_OUT)/reproduce.md. QUICK=1: fewer requests, loads and rates.
+# one report in $(REPRO_OUT)/reproduce.md; every figure over REPRO_SEEDS draws of the trace's
+# recipe (mean, 95 % interval, n). QUICK=1: one draw, fewer loads and rates.
 REPRO_SCENARIO ?= $(SCENARIO)
 REPRO_TRACE ?= $(TRACE)
 REPRO_STAMP := $(shell date +%Y%m%d-%H%M%S)
 REPRO_OUT ?= runs/reproduce-$(REPRO_STAMP)
 # A replay's length is set by its longest session, not its load: a low load stretches the
-# arrivals (24 requests at 0.25x took 2.7 min per policy, at 4x 1.9 min).
-ifeq ($(QUICK),1)
+# arrivals (24 requests at 0.25x took 2.7 min per policy, at 4x 1.9 min; 12 at 1x, 50 s).
 REPRO_ARGS ?= --limit 12
 REPRO_RANGE ?= 1:4
 REPRO_STEPS ?= 3
-REPRO_LOADS ?= 1:3:1
 REPRO_HITS ?= 0:1:0.5
+ifeq ($(QUICK),1)
+REPRO_SEEDS ?= 1
+REPRO_LOADS ?= 1:3:1
 else
-REPRO_ARGS ?=
-REPRO_RANGE ?= 0.25:4
-REPRO_STEPS ?= 7
-REPRO_LOADS ?= 0.5:4:0.5
-REPRO_HITS ?= 0:1:0.05
+REPRO_SEEDS ?= 3
+REPRO_LOADS ?= 1:3:1
 endif
+# The sweeps run at the dilation the calibration found (auto there), so every figure compares.
+REPRO_D = $$($(VENV)/bin/python -c "import json, glob; print(json.load(open(sorted(glob.glob( \
+	  '$(REPRO_OUT)/calibrate/**/summary.json', recursive=True))[0]))['emulation']['dilation'])")
 reproduce: setup
 	$(VENV)/bin/testbed clean
-	$(eval COMMON := --scenario $(REPRO_SCENARIO) --trace $(REPRO_TRACE) --token-scale $(TOKEN_SCALE) $(REPRO_ARGS))
+	$(eval COMMON := --scenario $(REPRO_SCENARIO) --trace $(REPRO_TRACE) --token-scale $(TOKEN_SCALE) \
+	  --seeds $(REPRO_SEEDS) $(REPRO_ARGS))
 	$(VENV)/bin/testbed calibrate $(COMMON) --range $(REPRO_RANGE) --steps $(REPRO_STEPS) --out $(REPRO_OUT)/calibrate || true
-	$(VENV)/bin/testbed sweep $(COMMON) --policies same-dc,pdd --load $(REPRO_LOADS) --out $(REPRO_OUT)/sweep
-	$(VENV)/bin/testbed sweep $(COMMON) --policies same-dc,pdd --load 1 --hit-rate $(REPRO_HITS) --out $(REPRO_OUT)/bathtub
-	{ echo "# make reproduce$(if $(filter 1,$(QUICK)), QUICK=1 (fewer requests, loads and hit rates),)"; \
-	  echo; echo "scenario $(REPRO_SCENARIO), trace $(REPRO_TRACE), token scale $(TOKEN_SCALE) $(REPRO_ARGS)"; echo; \
+	$(VENV)/bin/testbed sweep $(COMMON) --dilation $(REPRO_D) --policies same-dc,pdd --load $(REPRO_LOADS) \
+	  --out $(REPRO_OUT)/sweep
+	$(VENV)/bin/testbed sweep $(COMMON) --dilation $(REPRO_D) --policies same-dc,pdd --load 1 \
+	  --hit-rate $(REPRO_HITS) --out $(REPRO_OUT)/bathtub
+	{ echo "# make reproduce$(if $(filter 1,$(QUICK)), QUICK=1 (one draw of the trace: no intervals),)"; \
+	  echo; echo "scenario $(REPRO_SCENARIO), trace $(REPRO_TRACE), token scale $(TOKEN_SCALE), $(REPRO_SEEDS)" \
+	    "draw(s) of the trace, $(REPRO_ARGS); calibration range $(REPRO_RANGE) in $(REPRO_STEPS) steps," \
+	    "loads $(REPRO_LOADS), hit rates $(REPRO_HITS)"; echo; \
 	  sed 's/^#/##/' $(REPRO_OUT)/calibrate/calibration.md; echo; sed 's/^#/##/' $(REPRO_OUT)/sweep/sweep.md; echo; \
 	  sed 's/^#/##/' $(REPRO_OUT)/bathtub/bathtub.md; } > $(REPRO_OUT)/reproduce.md
 	@cat $(REPRO_OUT)/reproduce.md; echo "written: $(REPRO_OUT)/reproduce.md"

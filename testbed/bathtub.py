@@ -87,6 +87,11 @@ def benefit(points: list[HitPoint], baseline: str, policy: str) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def compared(policies: list[PolicySpec]) -> tuple[str, str]:
+    """The baseline (the first policy) and the policy set against it (PDD, else the last)."""
+    return policies[0].label, next((p.label for p in policies if p.name == "pdd"), policies[-1].label)
+
+
 def hit_sweep(sc: Scenario, wl: Workload, policies: list[PolicySpec], rates: list[float], load: float,
               opts: SweepOptions) -> tuple[list[HitPoint], pd.DataFrame]:
     """Every policy at every hit rate (one dilation for all), saved as bathtub.csv/.png/.md."""
@@ -109,8 +114,7 @@ def hit_sweep(sc: Scenario, wl: Workload, policies: list[PolicySpec], rates: lis
                                    run_dir=str(run_dir), completed=s.completed, requests=s.requests,
                                    ttft_mean_s=s.ttft_mean_s, ttft_p50_s=s.ttft_p50_s, ttft_p99_s=s.ttft_p99_s,
                                    slo_attainment=s.slo_attainment))
-    base = policies[0].label
-    pdd = next((p.label for p in policies if p.name == "pdd"), policies[-1].label)
+    base, pdd = compared(policies)
     curve = benefit(points, base, pdd)
     save_bathtub(points, curve, opts.out, base, pdd)
     return points, curve

@@ -87,6 +87,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--hit-rate", metavar="A:B:STEP", help="sweep the prefix-hit rate instead (e.g. 0:1:0.05): "
                    "every prompt rewritten to share that fraction with a common stream; the bathtub")
     p.add_argument("--share", type=float, default=0.9, help="share of requests that must meet the SLO (default 0.9)")
+    p.add_argument("--seeds", type=int, default=1, metavar="N",
+                   help="repeat over N draws of a generated trace's recipe (seeds s..s+N-1, s the file's): "
+                        "mean and 95%% interval (default 1)")
     p.add_argument("--out", type=Path, help="results folder (default runs/sweep-<timestamp>)")
     p.set_defaults(command="sweep")
 
@@ -96,6 +99,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--range", default="0.25:4", metavar="LOW:HIGH", help="loads to search, x the trace's rate")
     p.add_argument("--tolerance", type=float, default=0.25, help="seconds either side of +2.5 s (default 0.25)")
     p.add_argument("--steps", type=int, default=7, help="at most this many loads tried (default 7)")
+    p.add_argument("--seeds", type=int, default=1, metavar="N",
+                   help="repeat over N draws of a generated trace's recipe (seeds s..s+N-1, s the file's): "
+                        "mean and 95%% interval (default 1)")
     p.add_argument("--out", type=Path, help="results folder (default runs/calibrate-<timestamp>)")
     p.set_defaults(command="calibrate")
 

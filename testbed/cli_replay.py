@@ -18,6 +18,7 @@ from testbed.scenario import Scenario, load_scenario
 
 if TYPE_CHECKING:  # the replaying modules (pandas, torch) load only for a command that replays
     from testbed.experiment import RunOptions
+    from testbed.seeds import Draw
     from testbed.traces.workload import Workload
 
 
@@ -58,8 +59,21 @@ def _out(args: argparse.Namespace, kind: str) -> Path:
     return args.out or Path("runs") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def _draws(args: argparse.Namespace, wl: Workload, out: Path) -> list[Draw]:
+    from testbed.seeds import draws
+
+    ds = draws(wl, args.seeds, out, args.limit, _window(args.window))
+    if len(ds) > 1:
+        print(f"{len(ds)} draws of {args.trace}'s recipe: seeds {', '.join(str(d.seed) for d in ds)} "
+              f"(written to {out}/traces/)", flush=True)
+    return ds
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from testbed.sweep import SweepOptions, load_sweep, parse_range
+    import dataclasses
+
+    from testbed.seeds import write_seeded_bathtub, write_seeded_sweep
+    from testbed.sweep import SweepOptions, fixed_dilation, load_sweep, parse_range
 
     hit_rates = parse_range(args.hit_rate, "--hit-rate") if args.hit_rate else None
     if hit_rates and hit_rates[-1] > 1:
@@ -76,23 +90,38 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if not 0 < args.share <= 1:
         raise InputError(f"--share: expected a fraction in (0, 1], got {args.share}")
     sc, policies, wl, opts = replay_inputs(args)
-    if hit_rates:
-        from testbed.bathtub import hit_sweep
+    out = _out(args, "bathtub" if hit_rates else "sweep")
+    ds = _draws(args, wl, out)
+    # One dilation for every point of every draw, so all of them compare.
+    opts = dataclasses.replace(opts, dilation=fixed_dilation(sc, ds[0].workload, opts).dilation)
+    one = len(ds) == 1
 
-        out = _out(args, "bathtub")
-        hit_sweep(sc, wl, policies, hit_rates, loads[0], SweepOptions(opts, out, args.share))
+    def sub(tag: str) -> SweepOptions:
+        return SweepOptions(opts, out if one else out / tag, args.share)
+
+    if hit_rates:
+        from testbed.bathtub import compared, hit_sweep
+
+        curves = [(d.seed, hit_sweep(sc, d.workload, policies, hit_rates, loads[0], sub(d.tag))[1]) for d in ds]
+        if not one:
+            write_seeded_bathtub(curves, out, *compared(policies))
         print("\n" + (out / "bathtub.md").read_text())
-        print(f"saved: {out}/bathtub.csv, bathtub.md, bathtub.png, bathtub_points.csv; each rate's run in {out}/hit-*/")
+        where = f"{out}/hit-*/" if one else f"{out}/seed-*/hit-*/"
+        print(f"saved: {out}/bathtub.csv, bathtub.md, bathtub.png; each rate's run in {where}")
         return 0
-    out = _out(args, "sweep")
-    load_sweep(sc, wl, policies, loads, SweepOptions(opts, out, args.share))
+    results = [(d.seed, load_sweep(sc, d.workload, policies, loads, sub(d.tag))) for d in ds]
+    if not one:
+        write_seeded_sweep(results, out)
     print("\n" + (out / "sweep.md").read_text())
-    print(f"saved: {out}/sweep.json, sweep.csv, sweep.md, sweep.png; each load's run in {out}/load-*/")
+    where = f"{out}/load-*/" if one else f"{out}/seed-*/load-*/"
+    print(f"saved: {out}/sweep.md, sweep.png, {'sweep.json, sweep.csv' if one else 'sweep_seeds.csv'}; "
+          f"each load's run in {where}")
     return 0
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from testbed.report import paper_comparison
+    from testbed.confidence import mean_ci
+    from testbed.report import paper_comparison, repetitions_markdown
     from testbed.results import load_run
     from testbed.sweep import REPORT_P50_GAP_S, SweepOptions, calibrate
 
@@ -107,19 +136,34 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise InputError("--tolerance must be positive and --steps at least 2")
     sc, policies, wl, opts = replay_inputs(args)
     out = _out(args, "calibrate")
-    b, final = calibrate(sc, wl, policies, lo_f, hi_f, args.tolerance, args.steps, SweepOptions(opts, out))
-    lines = ["# Load calibration", "", f"Bisection of the offered load (x the trace's rate) for cross-dc minus "
+    ds = _draws(args, wl, out)
+    b, gaps, finals = calibrate(sc, ds, policies, lo_f, hi_f, args.tolerance, args.steps, SweepOptions(opts, out))
+    many = len(ds) > 1
+    seeds = ", ".join(str(d.seed) for d in ds)
+    what = f"the mean over {len(ds)} draws of the trace (seeds {seeds}) of " if many else ""
+    lines = ["# Load calibration", "", f"Bisection of the offered load (x the trace's rate) for {what}cross-dc minus "
              f"same-dc P50 TTFT = +{REPORT_P50_GAP_S:g} s (tolerance {args.tolerance:g} s):", "",
-             "| load | gap |", "|---:|---:|"]
-    lines += [f"| {load:.3f} | {gap:+.2f} s |" for load, gap in b.steps]
+             "| load | gap | 95 % interval, per draw |" if many else "| load | gap |",
+             "|---:|---:|---|" if many else "|---:|---:|"]
+    for load, gap in b.steps:
+        if many:
+            ci = mean_ci(gaps[load])
+            half = "-" if ci is None or ci.half is None else f"± {ci.half:.2f} s"
+            lines.append(f"| {load:.3f} | {gap:+.2f} s | {half}; {', '.join(f'{g:+.2f}' for g in gaps[load])} |")
+        else:
+            lines.append(f"| {load:.3f} | {gap:+.2f} s |")
     if b.reached:
         lines += ["", f"Calibrated load: {b.load:g} x the trace's rate (gap {b.value:+.2f} s)."]
     else:
         lines += ["", f"NOT REACHED: no load in {args.range} gives +{REPORT_P50_GAP_S:g} s; the closest is "
                       f"{b.load:g} ({b.value:+.2f} s), used below."]
-    run_dir = Path(final[0].run_dir)
-    lines += ["", f"## The report's figures beside this testbed's at that load (`{run_dir}`)", "",
-              paper_comparison(load_run(run_dir)[0])]
+    if many:
+        runs = [(d, load_run(d)[0]) for d in finals]
+        lines += ["", f"## Every policy at that load, over the draws (`{out}/seed-*/load-{b.load:g}`)", "",
+                  repetitions_markdown(runs).split("\n", 1)[1].strip()]
+    else:
+        lines += ["", f"## The report's figures beside this testbed's at that load (`{finals[0]}`)", "",
+                  paper_comparison(load_run(finals[0])[0])]
     (out / "calibration.md").write_text("\n".join(lines) + "\n")
     print("\n" + "\n".join(lines))
     print(f"\nsaved: {out / 'calibration.md'}; the bisection's runs in {out}/bisection/")

@@ -206,9 +206,14 @@ def plot_bathtub(curve: pd.DataFrame, path: Path, base: str, policy: str) -> Non
     fig, ax = plt.subplots(figsize=(8, 4.5))
     if len(curve):
         x = 100 * curve.hit_target
-        ax.plot(x, -100 * curve.ttft_mean_change.astype(float), marker="o", label="mean TTFT reduction (%)")
-        ax.plot(x, -100 * curve.ttft_p50_change.astype(float), marker="x", label="P50 TTFT reduction (%)")
-        ax.plot(x, curve.slo_points.astype(float), marker="s", ls="--", label="SLO attainment gain (points)")
+        # Over several draws the curve holds means and the half-widths of their 95 % intervals.
+        for col, scale, style, label in (("ttft_mean_change", -100, {"marker": "o"}, "mean TTFT reduction (%)"),
+                                         ("ttft_p50_change", -100, {"marker": "x"}, "P50 TTFT reduction (%)"),
+                                         ("slo_points", 1, {"marker": "s", "ls": "--"},
+                                          "SLO attainment gain (points)")):
+            half = curve.get(f"{col}_half")
+            err = None if half is None else abs(scale) * half.astype(float)
+            ax.errorbar(x, scale * curve[col].astype(float), yerr=err, capsize=3, label=label, **style)
     ax.axhline(0, color="grey", lw=0.8)
     ax.set(xlabel="prefix-hit rate (%)", ylabel="benefit", title=f"{policy} against {base} by hit rate")
     ax.grid(alpha=0.3)

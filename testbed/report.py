@@ -27,6 +27,7 @@ from testbed.errors import InputError
 from testbed.fidelity import format_verdict
 from testbed.metrics import Summary
 from testbed.results import REQUESTS_FILE, SUMMARY_FILE, RunSummary, load_run
+from testbed.traces.generate import same_recipe
 
 # Columns of the side-by-side table: (summary key, header, scale, format).
 TABLE_COLUMNS: list[tuple[str, str, float, str]] = [
@@ -266,7 +267,9 @@ REPEAT_COLUMNS: list[tuple[str, str, float, str]] = [
 def _same_setup(runs: list[tuple[Path, RunSummary]]) -> None:
     first_dir, first = runs[0]
     for d, s in runs[1:]:
-        checks = (("scenario", first.scenario.name, s.scenario.name), ("trace", first.trace.trace, s.trace.trace),
+        # Draws of one generated recipe (``--seeds``) are repetitions too, of different files.
+        trace = s.trace.trace if same_recipe(first.trace.meta, s.trace.meta) else first.trace.trace
+        checks = (("scenario", first.scenario.name, s.scenario.name), ("trace", trace, s.trace.trace),
                   ("token scale", first.trace.token_scale, s.trace.token_scale),
                   ("policies", list(first.policies), list(s.policies)))
         for what, a, b in checks:
@@ -282,7 +285,10 @@ def repetitions_markdown(runs: list[tuple[Path, RunSummary]]) -> str:
     first = runs[0][1]
     n = len(runs)
     header = ["policy", *(c[1] for c in REPEAT_COLUMNS), "fidelity passed"]
-    lines = [f"# Repetitions: {first.scenario.name} on {Path(first.trace.trace).name} (n = {n})", "",
+    traces = sorted({Path(s.trace.trace).name for _, s in runs})
+    on = (f"{len(traces)} draws of one trace recipe (seeds {', '.join(str(s.trace.meta.get('seed')) for _, s in runs)})"
+          if len(traces) > 1 else traces[0])
+    lines = [f"# Repetitions: {first.scenario.name} on {on} (n = {n})", "",
              f"Runs: {', '.join(str(d) for d, _ in runs)}; dilations "
              f"{', '.join(f'{s.emulation.dilation:g}' for _, s in runs)}; times in {first.units}.",
              "Cells: mean ± half-width of the 95 % confidence interval (Student's t, n - 1 degrees of freedom).",

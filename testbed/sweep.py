@@ -26,6 +26,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
@@ -35,6 +36,9 @@ from testbed.policies.spec import PolicySpec
 from testbed.results import PolicySummary, load_run
 from testbed.scenario import Scenario
 from testbed.traces.workload import Workload
+
+if TYPE_CHECKING:
+    from testbed.seeds import Draw
 
 REPORT_P50_GAP_S = 2.5  # ../shared/PDD.md: decode in another city adds +2.5 s to P50 TTFT
 REPORT_SLA_GAIN = 0.278  # PDD's SLA-compliant throughput over the same-dc baseline
@@ -259,34 +263,48 @@ def p50_gap(points: list[LoadPoint]) -> float:
     return cross.ttft_p50_s - same.ttft_p50_s
 
 
-def calibrate(sc: Scenario, wl: Workload, policies: list[PolicySpec], lo: float, hi: float, tol_s: float,
-              max_steps: int, opts: SweepOptions) -> tuple[Bisection, list[LoadPoint]]:
+def calibrate(sc: Scenario, draws: list[Draw], policies: list[PolicySpec], lo: float, hi: float, tol_s: float,
+              max_steps: int, opts: SweepOptions) -> tuple[Bisection, dict[float, list[float]], list[Path]]:
     """Bisect the load for cross-dc minus same-dc P50 TTFT = +2.5 s (same-dc and cross-dc
-    only), then run ``policies`` at the load found. Returns the bisection and the final points."""
+    only; over several draws of the trace, their mean gap), then run ``policies`` at the load
+    found. Returns the bisection, every load's gap per draw, and the final run folder of
+    each draw (``load-<x>/``, or ``seed-<s>/load-<x>/`` over several draws)."""
+    import statistics
+
     from testbed.policies.spec import parse_policy_list
     from testbed.report import merge_runs
 
-    run = fixed_dilation(sc, wl, opts.run)
+    run = fixed_dilation(sc, draws[0].workload, opts.run)
     pair = parse_policy_list("same-dc,cross-dc")
-    seen: dict[float, list[LoadPoint]] = {}
+    seen: dict[tuple[float, int], list[LoadPoint]] = {}
+    gaps: dict[float, list[float]] = {}
+
+    def where(d: Draw, part: str = "") -> Path:
+        base = opts.out / part if part else opts.out
+        return base / d.tag if len(draws) > 1 else base
 
     def gap(load: float) -> float:
-        seen[load] = run_point(sc, wl, pair, load, run, opts.out / "bisection")
-        g = p50_gap(seen[load])
-        print(f"== load {load:g}: cross-dc minus same-dc P50 TTFT {g:+.2f} s (target +{REPORT_P50_GAP_S:g})",
+        for d in draws:
+            seen[load, d.seed] = run_point(sc, d.workload, pair, load, run, where(d, "bisection"))
+            gaps.setdefault(load, []).append(p50_gap(seen[load, d.seed]))
+        g = statistics.fmean(gaps[load])
+        print(f"== load {load:g}: cross-dc minus same-dc P50 TTFT {g:+.2f} s"
+              f"{f' (mean of {len(draws)} draws)' if len(draws) > 1 else ''} (target +{REPORT_P50_GAP_S:g})",
               flush=True)
         return g
 
     b = bisect_increasing(gap, REPORT_P50_GAP_S, lo, hi, tol_s, max_steps)
     # The baselines already ran at that load; only the other policies run again, and the
     # point's folder holds them all.
-    done = seen[b.load]
-    dirs = [Path(done[0].run_dir)]
-    rest = [p for p in policies if p.label not in {pt.policy for pt in done}]
-    if rest:
-        run_point(sc, wl, rest, b.load, run, opts.out / "rest")
-        dirs.append(opts.out / "rest" / f"load-{b.load:g}")
-    final_dir = opts.out / f"load-{b.load:g}"
-    merge_runs(dirs, final_dir)
-    summary, _ = load_run(final_dir)
-    return b, [LoadPoint.of(b.load, name, s, final_dir) for name, s in summary.policies.items()]
+    finals = []
+    for d in draws:
+        done = seen[b.load, d.seed]
+        dirs = [Path(done[0].run_dir)]
+        rest = [p for p in policies if p.label not in {pt.policy for pt in done}]
+        if rest:
+            run_point(sc, d.workload, rest, b.load, run, where(d, "rest"))
+            dirs.append(where(d, "rest") / f"load-{b.load:g}")
+        final_dir = where(d) / f"load-{b.load:g}"
+        merge_runs(dirs, final_dir)
+        finals.append(final_dir)
+    return b, gaps, finals

@@ -33,6 +33,7 @@ from testbed.traces.formats import MOONCAKE_BLOCK, SESSIONS_FORMAT, sessions_wor
 from testbed.traces.stats import trace_stats
 from testbed.traces.workload import Workload, block_hashes
 
+RECIPE_GENERATOR = "testbed trace gen"  # a header with this generator holds a recipe to draw again
 # Where hits above 95 % fall (buckets of `trace stats`), relative weights.
 HIGH_BUCKETS = [((0.95, 0.97), 0.30), ((0.97, 0.98), 0.25), ((0.98, 0.99), 0.25), ((0.99, 0.998), 0.20)]
 
@@ -148,8 +149,15 @@ def _generate_once(cfg: GenConfig, p_high: float | None) -> tuple[list[dict[str,
                     "turns": [{"new_tokens": doc, "output_tokens": rng.randint(16, 64), "short_output": True,
                                "tag": "long-input-short-output"}]})
     out.sort(key=lambda d: d["start_s"])
-    header = {"format": SESSIONS_FORMAT, "version": 1, "generator": "testbed trace gen", **cfg.as_dict()}
+    header = {"format": SESSIONS_FORMAT, "version": 1, "generator": RECIPE_GENERATOR, **cfg.as_dict()}
     return out, header, p_high
+
+
+def same_recipe(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two trace headers from one recipe (they may differ in seed and in what was achieved)."""
+    def key(m: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in m.items() if k not in ("seed", "format", "version") and not k.startswith("achieved_")}
+    return a.get("generator") == RECIPE_GENERATOR and key(a) == key(b)
 
 
 def write_jsonl(path: Path, records: list[dict[str, Any]], header: dict[str, Any] | None = None) -> None:
