@@ -61,17 +61,19 @@ REPRO_TRACE ?= $(TRACE)
 REPRO_STAMP := $(shell date +%Y%m%d-%H%M%S)
 REPRO_OUT ?= runs/reproduce-$(REPRO_STAMP)
 # A replay's length is set by its longest session, not its load: a low load stretches the
-# arrivals (24 requests at 0.25x took 2.7 min per policy, at 4x 1.9 min; 12 at 1x, 50 s).
-REPRO_ARGS ?= --limit 12
-REPRO_RANGE ?= 1:4
+# arrivals (24 requests at 0.25x took 2.7 min per policy, at 4x 1.9 min).
+# Each policy's replay of 12 requests at 1x took 53-62 s here: the budgets (60 min, QUICK
+# 15 min on 2 cores) set how many draws and points fit.
+REPRO_RANGE ?= 1:8
 REPRO_STEPS ?= 3
+REPRO_LOADS ?= 2:10:8
 REPRO_HITS ?= 0:1:0.5
 ifeq ($(QUICK),1)
 REPRO_SEEDS ?= 1
-REPRO_LOADS ?= 1:3:1
+REPRO_ARGS ?= --limit 10
 else
 REPRO_SEEDS ?= 3
-REPRO_LOADS ?= 1:3:1
+REPRO_ARGS ?= --limit 12
 endif
 # The sweeps run at the dilation the calibration found (auto there), so every figure compares.
 REPRO_D = $$($(VENV)/bin/python -c "import json, glob; print(json.load(open(sorted(glob.glob( \
@@ -85,7 +87,7 @@ reproduce: setup
 	  --out $(REPRO_OUT)/sweep
 	$(VENV)/bin/testbed sweep $(COMMON) --dilation $(REPRO_D) --policies same-dc,pdd --load 1 \
 	  --hit-rate $(REPRO_HITS) --out $(REPRO_OUT)/bathtub
-	{ echo "# make reproduce$(if $(filter 1,$(QUICK)), QUICK=1 (one draw of the trace: no intervals),)"; \
+	{ echo "# make reproduce$(if $(filter 1,$(QUICK)), QUICK=1 (one draw of the trace, no intervals; 10 requests),)"; \
 	  echo; echo "scenario $(REPRO_SCENARIO), trace $(REPRO_TRACE), token scale $(TOKEN_SCALE), $(REPRO_SEEDS)" \
 	    "draw(s) of the trace, $(REPRO_ARGS); calibration range $(REPRO_RANGE) in $(REPRO_STEPS) steps," \
 	    "loads $(REPRO_LOADS), hit rates $(REPRO_HITS)"; echo; \
