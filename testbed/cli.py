@@ -182,6 +182,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.out is not None:
         raise InputError("--out: only with several RUN_DIRs (one run's report is rebuilt in place)")
     run_dir = args.run_dirs[0]
+    if not (run_dir / "summary.json").exists():
+        from testbed.sweep_report import rebuild_folder
+
+        rebuilt = rebuild_folder(run_dir)  # a sweep, bathtub or calibration folder
+        if rebuilt is not None:
+            print(f"written: {', '.join(str(p) for p in rebuilt)}")
+            return 0
     paths = rebuild(run_dir)
     print((run_dir / "report.md").read_text())
     print(f"written: {', '.join(str(p) for p in paths)}")

@@ -120,10 +120,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from testbed.confidence import mean_ci
-    from testbed.report import paper_comparison, repetitions_markdown
-    from testbed.results import load_run
-    from testbed.sweep import REPORT_P50_GAP_S, SweepOptions, calibrate
+    from testbed.sweep import SweepOptions, calibrate
+    from testbed.sweep_report import Calibration, save_calibration
 
     lo, sep, hi = args.range.partition(":")
     try:
@@ -138,33 +136,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     out = _out(args, "calibrate")
     ds = _draws(args, wl, out)
     b, gaps, finals = calibrate(sc, ds, policies, lo_f, hi_f, args.tolerance, args.steps, SweepOptions(opts, out))
-    many = len(ds) > 1
-    seeds = ", ".join(str(d.seed) for d in ds)
-    what = f"the mean over {len(ds)} draws of the trace (seeds {seeds}) of " if many else ""
-    lines = ["# Load calibration", "", f"Bisection of the offered load (x the trace's rate) for {what}cross-dc minus "
-             f"same-dc P50 TTFT = +{REPORT_P50_GAP_S:g} s (tolerance {args.tolerance:g} s):", "",
-             "| load | gap | 95 % interval, per draw |" if many else "| load | gap |",
-             "|---:|---:|---|" if many else "|---:|---:|"]
-    for load, gap in b.steps:
-        if many:
-            ci = mean_ci(gaps[load])
-            half = "-" if ci is None or ci.half is None else f"± {ci.half:.2f} s"
-            lines.append(f"| {load:.3f} | {gap:+.2f} s | {half}; {', '.join(f'{g:+.2f}' for g in gaps[load])} |")
-        else:
-            lines.append(f"| {load:.3f} | {gap:+.2f} s |")
-    if b.reached:
-        lines += ["", f"Calibrated load: {b.load:g} x the trace's rate (gap {b.value:+.2f} s)."]
-    else:
-        lines += ["", f"NOT REACHED: no load in {args.range} gives +{REPORT_P50_GAP_S:g} s; the closest is "
-                      f"{b.load:g} ({b.value:+.2f} s), used below."]
-    if many:
-        runs = [(d, load_run(d)[0]) for d in finals]
-        lines += ["", f"## Every policy at that load, over the draws (`{out}/seed-*/load-{b.load:g}`)", "",
-                  repetitions_markdown(runs).split("\n", 1)[1].strip()]
-    else:
-        lines += ["", f"## The report's figures beside this testbed's at that load (`{finals[0]}`)", "",
-                  paper_comparison(load_run(finals[0])[0])]
-    (out / "calibration.md").write_text("\n".join(lines) + "\n")
-    print("\n" + "\n".join(lines))
-    print(f"\nsaved: {out / 'calibration.md'}; the bisection's runs in {out}/bisection/")
+    cal = Calibration(range=args.range, tolerance_s=args.tolerance, seeds=[d.seed for d in ds], steps=b.steps,
+                      gaps={f"{load:g}": g for load, g in gaps.items()}, load=b.load, gap_s=b.value,
+                      reached=b.reached, finals=[str(f) for f in finals])
+    save_calibration(cal, out)
+    print("\n" + (out / "calibration.md").read_text())
+    print(f"saved: {out}/calibration.md, calibration.json; the bisection's runs in {out}/bisection/")
     return 0 if b.reached else 1

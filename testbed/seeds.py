@@ -104,7 +104,7 @@ def _gain(new: float | None, base: float | None) -> float | None:
 def seeded_sweep_markdown(results: list[tuple[int, SweepResult]]) -> str:
     """The load sweep over draws: per load and policy SLO attainment and TTFT P50; per
     policy SLA throughput and BCR; PDD's gain over same-dc per draw, then its mean."""
-    from testbed.sweep import REPORT_SLA_GAIN
+    from testbed.sweep import REPORT_SLA_GAIN, unbounded
 
     first = results[0][1]
     n = len(results)
@@ -140,6 +140,8 @@ def seeded_sweep_markdown(results: list[tuple[int, SweepResult]]) -> str:
                       f"+{100 * REPORT_SLA_GAIN:.1f} %); the step of the sweep bounds each draw's precision."]
         if any(g is not None for g in bcr_gains):
             lines.append(f"BCR over same-dc: {_ci(bcr_gains, 100, '{:+.1f}', ' %')} (the report: up to +37.5 %).")
+    caveats = {c for _, r in results if (c := unbounded(r))}
+    lines += ["", *sorted(caveats)] if caveats else []
     return "\n".join(lines) + "\n"
 
 

@@ -251,7 +251,23 @@ def sweep_markdown(r: SweepResult) -> str:
                       f"+{100 * REPORT_SLA_GAIN:.1f} %); the step of the sweep bounds the precision."]
         if base.bcr and pdd.bcr is not None:
             lines.append(f"BCR over same-dc: {100 * (pdd.bcr / base.bcr - 1):+.1f} % (the report: up to +37.5 %).")
+    caveat = unbounded(r)
+    if caveat:
+        lines += ["", caveat]
     return "\n".join(lines) + "\n"
+
+
+def unbounded(r: SweepResult) -> str | None:
+    """A warning when a policy met the objectives at the highest load swept: its SLA throughput
+    is then a lower bound (the sweep never found its limit), and a gain is not a capacity gain
+    but each policy's throughput at that load (with closed-loop sessions, how fast it answers)."""
+    top = max((p.load for p in r.points), default=None)
+    at_top = [t.policy for t in r.sla if t.load is not None and t.load == top]
+    if not at_top:
+        return None
+    return (f"Lower bound: {', '.join(at_top)} met the objectives at the highest load swept ({top:g}x), so the sweep "
+            "did not reach that limit; a gain here compares the throughput each policy achieved at that load, not "
+            "capacity. Sweep higher loads to find it.")
 
 
 def p50_gap(points: list[LoadPoint]) -> float:

@@ -92,6 +92,10 @@ def test_sweep_tables_give_the_gain_and_bcr_and_are_saved(tmp_path: Path) -> Non
     md = sweep_markdown(r)
     assert "+100.0 % (the report: +27.8 %)" in md
     assert f"BCR over same-dc: {100 * (2 / 83.35 * 88 - 1):+.1f} %" in md
+    # PDD met the objectives at the top of the sweep: its figure is a lower bound, said so.
+    assert "Lower bound: pdd met the objectives at the highest load swept (2x)" in md
+    capped = r.model_copy(update={"points": [*pts, _point(3.0, "same-dc", 0.1), _point(3.0, "pdd", 0.1)]})
+    assert "Lower bound" not in sweep_markdown(capped)
     paths = save_sweep(r, tmp_path)
     assert all(p.stat().st_size > 0 for p in paths)
     assert SweepResult.model_validate_json((tmp_path / "sweep.json").read_text()) == r

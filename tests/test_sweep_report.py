@@ -1,0 +1,120 @@
+"""Sweeps, bathtubs and calibrations rebuilt from their saved points (``testbed report FOLDER``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from testbed import report
+from testbed.bathtub import HitPoint, benefit, save_bathtub
+from testbed.seeds import write_seeded_sweep
+from testbed.sweep import save_sweep
+from testbed.sweep_report import Calibration, rebuild_folder, save_calibration
+
+from .conftest import ROOT
+from .test_seeds import _result
+
+
+def _tables(d: Path) -> dict[str, str]:
+    return {str(p.relative_to(d)): p.read_text() for p in sorted(d.rglob("*.md"))}
+
+
+def _wipe(d: Path) -> None:
+    for p in [*d.rglob("*.md"), *d.rglob("*.png")]:
+        p.unlink()
+
+
+def test_a_sweep_over_draws_is_rebuilt_byte_for_byte_by_testbed_report(tmp_path: Path) -> None:
+    results = [(2, _result(1.0, 1.2, 0.95)), (3, _result(1.0, 1.4, 1.05))]
+    for s, r in results:
+        save_sweep(r, tmp_path / f"seed-{s}")
+    write_seeded_sweep(results, tmp_path)
+    before = _tables(tmp_path)
+    _wipe(tmp_path)
+    res = subprocess.run([sys.executable, "-m", "testbed", "report", str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert _tables(tmp_path) == before and set(before) == {"sweep.md", "seed-2/sweep.md", "seed-3/sweep.md"}
+    assert (tmp_path / "sweep.png").exists() and (tmp_path / "seed-3" / "sweep.png").exists()
+
+
+def test_a_bathtub_is_rebuilt_from_its_points(tmp_path: Path) -> None:
+    def pt(h: float, policy: str, mean: float, met: float | None) -> HitPoint:
+        return HitPoint(hit_target=h, hit_trace=h, hit_measured=None if h == 0 else h, policy=policy, run_dir="x",
+                        completed=1, requests=1, ttft_mean_s=mean, ttft_p50_s=mean, ttft_p99_s=mean,
+                        slo_attainment=met)
+
+    points = [pt(0.0, "same-dc", 2.0, 0.5), pt(0.0, "pdd:load=4", 1.0, None), pt(0.5, "same-dc", 1.0, 1.0),
+              pt(0.5, "pdd:load=4", 1.5, 0.9)]
+    save_bathtub(points, benefit(points, "same-dc", "pdd:load=4"), tmp_path, "same-dc", "pdd:load=4")
+    before = _tables(tmp_path)
+    _wipe(tmp_path)
+    assert rebuild_folder(tmp_path) is not None
+    assert _tables(tmp_path) == before and "pdd:load=4 against same-dc" in before["bathtub.md"]
+
+
+@pytest.mark.parametrize("seeds", [[1], [1, 2]])
+def test_a_calibration_is_rebuilt_from_its_saved_bisection(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          seeds: list[int]) -> None:
+    from .test_report import _saved_run
+
+    monkeypatch.setattr(report, "rebuild", lambda run_dir: [])  # the runs' own plots are not the point here
+    finals = []
+    for s in seeds:
+        _saved_run(tmp_path / f"seed-{s}" / "load-2")
+        finals.append(str(tmp_path / f"seed-{s}" / "load-2"))
+    cal = Calibration(range="1:4", tolerance_s=0.25, seeds=seeds, steps=[(1.0, 1.0), (4.0, 3.0), (2.0, 2.4)],
+                      gaps={"1": [1.0] * len(seeds), "4": [3.0] * len(seeds), "2": [2.4] * len(seeds)}, load=2.0,
+                      gap_s=2.4, reached=True, finals=finals)
+    save_calibration(cal, tmp_path)
+    before = (tmp_path / "calibration.md").read_text()
+    assert "Calibrated load: 2 x the trace's rate (gap +2.40 s)." in before
+    assert ("over the draws" in before) == (len(seeds) > 1)
+    (tmp_path / "calibration.md").unlink()
+    assert rebuild_folder(tmp_path) is not None
+    assert (tmp_path / "calibration.md").read_text() == before
+
+
+def test_a_folder_with_nothing_saved_is_not_rebuilt(tmp_path: Path) -> None:
+    (tmp_path / "seed-x").mkdir()
+    assert rebuild_folder(tmp_path) is None
+    res = subprocess.run([sys.executable, "-m", "testbed", "report", str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2 and str(tmp_path) in res.stderr
+
+
+def test_calibrate_saves_what_it_found_and_says_when_not_reached(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``testbed calibrate``'s own path from the bisection to calibration.json/.md (the
+    replays stood in for: the bisection is tested in test_seeds)."""
+    from testbed import cli_replay, sweep
+    from testbed.cli_args import build_parser
+
+    from .test_report import _saved_run
+
+    monkeypatch.setattr(report, "rebuild", lambda run_dir: [])
+
+    def calibrate(sc: object, ds: list, policies: list, lo: float, hi: float, tol: float, steps: int,
+                  opts: sweep.SweepOptions) -> tuple[sweep.Bisection, dict[float, list[float]], list[Path]]:
+        finals = [opts.out / d.tag / "load-4" for d in ds]
+        for f in finals:
+            _saved_run(f)
+        gaps = {1.0: [0.5 + 0.1 * i for i in range(len(ds))], 4.0: [1.9 + 0.1 * i for i in range(len(ds))]}
+        steps_seen = [(load, sum(g) / len(g)) for load, g in gaps.items()]
+        return sweep.Bisection(steps_seen, 4.0, steps_seen[-1][1], False), gaps, finals
+
+    monkeypatch.setattr(sweep, "calibrate", calibrate)
+    out = tmp_path / "cal"
+    args = build_parser().parse_args(["calibrate", "--trace", str(ROOT / "traces" / "agentic-quick.jsonl"),
+                                      "--token-scale", "16", "--limit", "4", "--seeds", "2", "--range", "1:4",
+                                      "--out", str(out)])
+    assert cli_replay.cmd_calibrate(args) == 1  # not reached: exit 1
+    cal = Calibration.model_validate_json((out / "calibration.json").read_text())
+    assert cal.seeds == [2, 3] and cal.gaps == {"1": pytest.approx([0.5, 0.6]), "4": pytest.approx([1.9, 2.0])}
+    text = (out / "calibration.md").read_text()
+    assert "NOT REACHED: no load in 1:4 gives +2.5 s; the closest is 4 (+1.95 s), used below." in text
+    assert "| 4.000 | +1.95 s | ± 0.64 s; +1.90, +2.00 |" in text  # t(0.975, 1) x 0.0707 / sqrt(2)
+    assert (out / "traces" / "seed-3.jsonl").exists()
