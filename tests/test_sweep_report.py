@@ -118,3 +118,48 @@ def test_calibrate_saves_what_it_found_and_says_when_not_reached(tmp_path: Path,
     assert "NOT REACHED: no load in 1:4 gives +2.5 s; the closest is 4 (+1.95 s), used below." in text
     assert "| 4.000 | +1.95 s | ± 0.64 s; +1.90, +2.00 |" in text  # t(0.975, 1) x 0.0707 / sqrt(2)
     assert (out / "traces" / "seed-3.jsonl").exists()
+
+
+@pytest.mark.parametrize("hit_rate", [None, "0:1:0.5"])
+def test_sweep_over_draws_puts_each_draw_in_its_folder_and_tabulates_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hit_rate: str | None) -> None:
+    """``testbed sweep --seeds 2``'s own path (the replays stood in for): one dilation for all
+    draws, each draw's points in ``seed-<s>/``, the tables over them at the top."""
+    import dataclasses
+
+    import pandas as pd
+
+    from testbed import bathtub, cli_replay, sweep
+    from testbed.cli_args import build_parser
+
+    seen: list[tuple[int, Path, object]] = []
+
+    def load_sweep(sc: object, wl: object, policies: list, loads: list[float],
+                   opts: sweep.SweepOptions) -> sweep.SweepResult:
+        seen.append((len(wl.requests), opts.out, opts.run.dilation))  # type: ignore[attr-defined]
+        r = _result(1.0, 1.2 + 0.2 * len(seen), 1.0)
+        sweep.save_sweep(r, opts.out)
+        return r
+
+    def hit_sweep(sc: object, wl: object, policies: list, rates: list[float], load: float,
+                  opts: sweep.SweepOptions) -> tuple[list, pd.DataFrame]:
+        seen.append((len(wl.requests), opts.out, opts.run.dilation))  # type: ignore[attr-defined]
+        curve = pd.DataFrame({"hit_target": rates, "hit_measured": rates, "ttft_mean_change": [-0.1 * len(seen)] * 3,
+                              "ttft_p50_change": [0.0] * 3, "slo_points": [1.0] * 3})
+        bathtub.save_bathtub([], curve, opts.out, "same-dc", "pdd")
+        return [], curve
+
+    monkeypatch.setattr(sweep, "load_sweep", load_sweep)
+    monkeypatch.setattr(bathtub, "hit_sweep", hit_sweep)
+    monkeypatch.setattr(sweep, "fixed_dilation", lambda sc, wl, run: dataclasses.replace(run, dilation=2.5))
+    out = tmp_path / "sw"
+    argv = ["sweep", "--trace", str(ROOT / "traces" / "agentic-quick.jsonl"), "--token-scale", "16", "--limit", "5",
+            "--seeds", "2", "--out", str(out), "--load", "1" if hit_rate else "1:2:1"]
+    assert cli_replay.cmd_sweep(build_parser().parse_args(argv + (["--hit-rate", hit_rate] if hit_rate else []))) == 0
+    assert seen == [(5, out / "seed-2", 2.5), (5, out / "seed-3", 2.5)]
+    text = (out / ("bathtub.md" if hit_rate else "sweep.md")).read_text()
+    assert "over 2 draws" in text and "seeds 2, 3" in text
+    if hit_rate:
+        assert "| 0.5 | 50.0 % | -15.0 ± 63.5 |" in text  # -10 % and -20 %: t(0.975, 1) x 7.07 = 63.5
+    else:
+        assert "PDD's SLA throughput over same-dc: +50.0 ± 127.1 % (per draw: +40.0 %, +60.0 %" in text
