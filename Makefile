@@ -55,7 +55,7 @@ run-cluster: setup
 # The report's experiment (issue #10): the load calibrated against its +2.5 s, the policies at
 # that load beside its figures, the SLA-throughput sweep (and BCR) and the hit-rate bathtub,
 # one report in $(REPRO_OUT)/reproduce.md; every figure over REPRO_SEEDS draws of the trace's
-# recipe (mean, 95 % interval, n). QUICK=1: one draw, fewer loads and rates.
+# recipe (mean, 95 % interval, n). QUICK=1: one draw of 10 requests (no intervals).
 REPRO_SCENARIO ?= $(SCENARIO)
 REPRO_TRACE ?= $(TRACE)
 REPRO_STAMP := $(shell date +%Y%m%d-%H%M%S)

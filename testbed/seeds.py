@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
     from testbed.sweep import SweepResult
 
+
 @dataclass(frozen=True)
 class Draw:
     """One repetition: the recipe's seed and the workload it gives (selected as the user asked)."""
