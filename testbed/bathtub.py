@@ -87,9 +87,10 @@ def benefit(points: list[HitPoint], baseline: str, policy: str) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def compared(policies: list[PolicySpec]) -> tuple[str, str]:
-    """The baseline (the first policy) and the policy set against it (PDD, else the last)."""
-    return policies[0].label, next((p.label for p in policies if p.name == "pdd"), policies[-1].label)
+def compared(labels: list[str]) -> tuple[str, str]:
+    """The baseline (the first policy, in the order run) and the policy set against it (PDD,
+    else the last); from the policies asked or, rebuilding, from the saved points' labels."""
+    return labels[0], next((lab for lab in labels if lab.split(":")[0] == "pdd"), labels[-1])
 
 
 def hit_sweep(sc: Scenario, wl: Workload, policies: list[PolicySpec], rates: list[float], load: float,
@@ -114,7 +115,7 @@ def hit_sweep(sc: Scenario, wl: Workload, policies: list[PolicySpec], rates: lis
                                    run_dir=str(run_dir), completed=s.completed, requests=s.requests,
                                    ttft_mean_s=s.ttft_mean_s, ttft_p50_s=s.ttft_p50_s, ttft_p99_s=s.ttft_p99_s,
                                    slo_attainment=s.slo_attainment))
-    base, pdd = compared(policies)
+    base, pdd = compared([p.label for p in policies])
     curve = benefit(points, base, pdd)
     save_bathtub(points, curve, opts.out, base, pdd)
     return points, curve

@@ -104,7 +104,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
         curves = [(d.seed, hit_sweep(sc, d.workload, policies, hit_rates, loads[0], sub(d.tag))[1]) for d in ds]
         if not one:
-            write_seeded_bathtub(curves, out, *compared(policies))
+            write_seeded_bathtub(curves, out, *compared([p.label for p in policies]))
         print("\n" + (out / "bathtub.md").read_text())
         where = f"{out}/hit-*/" if one else f"{out}/seed-*/hit-*/"
         print(f"saved: {out}/bathtub.csv, bathtub.md, bathtub.png; each rate's run in {where}")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 from pydantic import BaseModel, ConfigDict
 
-from testbed.bathtub import HitPoint, benefit, save_bathtub
+from testbed.bathtub import HitPoint, benefit, compared, save_bathtub
 from testbed.confidence import mean_ci
 from testbed.report import paper_comparison, repetitions_markdown
 from testbed.results import load_run
@@ -87,15 +87,9 @@ def load_points(path: Path) -> list[HitPoint]:
             for r in rows]
 
 
-def compared_labels(points: list[HitPoint]) -> tuple[str, str]:
-    """The baseline (the first policy run) and PDD (else the last), as the sweep set them."""
-    order = list(dict.fromkeys(p.policy for p in points))
-    return order[0], next((p for p in order if p.split(":")[0] == "pdd"), order[-1])
-
-
 def _rebuild_bathtub(d: Path) -> tuple[list[Path], pd.DataFrame, tuple[str, str]]:
     points = load_points(d / POINTS_FILE)
-    base, pdd = compared_labels(points)
+    base, pdd = compared(list(dict.fromkeys(p.policy for p in points)))
     curve = benefit(points, base, pdd)
     return save_bathtub(points, curve, d, base, pdd), curve, (base, pdd)
 
