@@ -167,6 +167,25 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="results folder (default runs/soak-<timestamp>)")
     p.set_defaults(command="soak")
 
+    p = sub.add_parser("serve", help="the emulation behind an OpenAI-compatible HTTP API on 127.0.0.1 until "
+                                     "Ctrl-C; the served requests are saved as a run")
+    scenario_opts(p)
+    p.add_argument("--policy", default="pdd", help="one policy, name[:key=value,...] (default pdd)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port on 127.0.0.1 (default 8000; 0: any free one)")
+    p.add_argument("--token-scale", type=int, default=16, metavar="N",
+                   help="each token a client sends or receives stands for N emulated tokens (default 16, as "
+                        "make run-trace)")
+    p.add_argument("--dilation", metavar="D|auto", help="real seconds per emulated second (default: the scenario's)")
+    p.add_argument("--shape-trace", type=Path, default=Path("traces/agentic-quick.jsonl"),
+                   help="--dilation auto calibrates on work shaped like this trace (default agentic-quick)")
+    p.add_argument("--dtype", choices=["float32", "float64", "bfloat16"],
+                   help="the real model's dtype (default: the scenario's; float64 as verify)")
+    p.add_argument("--served-model-name", help="the model name clients send (default: the model directory's name)")
+    p.add_argument("--allow-infidelity", action="store_true",
+                   help="exit 0 even when the fidelity verdict fails (it is still printed and saved)")
+    p.add_argument("--out", type=Path, help="results folder (default runs/serve-<timestamp>)")
+    p.set_defaults(command="serve")
+
     bench = sub.add_parser("bench", help="benchmarks (slow; not part of make test)")
     bsub = bench.add_subparsers(dest="bench_cmd", required=True)
     p = bsub.add_parser("net", help="highest WAN goodput, RTT error, up/down time")

@@ -51,6 +51,34 @@ class ClientRecord:
     def ok(self) -> bool:
         return self.done and self.error is None
 
+    def accept(self, t: Tokens, now: float) -> int:
+        """Take one message of this request's token stream (received at ``now``); returns how
+        many tokens it appended, in order. A repeat (QoS 1 delivers at least once: after a
+        reconnection) is ignored; a chunk past a gap is held until the gap fills (two
+        publishers, relay and main decoder, resending after a broker restart may arrive out
+        of order; a gap that never fills ends with the caller's timeout)."""
+        if self.done:
+            return 0
+        if t.error is not None:
+            self.error, self.done = t.error, True
+            return 0
+        if t.start < len(self.tokens) and self.tokens[t.start : t.start + len(t.tokens)] == t.tokens:
+            return 0
+        if t.start > len(self.tokens):
+            self.early[t.start] = t
+            return 0
+        before = len(self.tokens)
+        nxt: Tokens | None = t
+        while nxt is not None:
+            self.tokens.extend(nxt.tokens)
+            self.token_times.extend([now] * len(nxt.tokens))
+            if nxt.worker not in self.workers:
+                self.workers.append(nxt.worker)
+            self.by_worker[nxt.worker] = self.by_worker.get(nxt.worker, 0) + len(nxt.tokens)
+            self.done = nxt.done
+            nxt = self.early.pop(len(self.tokens), None)
+        return len(self.tokens) - before
+
 
 class ProtocolError(Exception):
     pass
@@ -101,24 +129,7 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
         rec = recs.get(t.rid)
         if rec is None or rec.done:
             return
-        if t.error is not None:
-            rec.error, rec.done = t.error, True
-        elif t.start < len(rec.tokens) and rec.tokens[t.start : t.start + len(t.tokens)] == t.tokens:
-            return  # QoS 1 delivers at least once: a repeat after a reconnection
-        elif t.start > len(rec.tokens):
-            # Two publishers (relay, main decoder) resending after a broker restart may arrive
-            # out of order: held until the gap fills (a gap that never fills times out).
-            rec.early[t.start] = t
-            return
-        else:
-            while t is not None:
-                rec.tokens.extend(t.tokens)
-                rec.token_times.extend([now] * len(t.tokens))
-                if t.worker not in rec.workers:
-                    rec.workers.append(t.worker)
-                rec.by_worker[t.worker] = rec.by_worker.get(t.worker, 0) + len(t.tokens)
-                rec.done = t.done
-                t = rec.early.pop(len(rec.tokens), None)
+        rec.accept(t, now)
         if rec.done:
             complete(rec)
 

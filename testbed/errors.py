@@ -23,3 +23,7 @@ class CapabilityError(TestbedError):
     """The machine lacks something the requested configuration needs (e.g. netem)."""
 
     exit_code = 4
+
+
+class Terminated(BaseException):
+    """Raised in the main thread on SIGTERM/SIGHUP so that teardown runs as on Ctrl-C."""

@@ -173,14 +173,27 @@ def emulation_plan(sc: Scenario, wl: Workload, specs: list[RequestSpec], dilatio
     return EmulationPlan.make(sc, wl.token_scale, d, b_r, why)
 
 
+def measure(sc: Scenario, spec: PolicySpec, plan: EmulationPlan, specs: list[RequestSpec], run: PolicyRun,
+            slo: Slo) -> tuple[pd.DataFrame, PolicySummary]:
+    """One policy's request rows and summary (latencies, cost, policy counters, verdict)."""
+    from testbed.cost import cost_per_million_tokens, hardware_cost
+    from testbed.metrics import itls, request_rows, summarize
+    from testbed.policies import make_policy
+
+    df = request_rows(run.recs, run.router, specs, plan.scales)
+    measured = summarize(df, itls(run.recs, plan.scales), slo, run.recs, plan.scales)
+    cost = hardware_cost(sc, make_policy(spec))
+    per_mtok = cost_per_million_tokens(cost, measured.duration_s, measured.output_tokens_emulated) if cost else None
+    return df, PolicySummary(**dict(measured), policy_stats=run.policy, fidelity=run.verdict, cost=cost,
+                             cost_per_mtok=per_mtok, impairment=run.impairment, faults=run.faults)
+
+
 def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunOptions) -> int:
     """Replay ``wl`` under each policy on a fresh network; print, save and plot. Exit code:
     0 when every request of every policy completed with a passing fidelity verdict; 3 when
     a verdict failed (unless ``allow_infidelity``); 1 when requests failed."""
     from testbed import report
-    from testbed.cost import cost_per_million_tokens, hardware_cost
-    from testbed.metrics import format_summary, itls, request_rows, summarize
-    from testbed.policies import make_policy
+    from testbed.metrics import format_summary
 
     plan = emulation_plan(sc, wl, wl.specs(opts.speed), opts.dilation)
     d = plan.dilation
@@ -196,15 +209,9 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
         t0 = time.monotonic()
         run = run_policy(sc, opts.impairment, spec, specs, timeout_s=opts.timeout_s * d, emulation=plan,
                          timeline=[*sc.faults, *opts.faults])
-        df = request_rows(run.recs, run.router, specs, plan.scales)
         name = spec.label
-        frames[name] = df
-        measured = summarize(df, itls(run.recs, plan.scales), opts.slo, run.recs, plan.scales)
-        cost = hardware_cost(sc, make_policy(spec))
-        per_mtok = cost_per_million_tokens(cost, measured.duration_s, measured.output_tokens_emulated) if cost else None
-        s = summaries[name] = PolicySummary(**dict(measured), policy_stats=run.policy, fidelity=run.verdict,
-                                            cost=cost, cost_per_mtok=per_mtok, impairment=run.impairment,
-                                            faults=run.faults)
+        frames[name], s = measure(sc, spec, plan, specs, run, opts.slo)
+        summaries[name] = s
         workers[name] = run.workers
         if len(summaries) == 1:
             print(f"WAN impairment: {run.impairment}", flush=True)

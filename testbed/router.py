@@ -224,7 +224,8 @@ class Router:
         # Decoders first: they must know the request before its KV arrives.
         targets = []
         for w in filter(None, (plan.relay, plan.decode)):
-            await self.publish(self.topics.cmd(w), self.policy.decode_command(req, plan, w).dump())
+            cmd = self.policy.decode_command(req, plan, w).model_copy(update={"ignore_eos": r.ignore_eos})
+            await self.publish(self.topics.cmd(w), cmd.dump())
             d = self.view.workers[w]
             targets.append(KVTarget(worker=d.name, host=d.host, port=d.kv_port))
         await self.publish(self.topics.cmd(plan.prefill), PrefillCmd(rid=r.rid, prompt=r.prompt, kv_to=targets).dump())

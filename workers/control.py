@@ -90,6 +90,7 @@ class Request(Contract):
     prompt: list[int] = Field(min_length=1)
     max_new: int = Field(ge=1)
     hints: RequestHints = RequestHints()
+    ignore_eos: bool = False  # decode all ``max_new`` tokens even past the end-of-sequence token
 
 
 # ------------------------------------------------------------------------- commands
@@ -129,6 +130,7 @@ class DecodeCmd(Contract):
     rid: str
     prompt: list[int] = Field(min_length=1)
     max_new: int = Field(ge=1)
+    ignore_eos: bool = False  # set by the router from the request, whatever the policy built
     drc: bool = True  # use and fill this decoder's radix cache
     relay: RelayPart | None = None
     main: MainPart | None = None

@@ -130,7 +130,7 @@ class DecodeWorker(HandoffMixin, Worker):
     # ----------------------------------------------------------------- commands
     async def handle(self, cmd: Command) -> None:
         if isinstance(cmd, DecodeCmd):
-            seq = Seq(cmd.rid, cmd.prompt, cmd.max_new, time.time(), drc=cmd.drc)
+            seq = Seq(cmd.rid, cmd.prompt, cmd.max_new, time.time(), drc=cmd.drc, ignore_eos=cmd.ignore_eos)
             self.setup_handoff(seq, cmd)
             self.waiting[cmd.rid] = seq
             self.registered.setdefault(cmd.rid, asyncio.Event()).set()
@@ -228,7 +228,7 @@ class DecodeWorker(HandoffMixin, Worker):
 
     # ----------------------------------------------------------------- decode loop
     def finished(self, seq: Seq) -> bool:
-        return len(seq.out) >= seq.max_new or seq.out[-1] == self.runner.eos_token_id
+        return len(seq.out) >= seq.max_new or (not seq.ignore_eos and seq.out[-1] == self.runner.eos_token_id)
 
     async def _loop(self) -> None:
         while True:

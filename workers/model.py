@@ -54,14 +54,18 @@ def default_model_dir() -> Path:
 
 
 def ensure_default_model(path: Path | None = None) -> Path:
-    """Create the default model once (fixed config and seed) with ``save_pretrained``."""
+    """Create the default model once (fixed config and seed) with ``save_pretrained``, and
+    its character tokenizer (``workers.tokenizer``; added to a model made before it)."""
+    from workers.tokenizer import ensure_tokenizer
+
     path = path or default_model_dir()
     if (path / "config.json").exists():
-        return path
+        return ensure_tokenizer(path)
     torch.manual_seed(DEFAULT_SEED)
     model = LlamaForCausalLM(LlamaConfig(**DEFAULT_CONFIG))
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
+    ensure_tokenizer(tmp)
     if path.exists():  # another process won the race; both wrote the same model
         shutil.rmtree(tmp)
     else:

@@ -53,6 +53,7 @@ class Seq:
     kv_arrived: float = 0.0
     kv_bytes: int = 0
     drc: bool = True  # use and fill this worker's radix cache
+    ignore_eos: bool = False  # run to ``max_new`` past the end-of-sequence token
     streamed: int = 0  # tokens this worker has streamed to the client
     paused: bool = False  # left out of decode steps (a relay holding at its eager budget)
     cache_only: bool = False  # KV still welcome for the radix cache, nothing to decode

@@ -1,0 +1,251 @@
+"""The OpenAI-compatible HTTP endpoints of ``testbed serve`` (aiohttp).
+
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (streamed as server-sent events,
+one chunk per generated token, or answered whole), ``GET /v1/models``, ``GET /health``,
+``GET /metrics``. Requests are validated against ``testbed.serve.openai_api``; an invalid or
+unsupported one is answered with a 4xx and an OpenAI-style error body, and the server
+serves on. The tokens come from ``Gateway.generate`` (the emulated datacenters).
+
+A failure after a stream has started (a worker died, the request timed out) cannot change
+the status any more: it is sent as a ``data: {"error": ...}`` event before ``[DONE]``, as
+vLLM does.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from testbed.serve.gateway import Gateway, NotReady, RequestFailed
+from testbed.serve.metrics import CONTENT_TYPE, ServeMetrics
+from testbed.serve.openai_api import (
+    DEFAULT_MAX_TOKENS,
+    ApiError,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    Delta,
+    FinishReason,
+    Health,
+    ModelCard,
+    ModelList,
+    Usage,
+)  # fmt: skip
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True)
+class Served:
+    """What the front end serves: the model's name and limits and the policy behind it."""
+
+    model: str
+    max_len: int  # the model's context: prompt + max_tokens
+    vocab: int
+    eos: int | None
+    policy: str
+    created: int
+
+
+def _json(model: BaseModel, status: int = 200) -> web.Response:
+    return web.Response(body=model.model_dump_json(), status=status, content_type="application/json")
+
+
+def _invalid(e: ValidationError) -> ApiError:
+    err = e.errors()[0]
+    where = ".".join(str(p) for p in err["loc"] if not isinstance(p, int) or len(err["loc"]) > 1)
+    msg = err["msg"].removeprefix("Value error, ")
+    return ApiError(400, f"{where}: {msg}" if where else msg, param=where or None)
+
+
+class Detokenizer:
+    """Text of each new token, for any tokenizer: the difference between decoding a few
+    tokens of context with and without it (a BPE token decoded alone can lose a leading
+    space or split a character; a character not yet complete is held back)."""
+
+    CONTEXT = 6
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok, self.ids, self.pending = tokenizer, [], 0
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        start = max(0, len(self.ids) - 1 - self.pending - self.CONTEXT)
+        before = self.tok.decode(self.ids[start : len(self.ids) - 1 - self.pending], skip_special_tokens=True)
+        after = self.tok.decode(self.ids[start:], skip_special_tokens=True)
+        if after.endswith("\ufffd"):
+            self.pending += 1
+            return ""
+        self.pending = 0
+        return after[len(before) :]
+
+
+class OpenAiFront:
+    def __init__(self, gateway: Gateway, tokenizer: Any, served: Served, metrics: ServeMetrics) -> None:
+        self.gw, self.tok, self.served, self.metrics = gateway, tokenizer, served, metrics
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors], client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as e:
+            return _json(e.body(), e.status)
+        except web.HTTPException as e:  # unknown path or method: still an OpenAI-style body
+            if e.status < 400:
+                raise
+            return _json(ApiError(e.status, f"{request.method} {request.path}: {e.reason}").body(), e.status)
+
+    # ------------------------------------------------------------------ endpoints
+    async def models(self, _request: web.Request) -> web.Response:
+        s = self.served
+        return _json(ModelList(data=[ModelCard(id=s.model, created=s.created, max_model_len=s.max_len)]))
+
+    async def health(self, _request: web.Request) -> web.Response:
+        ok = self.gw.ready
+        return _json(Health(status="ok" if ok else "starting", policy=self.served.policy, model=self.served.model),
+                     200 if ok else 503)
+
+    async def prometheus(self, _request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._parse(request, CompletionRequest)
+        assert isinstance(body, CompletionRequest)
+        if isinstance(body.prompt, str):
+            prompt = self.tok.encode(body.prompt, add_special_tokens=False)
+        else:
+            prompt = list(body.prompt)  # type: ignore[arg-type]
+            bad = next((t for t in prompt if not 0 <= t < self.served.vocab), None)
+            if bad is not None:
+                raise ApiError(400, f"prompt: token id {bad} is outside the vocabulary (0..{self.served.vocab - 1})",
+                               param="prompt")
+        return await self._generate(request, body, prompt, body.max_tokens or DEFAULT_MAX_TOKENS, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._parse(request, ChatCompletionRequest)
+        assert isinstance(body, ChatCompletionRequest)
+        messages = [{"role": m.role, "content": m.text} for m in body.messages]
+        prompt = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        if not isinstance(prompt, list):  # a BatchEncoding from some tokenizers
+            prompt = list(prompt["input_ids"])
+        max_new = body.max_new or max(1, self.served.max_len - len(prompt))
+        return await self._generate(request, body, prompt, max_new, chat=True)
+
+    # ------------------------------------------------------------------ shared
+    async def _parse(self, request: web.Request, model: type[BaseModel]) -> BaseModel:
+        raw = await request.read()
+        try:
+            body = model.model_validate_json(raw)
+        except ValidationError as e:
+            raise _invalid(e) from None
+        if body.model != self.served.model:  # type: ignore[attr-defined]
+            raise ApiError(404, f"The model `{body.model}` does not exist (this server has "  # type: ignore[attr-defined]
+                           f"`{self.served.model}`).", param="model", code="model_not_found")
+        return body
+
+    def _check_length(self, prompt: list[int], max_new: int) -> None:
+        if not prompt:
+            raise ApiError(400, "prompt: empty after tokenization", param="prompt")
+        if len(prompt) + max_new > self.served.max_len:
+            raise ApiError(400, f"This model's maximum context length is {self.served.max_len} tokens. However, you "
+                           f"requested {len(prompt) + max_new} tokens ({len(prompt)} in the prompt, {max_new} in the "
+                           "completion). Please reduce the length of the prompt or of max_tokens.",
+                           param="max_tokens", code="context_length_exceeded")
+
+    def _finish(self, out: list[int], ignore_eos: bool) -> FinishReason:
+        return "stop" if out and not ignore_eos and out[-1] == self.served.eos else "length"
+
+    async def _generate(self, request: web.Request, body: Any, prompt: list[int], max_new: int,
+                        chat: bool) -> web.StreamResponse:
+        self._check_length(prompt, max_new)
+        if not self.gw.ready:
+            raise ApiError(503, "the emulation is still starting", type_="server_error")
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
+        stream = self.gw.generate(prompt, max_new, body.ignore_eos, rid)
+        self.metrics.running.inc()
+        try:
+            if body.stream:
+                return await self._stream(request, body, rid, prompt, max_new, stream, chat)
+            out: list[int] = []
+            try:
+                async for new in stream:
+                    out.extend(new)
+            except RequestFailed as e:
+                raise ApiError(500, f"request {rid} failed: {e}", type_="server_error") from None
+            except NotReady as e:
+                raise ApiError(503, str(e), type_="server_error") from None
+            text = self.tok.decode(out, skip_special_tokens=True)
+            usage = Usage.of(len(prompt), len(out))
+            finish = self._finish(out, body.ignore_eos)
+            if chat:
+                return _json(ChatCompletion(id=rid, model=self.served.model, usage=usage, choices=[
+                    ChatChoice(message=AssistantMessage(content=text), finish_reason=finish)]))
+            return _json(Completion(id=rid, model=self.served.model, usage=usage,
+                                    choices=[CompletionChoice(text=text, finish_reason=finish)]))
+        finally:
+            self.metrics.running.dec()
+            rec = self.gw.records.get(rid)
+            if rec is not None:
+                self.metrics.ended(rec)
+
+    async def _stream(self, request: web.Request, body: Any, rid: str, prompt: list[int], max_new: int,
+                      stream: Any, chat: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        model = self.served.model
+
+        async def send(chunk: BaseModel | str) -> None:
+            data = chunk if isinstance(chunk, str) else chunk.model_dump_json()
+            await resp.write(f"data: {data}\n\n".encode())
+
+        detok = Detokenizer(self.tok)
+        out: list[int] = []
+        if chat:
+            await send(ChatCompletionChunk(id=rid, model=model, choices=[
+                ChatChunkChoice(delta=Delta(role="assistant", content=""))]))
+        try:
+            async for new in stream:
+                for i, token in enumerate(new):
+                    out.append(token)
+                    text = detok.add(token)
+                    last = i == len(new) - 1 and (len(out) >= max_new or self._finish(out, body.ignore_eos) == "stop")
+                    finish = self._finish(out, body.ignore_eos) if last else None
+                    if chat:
+                        await send(ChatCompletionChunk(id=rid, model=model, choices=[
+                            ChatChunkChoice(delta=Delta(content=text), finish_reason=finish)]))
+                    else:
+                        await send(Completion(id=rid, model=model, choices=[
+                            CompletionChoice(text=text, finish_reason=finish)]))
+        except (RequestFailed, NotReady) as e:
+            err = ApiError(500, f"request {rid} failed: {e}", type_="server_error")
+            await send(err.body())
+        else:
+            if body.include_usage:
+                usage = Usage.of(len(prompt), len(out))
+                if chat:
+                    await send(ChatCompletionChunk(id=rid, model=model, choices=[], usage=usage))
+                else:
+                    await send(Completion(id=rid, model=model, choices=[], usage=usage))
+        await send("[DONE]")
+        await resp.write_eof()
+        return resp

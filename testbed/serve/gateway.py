@@ -1,0 +1,148 @@
+"""The front end's control-plane side: a request in, its token stream out, over the same
+MQTT contracts as the replayer (``Request`` to the router, ``Tokens`` back).
+
+It runs on the serving thread, inside the client host's namespace, so every request enters
+the emulated network where the replayer's would. Each request is recorded as a
+``ClientRecord`` (sent = when the front end published it; token times = when its tokens
+reached the front end) and a ``RequestSpec``, so a served run is saved and measured with
+the same code as a replayed one (``testbed.metrics.request_rows``).
+
+Guarantees: a stream yields its tokens once each, in order (``ClientRecord.accept``); it
+ends with the request's completion, its failure (``RequestFailed``, with the reason the
+router or a worker gave) or, when neither comes within ``timeout_s``, a timeout failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiomqtt
+from pydantic import ValidationError
+
+from testbed.client import ClientRecord
+from testbed.traces.workload import RequestSpec
+from workers.contracts import BrokerInfo
+from workers.control import Request, RequestHints, RouterStatus, Tokens, Topics, why_invalid
+from workers.mqtt_session import Session
+
+
+class RequestFailed(Exception):
+    pass
+
+
+class NotReady(Exception):
+    pass
+
+
+@dataclass
+class _Pending:
+    rec: ClientRecord
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Gateway:
+    def __init__(self, broker: BrokerInfo, topics: Topics, timeout_s: float) -> None:
+        self.topics, self.timeout_s = topics, timeout_s
+        self.records: dict[str, ClientRecord] = {}
+        self.specs: list[RequestSpec] = []
+        self.t0 = time.time()
+        self._pending: dict[str, _Pending] = {}
+        self._ready = asyncio.Event()
+        self._stop = asyncio.Event()
+        client = Session.client_for(broker.host, broker.port, broker.username, broker.password,
+                                    f"{topics.root}-serve-{secrets.token_hex(4)}", keepalive=10)
+        self._session = Session(client, [topics.all_tokens, topics.router_status], "serve")
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    async def start(self, wait_s: float = 120.0) -> None:
+        """Connect and wait until the router says it is ready (its workers are up)."""
+
+        async def no_op(first: bool) -> None:
+            return None
+
+        self._task = asyncio.create_task(self._session.run(self._on_message, no_op, self._stop))
+        waiting = asyncio.create_task(self._ready.wait())
+        await asyncio.wait({self._task, waiting}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+        if not self.ready:
+            waiting.cancel()
+            self._stop.set()
+            if self._task.done():
+                self._task.result()  # the broker could not be reached: its error
+            raise NotReady(f"the router did not report ready within {wait_s:g} s (workers failed to start?)")
+        self.t0 = time.time()
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(self._task, 5)
+        for p in self._pending.values():  # a request still running when the server stops
+            if not p.rec.done:
+                p.rec.error, p.rec.done, p.rec.ended = "server stopped before it finished", True, time.time()
+                p.changed.set()
+
+    async def _on_message(self, msg: aiomqtt.Message) -> None:
+        now = time.time()
+        payload = msg.payload if isinstance(msg.payload, (bytes, bytearray)) else b""
+        try:
+            if str(msg.topic) == self.topics.router_status:
+                if RouterStatus.model_validate_json(payload).state == "ready":
+                    self._ready.set()
+                return
+            t = Tokens.model_validate_json(payload)
+        except ValidationError as e:
+            print(f"serve: rejected a message on {msg.topic}: {why_invalid(e)}", file=sys.stderr, flush=True)
+            return
+        p = self._pending.get(t.rid)
+        if p is None:
+            return
+        if p.rec.accept(t, now) or p.rec.done:
+            if p.rec.done:
+                p.rec.ended = now
+            p.changed.set()
+
+    async def generate(self, prompt: list[int], max_new: int, ignore_eos: bool, rid: str) -> AsyncIterator[list[int]]:
+        """Send one request; yield its new tokens as they arrive (at least one per yield)."""
+        if not self.ready:
+            raise NotReady("the emulation is still starting")
+        rec = ClientRecord(rid, len(prompt), max_new)
+        p = self._pending[rid] = _Pending(rec)
+        self.records[rid] = rec
+        rec.sent = time.time()
+        self.specs.append(RequestSpec(rid=rid, prompt=prompt, max_new=max_new, at=rec.sent - self.t0,
+                                      hints=RequestHints(tag="http")))
+        try:
+            # Not awaited for the broker's acknowledgement in the request's own time: the
+            # replayer's publish does not wait either once connected.
+            await self._session.publish(self.topics.requests,
+                                        Request(rid=rid, prompt=prompt, max_new=max_new, ignore_eos=ignore_eos).dump())
+            seen, deadline = 0, rec.sent + self.timeout_s
+            while True:
+                if len(rec.tokens) > seen:
+                    new, seen = rec.tokens[seen:], len(rec.tokens)
+                    yield new
+                    continue
+                if rec.done:
+                    if rec.error is not None:
+                        raise RequestFailed(rec.error)
+                    return
+                p.changed.clear()
+                try:
+                    await asyncio.wait_for(p.changed.wait(), max(0.0, deadline - time.time()))
+                except TimeoutError:
+                    rec.error, rec.done, rec.ended = (f"no completion within the server's timeout "
+                                                      f"({self.timeout_s:g} s)"), True, time.time()
+        finally:
+            self._pending.pop(rid, None)
+            if not rec.done:  # the HTTP client went away: the request runs on, unread
+                rec.error, rec.done, rec.ended = "the HTTP client disconnected", True, time.time()

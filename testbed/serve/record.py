@@ -1,0 +1,42 @@
+"""A served session saved as a run directory, the same files ``testbed run`` writes.
+
+The requests the front end received become rows like a replay's (``RequestSpec`` +
+``ClientRecord`` + the router's ``RequestRecord``): times are taken where the front end
+sits (sent when it published the request, each token when it reached it), in emulated
+seconds as everywhere; ``summary.json``'s trace says where they came from (the URL).
+An external client's own measurement of the same requests is set beside these by
+``testbed.serve.compare``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from testbed.client import ClientRecord
+from testbed.contracts import PolicyReport, RequestRecord
+from testbed.emulation import EmulationPlan
+from testbed.experiment import PolicyRun, measure
+from testbed.fidelity import Verdict
+from testbed.metrics import Slo
+from testbed.policies.spec import PolicySpec
+from testbed.results import RunSummary, TraceInfo
+from testbed.scenario import Scenario
+from testbed.traces.workload import RequestSpec
+from workers.contracts import WorkerStats
+
+SERVED_FORMAT = "openai-http"
+
+
+def save_served(out: Path, sc: Scenario, plan: EmulationPlan, policy: PolicySpec, recs: dict[str, ClientRecord],
+                specs: list[RequestSpec], router: dict[str, RequestRecord], workers: dict[str, WorkerStats],
+                policy_report: PolicyReport, verdict: Verdict, impairment: str, url: str,
+                slo: Slo | None = None) -> list[Path]:
+    from testbed import report
+
+    run = PolicyRun(recs, router, workers, policy_report, verdict, impairment)
+    df, summary = measure(sc, policy, plan, specs, run, slo or Slo())
+    info = TraceInfo(trace=url, format=SERVED_FORMAT, requests=len(specs), token_scale=plan.scales.s_in,
+                     block_size=sc.workers.block_size, meta={"served_by": "testbed serve"})
+    run_summary = RunSummary(trace=info, speed=1.0, limit=None, window=None, emulation=plan.summary(sc),
+                             scenario=sc, policies={policy.label: summary}, workers={policy.label: workers})
+    return report.save(out, {policy.label: df}, run_summary)

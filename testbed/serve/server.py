@@ -1,0 +1,192 @@
+"""``testbed serve``: the emulation behind an OpenAI-compatible API until Ctrl-C or SIGTERM.
+
+It builds the network and starts broker, workers and router for one policy, exactly as a
+replay does (``testbed.experiment``), then serves HTTP on ``127.0.0.1:PORT`` of the machine.
+The listening socket is made in the machine's namespace, and the serving thread then enters
+the client host's namespace: requests arrive on the machine's loopback and go on into the
+emulated network from the client host in datacenter ``a``, where the replayer's would.
+
+On stop, the served requests are saved as a run (``requests.csv``/``.parquet``,
+``summary.json``, ``report.md``, plots) with the fidelity verdict, so what an external
+client measured can be set beside the server's own view; then everything is torn down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import gc
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from testbed import netns
+from testbed.emulation import EmulationPlan
+from testbed.errors import InputError, Terminated, TestbedError
+from testbed.policies.spec import PolicySpec
+from testbed.scenario import Role, Scenario
+
+HOST = "127.0.0.1"  # never anything but the machine's loopback
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    policy: PolicySpec
+    port: int = 8000
+    token_scale: int = 16
+    dilation: float | str | None = None  # None: the scenario's
+    shape_trace: Path = Path("traces/agentic-quick.jsonl")  # what --dilation auto calibrates on
+    dtype: str | None = None
+    impairment: str = "auto"
+    model_name: str | None = None  # default: the model directory's name
+    out: Path | None = None
+    allow_infidelity: bool = False
+
+
+def listen(port: int) -> socket.socket:
+    """The listening socket, in this (the machine's) namespace."""
+    try:
+        return socket.create_server((HOST, port), backlog=512, reuse_port=False)
+    except OSError as e:
+        raise InputError(f"--port: cannot listen on {HOST}:{port}: {e.strerror}") from e
+
+
+def plan_for(sc: Scenario, opts: ServeOptions) -> EmulationPlan:
+    """Scales and dilation; ``auto`` calibrates on the shape of ``opts.shape_trace``."""
+    from testbed.experiment import emulation_plan
+    from testbed.traces import load_trace
+
+    if opts.token_scale < 1:
+        raise InputError(f"--token-scale: must be >= 1, got {opts.token_scale}")
+    wl = load_trace(opts.shape_trace, "auto", opts.token_scale)
+    return emulation_plan(sc, wl, wl.specs(1.0), opts.dilation, opts.dtype)
+
+
+class _Serving:
+    """The serving thread: its own event loop, inside the client host's namespace."""
+
+    def __init__(self, ns: str, sock: socket.socket, build: object) -> None:
+        self.ns, self.sock, self.build = ns, sock, build
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stop_event: asyncio.Event | None = None
+        self.up = threading.Event()
+        self.error: BaseException | None = None
+        self.gateway = None
+        self.thread = threading.Thread(target=self._body, name="serve", daemon=True)
+
+    def _body(self) -> None:
+        try:
+            with netns.entered(self.ns):
+                asyncio.run(self._main())
+        except BaseException as e:  # noqa: BLE001 - reported on the main thread
+            self.error = e
+        finally:
+            self.up.set()
+
+    async def _main(self) -> None:
+        from aiohttp import web
+
+        # aiomqtt connects from executor threads: those must be in the namespace too.
+        asyncio.get_running_loop().set_default_executor(
+            concurrent.futures.ThreadPoolExecutor(2, initializer=netns.join, initargs=(self.ns,)))
+        self.loop, self.stop_event = asyncio.get_running_loop(), asyncio.Event()
+        gateway, app = self.build()  # type: ignore[operator]
+        self.gateway = gateway
+        await gateway.start()
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.SockSite(runner, self.sock).start()
+        self.up.set()
+        try:
+            await self.stop_event.wait()
+        finally:
+            await runner.cleanup()
+            await gateway.stop()
+
+    def stop(self) -> None:
+        if self.loop is not None and self.stop_event is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.stop_event.set)
+        self.thread.join(15)
+
+
+def run_serve(sc: Scenario, opts: ServeOptions) -> int:
+    """Serve until interrupted; save the served requests; exit 0, or 3 when the fidelity
+    verdict failed (unless ``allow_infidelity``)."""
+    from transformers import AutoTokenizer
+
+    from testbed.cluster import Cluster, worker_roles
+    from testbed.experiment import network_session
+    from testbed.fidelity import cpu_seconds, format_verdict, judge
+    from testbed.policies.spec import PddSpec
+    from testbed.serve.app import OpenAiFront, Served
+    from testbed.serve.gateway import Gateway
+    from testbed.serve.metrics import Pipelines, ServeMetrics
+    from testbed.serve.record import save_served
+
+    model_dir = Path(sc.model_dir())
+    if not (model_dir / "tokenizer_config.json").exists():
+        raise InputError(f"{sc.source}: workers.model: {model_dir} has no tokenizer (tokenizer_config.json); "
+                         "testbed serve needs one to turn text into tokens")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    served = Served(model=opts.model_name or model_dir.name, max_len=cfg.max_position_embeddings,
+                    vocab=cfg.vocab_size, eos=cfg.eos_token_id, policy=opts.policy.label, created=int(time.time()))
+    sock = listen(opts.port)
+    port = sock.getsockname()[1]
+    plan = plan_for(sc, opts)
+    d = plan.dilation
+    print(plan.describe(sc), flush=True)
+    out = opts.out or Path("runs") / time.strftime("serve-%Y%m%d-%H%M%S")
+    clients = sc.hosts_with_role(Role.CLIENT)
+    if not clients:
+        raise InputError(f"{sc.source}: scenario has no host with role client (the front end's host)")
+    with network_session(plan.wire_scenario(sc), opts.impairment) as net:
+        cl = Cluster.start(net, opts.policy, dtype=opts.dtype, emulation=plan)
+
+        def build() -> tuple[Gateway, object]:
+            gw = Gateway(cl.access.client, cl.topics, sc.workers.request_timeout_s * d * 1.5)
+            pipelines = Pipelines(worker_roles(sc), {w: sc.datacenter_of(w) for w in cl.workers},
+                                  isinstance(opts.policy, PddSpec))
+            metrics = ServeMetrics(plan.scales, pipelines, cl.worker_stats, net.delayline_stats)
+            return gw, OpenAiFront(gw, tokenizer, served, metrics).app()
+
+        gc.collect()
+        gc.freeze()  # the front end's clock measures: no full collections over torch and pandas
+        serving = _Serving(net.ns_of(clients[0]), sock, build)
+        serving.thread.start()
+        t0 = time.monotonic()
+        try:
+            serving.up.wait()
+            if serving.error is not None:
+                raise TestbedError(f"the front end did not start: {serving.error}")
+            print(f"serving {served.model} with policy {served.policy} on http://{HOST}:{port}/v1 "
+                  f"(run {net.run.run_id}, client host {clients[0]}); Ctrl-C stops and saves to {out}", flush=True)
+            while serving.thread.is_alive():
+                serving.thread.join(0.5)
+            if serving.error is not None:
+                raise TestbedError(f"the front end stopped: {serving.error}")
+        except (KeyboardInterrupt, Terminated) as e:  # how a server is stopped: save, then tear down
+            print(f"\nstopping ({type(e).__name__})...", file=sys.stderr, flush=True)
+        finally:
+            serving.stop()
+            sock.close()
+        wall = time.monotonic() - t0
+        gw = serving.gateway
+        cpu = {p.name: s for p in net.run.processes if (s := cpu_seconds(p.pid)) is not None}
+        router, workers, policy_report = cl.router_records(), cl.worker_stats(), cl.policy_stats()
+    verdict = judge(workers, net.delayline_stats_final, cpu, wall)
+    print(format_verdict(opts.policy.label, verdict))
+    if gw is None or not gw.records:
+        print("no request was served: nothing saved")
+    else:
+        paths = save_served(out, sc, plan, opts.policy, gw.records, gw.specs, router, workers, policy_report,
+                            verdict, f"{net.impairment} ({net.impairment_reason})", f"http://{HOST}:{port}/v1")
+        print(f"saved: {', '.join(str(p) for p in paths)}")
+    if not verdict.passed and not opts.allow_infidelity:
+        return 3
+    return 0
