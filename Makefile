@@ -15,7 +15,7 @@ TOKEN_SCALE ?= 16
 POLICIES ?= same-dc,cross-dc,pdd
 RUN_ARGS ?=
 
-.PHONY: reproduce soak bench-cache setup debs test lint run-trace run-cluster bench-net bench-handoff clean distclean
+.PHONY: reproduce soak bench-cache bench-client setup debs test lint run-trace run-cluster bench-net bench-handoff clean distclean
 
 setup: debs $(STAMP)
 
@@ -117,9 +117,25 @@ bench-cache: setup
 bench-handoff: setup
 	$(VENV)/bin/testbed bench handoff --scenario $(SCENARIO)
 
+# An external client checks our measurements: NVIDIA's aiperf (its own venv, not a dependency
+# of the testbed) replays the Mooncake sample against `testbed serve`; its TTFT/TPOT beside the
+# server's records of the same requests in runs/bench-client/client_vs_server.md.
+CLIENT_VENV ?= .venv-client
+AIPERF_VERSION ?= 0.13.0
+CLIENT_TRACE ?= traces/mooncake-sample.jsonl
+$(CLIENT_VENV)/.installed:
+	@test -x $(CLIENT_VENV)/bin/python || python3 -m venv $(CLIENT_VENV)
+	$(CLIENT_VENV)/bin/pip install -q aiperf==$(AIPERF_VERSION)
+	@touch $@
+
+bench-client: setup $(CLIENT_VENV)/.installed
+	$(VENV)/bin/testbed clean
+	$(VENV)/bin/testbed bench client --aiperf $(CLIENT_VENV)/bin/aiperf --scenario $(SCENARIO) \
+	  --trace $(CLIENT_TRACE) --token-scale $(TOKEN_SCALE) $(RUN_ARGS)
+
 # Removes every namespace, link and process left by earlier (crashed) runs.
 clean:
 	@if [ -x $(VENV)/bin/testbed ]; then $(VENV)/bin/testbed clean; fi
 
 distclean: clean
-	rm -rf $(VENV) .cache
+	rm -rf $(VENV) $(CLIENT_VENV) .cache

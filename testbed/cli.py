@@ -14,7 +14,7 @@ import signal
 import sys
 from pathlib import Path
 
-from testbed import cli_replay, netns, runstate
+from testbed import cli_replay, cli_serve, netns, runstate
 from testbed.cli_args import build_parser
 from testbed.errors import InputError, Terminated, TestbedError
 from testbed.policies.spec import parse_policy_list
@@ -198,26 +198,16 @@ def cmd_soak(args: argparse.Namespace) -> int:
     return run_soak(load_scenario(args.scenario), load_trace(args.trace, args.format, args.token_scale), opts)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from testbed.policies.spec import parse_policy
-    from testbed.serve.server import ServeOptions, run_serve
-
-    if not 0 <= args.port <= 65535:
-        raise InputError(f"--port: must be 0..65535, got {args.port}")
-    opts = ServeOptions(parse_policy(args.policy), args.port, args.token_scale, args.dilation, args.shape_trace,
-                        args.dtype, args.impairment, args.served_model_name, args.out, args.allow_infidelity)
-    return run_serve(load_scenario(args.scenario), opts)
-
-
 COMMANDS = {
     "net up": cmd_net_up, "net down": cmd_net_down, "net check": cmd_net_check, "clean": cmd_clean,
     "run": cmd_run, "trace stats": cmd_trace_stats, "trace gen": cmd_trace_gen, "verify": cmd_verify,
     "report": cmd_report, "soak": cmd_soak, "sweep": cli_replay.cmd_sweep, "calibrate": cli_replay.cmd_calibrate,
-    "bench net": cmd_bench_net, "bench handoff": cmd_bench_handoff, "serve": cmd_serve,
+    "bench net": cmd_bench_net, "bench handoff": cmd_bench_handoff,
+    "serve": cli_serve.cmd_serve, "bench client": cli_serve.cmd_bench_client,
 }  # fmt: skip
 # Commands that build namespaces need root (``clean`` decides for itself: nothing to clean needs none).
 NEEDS_ROOT = {"net up", "net down", "net check", "run", "verify", "bench net", "bench handoff", "soak", "sweep",
-              "calibrate", "serve"}
+              "calibrate", "serve", "bench client"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -203,4 +203,15 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--load-streams", type=int, default=2, help="bulk TCP streams loading the WAN (default 2)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(command="bench handoff")
+    p = bsub.add_parser("client", help="aiperf replays a Mooncake trace against testbed serve; its TTFT/TPOT "
+                                       "beside the server's records (make bench-client)")
+    p.add_argument("--aiperf", type=Path, default=Path(".venv-client/bin/aiperf"), help="the aiperf executable")
+    p.add_argument("--scenario", type=Path, default=Path("topologies/two-dc.yaml"))
+    p.add_argument("--trace", type=Path, default=Path("traces/mooncake-sample.jsonl"), help="a Mooncake trace")
+    p.add_argument("--policy", default="pdd", help="the served policy (default pdd)")
+    p.add_argument("--token-scale", type=int, default=16, metavar="N", help="(default 16; must divide 512)")
+    p.add_argument("--dilation", metavar="D|auto", help="default: the scenario's")
+    p.add_argument("--limit", type=int, help="only the first N requests of the trace")
+    p.add_argument("--out", type=Path, default=Path("runs/bench-client"))
+    p.set_defaults(command="bench client")
     return ap
