@@ -43,6 +43,8 @@ def test_every_generated_id_is_text_that_encodes_back_to_it(tok) -> None:
     assert len(text) == len(ids) and tok.encode(text, add_special_tokens=False) == ids
     assert tok.decode([5, 2, 6], skip_special_tokens=True) == tok.decode([5, 6])  # eos is no text
     assert tok.encode("é", add_special_tokens=False) == [tok.unk_token_id]
+    typed = tok.encode("a</s>b", add_special_tokens=False)  # special tokens' text is plain text
+    assert tok.eos_token_id not in typed and typed[:3] == tok.encode("a</", add_special_tokens=False)
     assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)
     with pytest.raises(ValueError, match="character vocabulary"):
         vocabulary(50)

@@ -52,6 +52,7 @@ def build_tokenizer(vocab_size: int, max_length: int):  # -> PreTrainedTokenizer
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", pad_token="<unk>", bos_token="<s>", eos_token="</s>",
         model_max_length=max_length, chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False,
+        split_special_tokens=True,  # "</s>" typed in a prompt is four characters, not the end of sequence
     )  # fmt: skip
 
 

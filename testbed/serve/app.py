@@ -13,6 +13,7 @@ vLLM does.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -181,19 +182,21 @@ class OpenAiFront:
         if not self.gw.ready:
             raise ApiError(503, "the emulation is still starting", type_="server_error")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
-        stream = self.gw.generate(prompt, max_new, body.ignore_eos, rid)
         self.metrics.running.inc()
         try:
-            if body.stream:
-                return await self._stream(request, body, rid, prompt, max_new, stream, chat)
-            out: list[int] = []
-            try:
-                async for new in stream:
-                    out.extend(new)
-            except RequestFailed as e:
-                raise ApiError(500, f"request {rid} failed: {e}", type_="server_error") from None
-            except NotReady as e:
-                raise ApiError(503, str(e), type_="server_error") from None
+            # Closed on every way out (a client that went away included): the request's record
+            # then says how it ended before it is counted.
+            async with contextlib.aclosing(self.gw.generate(prompt, max_new, body.ignore_eos, rid)) as stream:
+                if body.stream:
+                    return await self._stream(request, body, rid, prompt, max_new, stream, chat)
+                out: list[int] = []
+                try:
+                    async for new in stream:
+                        out.extend(new)
+                except RequestFailed as e:
+                    raise ApiError(500, f"request {rid} failed: {e}", type_="server_error") from None
+                except NotReady as e:
+                    raise ApiError(503, str(e), type_="server_error") from None
             text = self.tok.decode(out, skip_special_tokens=True)
             usage = Usage.of(len(prompt), len(out))
             finish = self._finish(out, body.ignore_eos)
@@ -212,6 +215,13 @@ class OpenAiFront:
                       stream: Any, chat: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
+        with contextlib.suppress(ConnectionResetError):  # the client went away: its record says so
+            await self._events(resp, body, rid, prompt, max_new, stream, chat)
+        return resp
+
+    async def _events(self, resp: web.StreamResponse, body: Any, rid: str, prompt: list[int], max_new: int,
+                      stream: Any, chat: bool) -> None:
+        """The server-sent events of one request: a chunk per token, usage, ``[DONE]``."""
         model = self.served.model
 
         async def send(chunk: BaseModel | str) -> None:
@@ -237,8 +247,7 @@ class OpenAiFront:
                         await send(Completion(id=rid, model=model, choices=[
                             CompletionChoice(text=text, finish_reason=finish)]))
         except (RequestFailed, NotReady) as e:
-            err = ApiError(500, f"request {rid} failed: {e}", type_="server_error")
-            await send(err.body())
+            await send(ApiError(500, f"request {rid} failed: {e}", type_="server_error").body())
         else:
             if body.include_usage:
                 usage = Usage.of(len(prompt), len(out))
@@ -248,4 +257,3 @@ class OpenAiFront:
                     await send(Completion(id=rid, model=model, choices=[], usage=usage))
         await send("[DONE]")
         await resp.write_eof()
-        return resp

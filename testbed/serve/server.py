@@ -98,13 +98,15 @@ class _Serving:
         await gateway.start()
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        await web.SockSite(runner, self.sock).start()
+        await web.SockSite(runner, self.sock, shutdown_timeout=5.0, backlog=512).start()
         self.up.set()
         try:
             await self.stop_event.wait()
         finally:
-            await runner.cleanup()
+            # Requests still running end first (as failed: "server stopped"), so that their
+            # streams close and the HTTP server's shutdown does not wait on them.
             await gateway.stop()
+            await runner.cleanup()
 
     def stop(self) -> None:
         if self.loop is not None and self.stop_event is not None and not self.loop.is_closed():
