@@ -4,7 +4,8 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-DEB_PACKAGES := iproute2 mosquitto
+# mininet + bridge-utils: Mininet topologies in (--topo); Debian's Mininet, without Open vSwitch.
+DEB_PACKAGES := iproute2 mosquitto mininet bridge-utils
 SCENARIO ?= topologies/two-dc.yaml
 # The default trace is written at production lengths; TOKEN_SCALE shrinks it for a CPU model.
 # agentic-quick: 117 requests in 36 short sessions (<= 4 turns), so that the three policies
@@ -17,7 +18,9 @@ RUN_ARGS ?=
 
 .PHONY: reproduce soak bench-cache bench-client setup debs test lint run-trace run-cluster bench-net bench-handoff clean distclean
 
-setup: debs $(STAMP)
+MININET_LINK := $(VENV)/.mininet-linked
+
+setup: debs $(STAMP) $(MININET_LINK)
 
 # Installs only the Debian packages that are missing; needs root (apt-get).
 debs:
@@ -35,6 +38,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $(STAMP)
+
+# Debian installs Mininet's module for the system python3 only: the venv gets a link to that
+# one package (not to the whole of dist-packages, whose other packages would shadow nothing
+# but could be imported by accident).
+$(MININET_LINK): $(STAMP)
+	@src=$$(/usr/bin/python3 -c 'import mininet, os; print(os.path.dirname(mininet.__file__))') && \
+	  site=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+	  ln -sfn "$$src" "$$site/mininet" && $(PY) -c 'import mininet.topo' && touch $@
 
 test: setup
 	$(PY) -m pytest -q

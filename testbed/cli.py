@@ -1,4 +1,4 @@
-"""Command-line interface: ``testbed net|clean|run|serve|sweep|calibrate|trace|verify|report|soak|bench``.
+"""Command-line interface: ``testbed net|exec|clean|run|serve|sweep|calibrate|trace|verify|report|soak|bench``.
 
 Argument parsing and calls only: what a command does lives in its own module
 (``testbed.experiment`` runs policies and traces, ``testbed.verify`` checks tokens,
@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 
 from testbed import cli_replay, cli_serve, netns, runstate
-from testbed.cli_args import build_parser
+from testbed.cli_args import build_parser, scenario_from_args
 from testbed.errors import InputError, Terminated, TestbedError
 from testbed.policies.spec import parse_policy_list
-from testbed.scenario import Scenario, load_scenario
+from testbed.scenario import Scenario
 
 _MAIN_PID = os.getpid()
 
@@ -39,7 +39,7 @@ def _wire_scenario(args: argparse.Namespace) -> Scenario:
     from testbed.emulation import EmulationPlan
     from workers.model import kv_bytes_per_token
 
-    sc = load_scenario(args.scenario)
+    sc = scenario_from_args(args)
     if sc.emulation is None:
         return sc
     if args.token_scale < 1 or not 0.1 <= args.dilation <= 1000:
@@ -84,6 +84,22 @@ def cmd_net_check(args: argparse.Namespace) -> int:
     return 0 if passed(rows) else 1
 
 
+def cmd_exec(args: argparse.Namespace) -> int:
+    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not argv:
+        raise InputError("exec: no command given (testbed exec HOST -- CMD ...)")
+    try:
+        ns = runstate.host_namespace(args.host, args.run)
+    except LookupError as e:
+        raise InputError(f"exec: {e}") from None
+    try:
+        netns.exec_in(ns, argv)  # returns only if the command could not be started
+    except OSError as e:
+        print(f"error: exec: {argv[0]}: {e.strerror}", file=sys.stderr)
+        return 127 if isinstance(e, FileNotFoundError) else 126
+    return 0
+
+
 def cmd_clean(args: argparse.Namespace) -> int:
     if not runstate.STATE_ROOT.exists() and not any(runstate.PREFIX_RE.match(n) for n in netns.list_namespaces()):
         print("nothing to clean")
@@ -100,7 +116,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
 def cmd_bench_net(args: argparse.Namespace) -> int:
     from testbed.bench.net import run_bench
 
-    result = run_bench(load_scenario(args.scenario), args.impairment, repeats=args.repeats, seconds=args.seconds)
+    result = run_bench(scenario_from_args(args), args.impairment, repeats=args.repeats, seconds=args.seconds)
     print(json.dumps(result, indent=2) if args.json else result["text"])
     return 0
 
@@ -159,7 +175,7 @@ def cmd_trace_gen(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from testbed.verify import run_verify
 
-    sc = load_scenario(args.scenario)
+    sc = scenario_from_args(args)
     policies = parse_policy_list(args.policies)
     return run_verify(sc, args.impairment, policies, args.prompts, args.seed, args.dtype, args.json, args.dilation)
 
@@ -195,18 +211,18 @@ def cmd_soak(args: argparse.Namespace) -> int:
     from testbed.traces import load_trace
 
     opts = SoakOptions(args.minutes, args.load, args.policy, args.fault_every, args.seed, args.dilation, args.out)
-    return run_soak(load_scenario(args.scenario), load_trace(args.trace, args.format, args.token_scale), opts)
+    return run_soak(scenario_from_args(args), load_trace(args.trace, args.format, args.token_scale), opts)
 
 
 COMMANDS = {
     "net up": cmd_net_up, "net down": cmd_net_down, "net check": cmd_net_check, "clean": cmd_clean,
-    "run": cmd_run, "trace stats": cmd_trace_stats, "trace gen": cmd_trace_gen, "verify": cmd_verify,
+    "run": cmd_run, "exec": cmd_exec, "trace stats": cmd_trace_stats, "trace gen": cmd_trace_gen, "verify": cmd_verify,
     "report": cmd_report, "soak": cmd_soak, "sweep": cli_replay.cmd_sweep, "calibrate": cli_replay.cmd_calibrate,
     "bench net": cmd_bench_net, "bench handoff": cmd_bench_handoff,
     "serve": cli_serve.cmd_serve, "bench client": cli_serve.cmd_bench_client,
 }  # fmt: skip
 # Commands that build namespaces need root (``clean`` decides for itself: nothing to clean needs none).
-NEEDS_ROOT = {"net up", "net down", "net check", "run", "verify", "bench net", "bench handoff", "soak", "sweep",
+NEEDS_ROOT = {"exec", "net up", "net down", "net check", "run", "verify", "bench net", "bench handoff", "soak", "sweep",
               "calibrate", "serve", "bench client"}
 
 

@@ -8,7 +8,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from testbed.scenario import Scenario, load_scenario
 from testbed.traces.formats import FORMATS
+
+
+def scenario_from_args(args: argparse.Namespace) -> Scenario:
+    """``--scenario``, with its network taken from ``--topo`` when given."""
+    sc = load_scenario(args.scenario)
+    if getattr(args, "topo", None):
+        from testbed.mininet_topo import load_topo_scenario
+
+        return load_topo_scenario(args.topo, sc)
+    return sc
 
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:
@@ -17,6 +28,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
 
     def scenario_opts(p: argparse.ArgumentParser) -> None:
         p.add_argument("--scenario", type=Path, default=Path("topologies/two-dc.yaml"))
+        p.add_argument("--topo", metavar="FILE.py:CLASS",
+                       help="a Mininet Topo subclass for the network (hosts with roles, one switch per datacenter, "
+                            "one switch-to-switch WAN link); the rest comes from --scenario")
         p.add_argument("--impairment", choices=["auto", "netem", "delayline"], default="auto",
                        help="how WAN delay/jitter/loss are made (default: netem if the kernel has it)")
 
@@ -41,6 +55,13 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=3.0, help="bulk-transfer seconds per path")
     p.add_argument("--json", action="store_true")
     p.set_defaults(command="net check")
+
+    p = sub.add_parser("exec", help="run a command inside a host of a running emulation; its exit status is ours",
+                       usage="testbed exec [--run ID] HOST -- CMD [ARG ...]")
+    p.add_argument("--run", help="the run id, when several live runs have HOST")
+    p.add_argument("host", metavar="HOST", help="a scenario host, gw-<dc> (a gateway) or wan")
+    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="CMD", help="the command and its arguments")
+    p.set_defaults(command="exec")
 
     p = sub.add_parser("clean", help="remove namespaces, links and processes of dead runs")
     p.add_argument("--all", action="store_true", help="also tear down runs that are still alive")

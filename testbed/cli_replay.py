@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from testbed.cli_args import scenario_from_args
 from testbed.errors import InputError
 from testbed.policies.spec import PolicySpec, parse_policy_list
-from testbed.scenario import Scenario, load_scenario
+from testbed.scenario import Scenario
 
 if TYPE_CHECKING:  # the replaying modules (pandas, torch) load only for a command that replays
     from testbed.experiment import RunOptions
@@ -41,7 +42,7 @@ def replay_inputs(args: argparse.Namespace) -> tuple[Scenario, list[PolicySpec],
     from testbed.metrics import Slo
     from testbed.traces import load_trace
 
-    sc = load_scenario(args.scenario)
+    sc = scenario_from_args(args)
     policies = parse_policy_list(args.policies)
     if args.limit is not None and args.limit < 1:
         raise InputError(f"--limit: must be at least 1, got {args.limit}")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from testbed.cli_args import scenario_from_args
 from testbed.errors import InputError
-from testbed.scenario import load_scenario
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -18,14 +18,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InputError(f"--port: must be 0..65535, got {args.port}")
     opts = ServeOptions(parse_policy(args.policy), args.port, args.token_scale, args.dilation, args.shape_trace,
                         args.dtype, args.impairment, args.served_model_name, args.out, args.allow_infidelity)
-    return run_serve(load_scenario(args.scenario), opts)
+    return run_serve(scenario_from_args(args), opts)
 
 
 def cmd_bench_client(args: argparse.Namespace) -> int:
     from testbed.bench.client import ClientBenchOptions, run_client_bench
     from testbed.policies.spec import parse_policy
 
-    sc = load_scenario(args.scenario)  # fails here, naming the file, rather than in the server
+    sc = scenario_from_args(args)  # fails here, naming the file, rather than in the server
     parse_policy(args.policy)
     if args.limit is not None and args.limit < 1:
         raise InputError(f"--limit: must be >= 1, got {args.limit}")

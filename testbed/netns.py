@@ -116,6 +116,14 @@ def join(ns: str) -> None:
         os.close(fd)
 
 
+def exec_in(ns: str, argv: Sequence[str]) -> None:
+    """Replace this process with ``argv`` running inside ``ns`` (stdin, stdout, stderr and
+    the exit status are the command's own). Only from a process's main thread with no
+    other thread that matters: setns moves the calling thread, and exec keeps only it."""
+    join(ns)
+    os.execvp(argv[0], list(argv))
+
+
 def write_sysctl(ns: str, key: str, value: str | int) -> None:
     """Write a per-namespace sysctl such as ``net.ipv4.ip_forward``."""
     with entered(ns), open(Path("/proc/sys") / key.replace(".", "/"), "w") as f:

@@ -171,6 +171,22 @@ def live_runs() -> list[Run]:
     return runs
 
 
+def host_namespace(host: str, run_id: str | None = None) -> str:
+    """The namespace of ``host`` (a scenario host, ``gw-<dc>`` or ``wan``) in the one live
+    run that has it (or in ``run_id``). Raises ``LookupError`` saying what is running."""
+    runs = [r for r in live_runs() if run_id is None or r.run_id == run_id]
+    if not runs:
+        raise LookupError(f"no live run{f' {run_id}' if run_id else ''} (start one: testbed net up, run, serve)")
+    having = [r for r in runs if f"{r.prefix}-{host}" in r.namespaces]
+    if len(having) == 1:
+        return f"{having[0].prefix}-{host}"
+    if not having:
+        hosts = sorted({ns.removeprefix(f"{r.prefix}-") for r in runs for ns in r.namespaces})
+        raise LookupError(f"no host {host!r} in the live run{'s' if len(runs) > 1 else ''} (hosts: {', '.join(hosts)})")
+    raise LookupError(f"{len(having)} live runs have a host {host!r}: pick one with --run "
+                      f"({', '.join(r.run_id for r in having)})")
+
+
 def stop_runs(run_id: str | None = None) -> list[str]:
     """``testbed net down``: ask each live run's owner (or only ``run_id``'s) to stop, wait up
     to 10 s, then remove whatever is left. Returns the run ids stopped."""
