@@ -20,14 +20,21 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from testbed import netns
 from testbed.emulation import EmulationPlan
 from testbed.errors import InputError, Terminated, TestbedError
 from testbed.policies.spec import PolicySpec
 from testbed.scenario import Role, Scenario
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from testbed.serve.gateway import Gateway
 
 HOST = "127.0.0.1"  # never anything but the machine's loopback
 
@@ -68,13 +75,13 @@ def plan_for(sc: Scenario, opts: ServeOptions) -> EmulationPlan:
 class _Serving:
     """The serving thread: its own event loop, inside the client host's namespace."""
 
-    def __init__(self, ns: str, sock: socket.socket, build: object) -> None:
+    def __init__(self, ns: str, sock: socket.socket, build: Callable[[], tuple[Gateway, web.Application]]) -> None:
         self.ns, self.sock, self.build = ns, sock, build
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stop_event: asyncio.Event | None = None
         self.up = threading.Event()
         self.error: BaseException | None = None
-        self.gateway = None
+        self.gateway: Gateway | None = None
         self.thread = threading.Thread(target=self._body, name="serve", daemon=True)
 
     def _body(self) -> None:
@@ -93,7 +100,7 @@ class _Serving:
         asyncio.get_running_loop().set_default_executor(
             concurrent.futures.ThreadPoolExecutor(2, initializer=netns.join, initargs=(self.ns,)))
         self.loop, self.stop_event = asyncio.get_running_loop(), asyncio.Event()
-        gateway, app = self.build()  # type: ignore[operator]
+        gateway, app = self.build()
         self.gateway = gateway
         await gateway.start()
         runner = web.AppRunner(app, access_log=None)
@@ -117,7 +124,7 @@ class _Serving:
 def run_serve(sc: Scenario, opts: ServeOptions) -> int:
     """Serve until interrupted; save the served requests; exit 0, or 3 when the fidelity
     verdict failed (unless ``allow_infidelity``)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from testbed.cluster import Cluster, worker_roles
     from testbed.experiment import network_session
@@ -133,8 +140,6 @@ def run_serve(sc: Scenario, opts: ServeOptions) -> int:
         raise InputError(f"{sc.source}: workers.model: {model_dir} has no tokenizer (tokenizer_config.json); "
                          "testbed serve needs one to turn text into tokens")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    from transformers import AutoConfig
-
     cfg = AutoConfig.from_pretrained(model_dir)
     served = Served(model=opts.model_name or model_dir.name, max_len=cfg.max_position_embeddings,
                     vocab=cfg.vocab_size, eos=cfg.eos_token_id, policy=opts.policy.label, created=int(time.time()))
@@ -150,7 +155,7 @@ def run_serve(sc: Scenario, opts: ServeOptions) -> int:
     with network_session(plan.wire_scenario(sc), opts.impairment) as net:
         cl = Cluster.start(net, opts.policy, dtype=opts.dtype, emulation=plan)
 
-        def build() -> tuple[Gateway, object]:
+        def build() -> tuple[Gateway, web.Application]:
             gw = Gateway(cl.access.client, cl.topics, sc.workers.request_timeout_s * d * 1.5)
             pipelines = Pipelines(worker_roles(sc), {w: sc.datacenter_of(w) for w in cl.workers},
                                   isinstance(opts.policy, PddSpec))
