@@ -19,7 +19,7 @@ import secrets
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import aiomqtt
@@ -82,6 +82,28 @@ class ClientRecord:
 
 class ProtocolError(Exception):
     pass
+
+
+async def connect_when_ready(session: Session, on_message: Callable[[aiomqtt.Message], Awaitable[None]],
+                             ready: asyncio.Event, stop: asyncio.Event, wait_s: float = 120.0) -> asyncio.Task[None]:
+    """Run ``session`` (until ``stop``) and wait until ``on_message`` has set ``ready`` (the
+    router said its workers are up). Returns the connection's task; raises the broker's
+    error, or ``ProtocolError`` when the router is not ready within ``wait_s``."""
+
+    async def no_op(first: bool) -> None:
+        return None
+
+    connection = asyncio.create_task(session.run(on_message, no_op, stop))
+    waiting = asyncio.create_task(ready.wait())
+    await asyncio.wait({connection, waiting}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+    if not ready.is_set():
+        stop.set()
+        waiting.cancel()
+        if connection.done():
+            connection.result()  # the broker could not be reached: its error
+        connection.cancel()
+        raise ProtocolError(f"the router did not report ready within {wait_s:g} s (workers failed to start?)")
+    return connection
 
 
 async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[RequestSpec], timeout_s: float,
@@ -157,20 +179,8 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
         req = Request(rid=spec.rid, prompt=spec.prompt, max_new=spec.max_new, hints=spec.hints)
         await session.publish(topics.requests, req.dump())
 
-    async def no_op(first: bool) -> None:
-        return None
-
     stop = asyncio.Event()
-    connection = asyncio.create_task(session.run(on_message, no_op, stop))
-    waiting = asyncio.create_task(ready.wait())
-    await asyncio.wait({connection, waiting}, timeout=120, return_when=asyncio.FIRST_COMPLETED)
-    if not ready.is_set():
-        stop.set()
-        waiting.cancel()
-        if connection.done():
-            connection.result()  # the broker could not be reached: its error
-        connection.cancel()
-        raise ProtocolError("the router did not report ready within 120 s (workers failed to start?)")
+    connection = await connect_when_ready(session, on_message, ready, stop)
     t0 = time.time()
     if on_start is not None:
         on_start(time.monotonic())

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import aiomqtt
 from pydantic import ValidationError
 
-from testbed.client import ClientRecord
+from testbed.client import ClientRecord, connect_when_ready
 from testbed.traces.workload import RequestSpec
 from workers.contracts import BrokerInfo
 from workers.control import Request, RequestHints, RouterStatus, Tokens, Topics, why_invalid
@@ -66,19 +66,7 @@ class Gateway:
 
     async def start(self, wait_s: float = 120.0) -> None:
         """Connect and wait until the router says it is ready (its workers are up)."""
-
-        async def no_op(first: bool) -> None:
-            return None
-
-        self._task = asyncio.create_task(self._session.run(self._on_message, no_op, self._stop))
-        waiting = asyncio.create_task(self._ready.wait())
-        await asyncio.wait({self._task, waiting}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
-        if not self.ready:
-            waiting.cancel()
-            self._stop.set()
-            if self._task.done():
-                self._task.result()  # the broker could not be reached: its error
-            raise NotReady(f"the router did not report ready within {wait_s:g} s (workers failed to start?)")
+        self._task = await connect_when_ready(self._session, self._on_message, self._ready, self._stop, wait_s)
         self.t0 = time.time()
 
     async def stop(self) -> None:
