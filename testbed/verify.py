@@ -53,6 +53,8 @@ def compare(specs: list[RequestSpec], refs: dict[str, list[int]], recs: dict[str
         r = recs[s.rid]
         if not r.ok:
             bad.append({"rid": s.rid, "problem": f"failed: {r.error}"})
+        elif r.conflicts:
+            bad.append({"rid": s.rid, "problem": f"{r.conflicts} streamed chunk(s) disagreed with tokens received"})
         elif r.tokens != refs[s.rid]:
             at = next((i for i, (a, b) in enumerate(zip(r.tokens, refs[s.rid], strict=False)) if a != b),
                       min(len(r.tokens), len(refs[s.rid])))

@@ -173,5 +173,6 @@ class WorkerStats(Contract):
     compute: Literal["real", "modeled"] = "real"
     device: DeviceReport
     cache: CacheReport | None = None
+    repeated_commands: int = 0  # start commands delivered again (QoS 1) and dropped
     prefill: PrefillCounters | None = None
     decode: DecodeCounters | None = None

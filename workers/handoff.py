@@ -105,8 +105,8 @@ class HandoffMixin:
     async def on_handoff_ack(self: DecodeSide, cmd: HandoffAck) -> None:
         """The MD extended a catch-up batch: send the next one."""
         seq = self.running.get(cmd.rid)
-        if seq is not None and seq.relay is not None:
-            seq.relay.awaiting_ack = False
+        if seq is not None and seq.relay is not None and seq.relay.awaiting_ack and cmd.extended == seq.relay.handed:
+            seq.relay.awaiting_ack = False  # (a repeated ack, for an earlier batch, is ignored)
             await self.maybe_hand_off(seq)
 
     async def on_handoff(self: DecodeSide, cmd: HandoffCmd) -> None:
@@ -179,10 +179,16 @@ class HandoffMixin:
             return  # cancelled (the relay finished alone) or never ours
         ms = seq.main
         toks = cmd.tokens
-        if cmd.start != ms.extended:
+        if cmd.start < ms.claimed or (cmd.start == ms.claimed and ms.final_claimed):
+            return  # a repeat (QoS 1 after a broker restart) of an extend taken already
+        if cmd.start != ms.claimed:
             await self.fail(cmd.rid, f"handoff out of order on {self.cfg.name}: got start {cmd.start}, "
-                                     f"expected {ms.extended}")
+                                     f"expected {ms.claimed}")
             return
+        # Claimed before the first await: a repeat delivered while this extend computes
+        # must not extend the same tokens twice.
+        ms.claimed += len(toks)
+        ms.final_claimed = cmd.final
         t0 = time.time()
         real = 0.0
         if toks:

@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 import traceback
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,8 +31,10 @@ from workers.contracts import CacheReport, ModelCost, WorkerConfig, WorkerStats
 from workers.control import (
     QOS,
     Command,
+    DecodeCmd,
     Event,
     Failed,
+    PrefillCmd,
     Status,
     Tokens,
     Topics,
@@ -46,6 +49,8 @@ from workers.mqtt_session import Session, keepalive_for
 from workers.radix_cache import RadixCache
 
 T = TypeVar("T")
+
+REMEMBERED_STARTS = 100_000  # request ids whose start command a worker remembers, to drop repeats
 
 
 class Worker:
@@ -68,6 +73,8 @@ class Worker:
         self.crashed: str | None = None  # why a task of this worker failed (the worker then ends)
         self.tasks: set[asyncio.Task[Any]] = set()
         self.cache_series: list[tuple[float, int, int]] = []  # (t, hit tokens, lookup tokens)
+        self.started: OrderedDict[str, None] = OrderedDict()  # requests a start command began, oldest first
+        self.repeated_commands = 0
 
     def _own_cost(self) -> ModelCost | None:
         """The real model's own work (a scenario that emulates no model); modeled compute
@@ -156,7 +163,8 @@ class Worker:
     def stats(self) -> WorkerStats:
         """This worker's statistics file; roles add their counters."""
         return WorkerStats(worker=self.cfg.name, role=self.cfg.role, compute=self.cfg.compute,
-                           device=self.pacer.report(), cache=self.cache_report())
+                           device=self.pacer.report(), cache=self.cache_report(),
+                           repeated_commands=self.repeated_commands)
 
     def cache_report(self) -> CacheReport | None:
         """Prefix-cache counters and their history (sampled each second when they change)."""
@@ -222,7 +230,27 @@ class Worker:
         except ValidationError as e:
             self.reject(payload, e)
             return
-        self.spawn(self.handle(cmd))
+        if self.first_delivery(cmd):
+            self.spawn(self.handle(cmd))
+
+    def first_delivery(self, cmd: Command) -> bool:
+        """False for a repeat of a command that starts a request here. QoS 1 delivers at
+        least once: after a broker restart a publisher resends what the broker had not
+        acknowledged, which the worker may already have taken. A second ``PrefillCmd`` would
+        compute and ship the KV again; a second ``DecodeCmd`` would replace the request's
+        state mid-flight (a transfer already matched against the cached prefix would land
+        on a state without it, and decode from the wrong KV). The other commands are
+        idempotent where they are handled."""
+        if not isinstance(cmd, PrefillCmd | DecodeCmd):
+            return True
+        if cmd.rid in self.started:
+            self.repeated_commands += 1
+            print(f"{self.cfg.name}: dropped a repeated {cmd.op} for {cmd.rid}", file=sys.stderr, flush=True)
+            return False
+        self.started[cmd.rid] = None
+        if len(self.started) > REMEMBERED_STARTS:
+            self.started.popitem(last=False)
+        return True
 
     def reject(self, payload: bytes | bytearray, error: ValidationError) -> None:
         """A command failed validation: log it and fail the request it names, if any."""

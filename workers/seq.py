@@ -36,6 +36,8 @@ class MainState:
     relay: str
     pred: int = 0  # greedy token after everything extended so far
     extended: int = 0
+    claimed: int = 0  # eager tokens taken by an extend, in progress or done (>= extended)
+    final_claimed: bool = False  # the final extend has been taken
     final: bool = False
     mismatches: int = 0
 

@@ -1,0 +1,129 @@
+"""QoS 1 delivers at least once: a broker restart makes publishers resend what the broker
+had not acknowledged, which the receiver may already have taken. Every receiver of a
+repeat must leave the request as if it had come once (issue #9's broker-restart fault)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from testbed.client import ClientRecord
+from workers.contracts import BrokerInfo, WorkerConfig
+from workers.control import DecodeCmd, ExtendCmd, HandoffAck, MainPart, PrefillCmd, Tokens
+from workers.decode import DecodeWorker
+from workers.model import ensure_default_model
+from workers.runtime import Worker
+from workers.seq import MainState, RelayState, Seq
+
+
+def _chunk(start: int, tokens: list[int], done: bool = False, worker: str = "decode-a") -> Tokens:
+    return Tokens(rid="r1", start=start, tokens=tokens, worker=worker, t=0.0, done=done)
+
+
+def test_client_keeps_one_ordered_stream_from_repeats_gaps_and_overlaps() -> None:
+    r = ClientRecord("r1", prompt_len=4, max_new=6)
+    assert r.accept(_chunk(0, [5]), 1.0) == 1
+    assert r.accept(_chunk(0, [5]), 1.1) == 0  # a repeat
+    assert r.accept(_chunk(2, [7]), 1.2) == 0  # past a gap: held
+    assert r.accept(_chunk(1, [6]), 1.3) == 2  # the gap fills, the held chunk follows
+    assert r.accept(_chunk(2, [7, 8]), 1.4) == 1  # runs past what we have: only the new tail
+    assert r.tokens == [5, 6, 7, 8] and r.token_times == [1.0, 1.3, 1.3, 1.4] and r.conflicts == 0
+    assert r.accept(_chunk(3, [9, 10], worker="decode-b"), 1.5) == 0  # disagrees at index 3
+    assert r.tokens == [5, 6, 7, 8] and r.conflicts == 1
+    assert r.accept(_chunk(4, [10, 11], done=True, worker="decode-b"), 1.6) == 2
+    assert r.ok and r.tokens == [5, 6, 7, 8, 10, 11] and r.by_worker == {"decode-a": 4, "decode-b": 2}
+
+
+def test_a_worker_takes_a_requests_start_command_once() -> None:
+    w: Any = object.__new__(Worker)  # no model, no broker: only the dispatch filter is under test
+    w.cfg, w.started, w.repeated_commands = SimpleNamespace(name="decode-x"), OrderedDict(), 0
+    dec = DecodeCmd(rid="r1", prompt=[1, 2], max_new=3)
+    assert Worker.first_delivery(w, dec)
+    assert not Worker.first_delivery(w, dec)
+    assert not Worker.first_delivery(w, DecodeCmd(rid="r1", prompt=[1, 2], max_new=3))
+    assert Worker.first_delivery(w, PrefillCmd(rid="r2", prompt=[1]))
+    assert Worker.first_delivery(w, ExtendCmd(rid="r1", start=0))  # idempotent where handled
+    assert w.repeated_commands == 2
+
+
+@pytest.fixture(scope="module")
+def decoder() -> DecodeWorker:
+    cfg = WorkerConfig(name="decode-b", role="decode", run_id="t", host_ip="127.0.0.1",
+                       broker=BrokerInfo(host="127.0.0.1", port=1883, username="u", password="p"),
+                       model_path=str(ensure_default_model()), dtype="float64")
+    return DecodeWorker(cfg)
+
+
+def test_main_decoder_extends_a_repeated_batch_once(decoder: DecodeWorker) -> None:
+    """A repeat of an extend delivered while the original computes, or after it, must not
+    append the same eager tokens twice (the KV would then be wrong)."""
+    w = decoder
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79]
+    ref = w.runner.reference(prompt, 8)
+    kv, first = w.runner.prefill(prompt, None, 512)
+    assert first == ref[0]
+    acks: list[HandoffAck] = []
+
+    async def publish(topic: str, payload: bytes, retain: bool = False) -> None:
+        acks.append(HandoffAck.model_validate_json(payload))
+
+    async def main() -> Seq:
+        w.publish = publish  # type: ignore[method-assign]
+        w.emit = lambda event: None  # type: ignore[method-assign]
+        w.stream = lambda *a, **k: None  # type: ignore[method-assign]
+        seq = Seq("r1", prompt, 8, 0.0, main=MainState("relay"))
+        seq.load(kv)
+        seq.main.pred = first  # type: ignore[union-attr]
+        w.held["r1"] = seq
+        batch1 = ExtendCmd(rid="r1", start=0, tokens=ref[:3])
+        await asyncio.gather(w.on_extend(batch1), w.on_extend(batch1))  # repeat while computing
+        await w.on_extend(batch1)  # repeat afterwards
+        final = ExtendCmd(rid="r1", start=3, tokens=ref[3:5], final=True)
+        await asyncio.gather(w.on_extend(final), w.on_extend(final))
+        await asyncio.sleep(0.05)  # the spawned acknowledgements
+        return seq
+
+    seq = asyncio.run(main())
+    ms = seq.main
+    assert ms is not None and ms.extended == 5 and ms.mismatches == 0
+    assert seq.n == len(prompt) + 5 and seq.out == ref[:6]  # eager tokens, then the MD's own next
+    assert [a.extended for a in acks] == [3]
+    assert "r1" in w.running and w.extend_mismatches == 0
+    w.running.clear()
+
+
+def test_relay_ignores_an_ack_for_an_earlier_batch(decoder: DecodeWorker) -> None:
+    w = decoder
+    sent: list[int] = []
+
+    async def main() -> None:
+        async def maybe_hand_off(seq: Seq) -> None:
+            sent.append(seq.relay.handed)  # type: ignore[union-attr]
+
+        w.maybe_hand_off = maybe_hand_off  # type: ignore[method-assign]
+        seq = Seq("r2", [1, 2], 8, 0.0, relay=RelayState("decode-c"))
+        assert seq.relay is not None
+        seq.relay.handed, seq.relay.awaiting_ack = 6, True
+        w.running["r2"] = seq
+        await w.on_handoff_ack(HandoffAck(rid="r2", extended=3))  # the previous batch's, again
+        assert seq.relay.awaiting_ack and sent == []
+        await w.on_handoff_ack(HandoffAck(rid="r2", extended=6))
+        assert not seq.relay.awaiting_ack and sent == [6]
+        await w.on_handoff_ack(HandoffAck(rid="r2", extended=6))  # a repeat of that one
+        assert sent == [6]
+        del w.running["r2"]
+
+    asyncio.run(main())
+    del w.maybe_hand_off
+
+
+def test_a_repeated_decode_command_leaves_the_request_in_flight(decoder: DecodeWorker) -> None:
+    """Without the start filter a second DecodeCmd replaced the waiting request whose KV
+    transfer had already matched the cached prefix; the filter is in the dispatch."""
+    w = decoder
+    cmd = DecodeCmd(rid="r3", prompt=[1, 2, 3], max_new=2, main=MainPart(relay="relay"))
+    assert w.first_delivery(cmd) and not w.first_delivery(cmd)
