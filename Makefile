@@ -4,8 +4,9 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# mininet + bridge-utils: Mininet topologies in (--topo); Debian's Mininet, without Open vSwitch.
-DEB_PACKAGES := iproute2 mosquitto mininet bridge-utils
+# mininet + bridge-utils: the Mininet network backend (--network mininet) and Mininet topologies
+# in (--topo); Debian's Mininet, without Open vSwitch. iputils-ping: `ping` in Mininet's CLI.
+DEB_PACKAGES := iproute2 mosquitto mininet bridge-utils iputils-ping
 SCENARIO ?= topologies/two-dc.yaml
 # The default trace is written at production lengths; TOKEN_SCALE shrinks it for a CPU model.
 # agentic-quick: 117 requests in 36 short sessions (<= 4 turns), so that the three policies
@@ -14,6 +15,8 @@ SCENARIO ?= topologies/two-dc.yaml
 TRACE ?= traces/agentic-quick.jsonl
 TOKEN_SCALE ?= 16
 POLICIES ?= same-dc,cross-dc,pdd
+# NETWORK=mininet builds the network with Mininet (default: the scenario's network.backend).
+NETWORK ?=
 RUN_ARGS ?=
 
 .PHONY: reproduce soak bench-cache bench-client setup debs test lint run-trace run-cluster bench-net bench-handoff clean distclean
@@ -55,7 +58,7 @@ test: setup
 run-trace: setup
 	$(VENV)/bin/testbed clean
 	$(VENV)/bin/testbed run --scenario $(SCENARIO) --trace $(TRACE) --token-scale $(TOKEN_SCALE) \
-	  --policies $(POLICIES) $(RUN_ARGS)
+	  --policies $(POLICIES) $(if $(NETWORK),--network $(NETWORK)) $(RUN_ARGS)
 
 # The report's device counts (75 emulated accelerators for PDD) as modeled instances.
 run-cluster: setup

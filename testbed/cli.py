@@ -14,11 +14,11 @@ import signal
 import sys
 from pathlib import Path
 
-from testbed import cli_replay, cli_serve, netns, runstate
+from testbed import cli_net, cli_replay, cli_serve
 from testbed.cli_args import build_parser, scenario_from_args
+from testbed.cli_net import require_root, wire_scenario
 from testbed.errors import InputError, Terminated, TestbedError
 from testbed.policies.spec import parse_policy_list
-from testbed.scenario import Scenario
 
 _MAIN_PID = os.getpid()
 
@@ -27,90 +27,6 @@ def _raise_terminated(signum: int, _frame: object) -> None:
     if os.getpid() != _MAIN_PID:
         os._exit(128 + signum)  # a library's forked helper must never run our teardown
     raise Terminated(signal.Signals(signum).name)
-
-
-def _require_root() -> None:
-    if os.geteuid() != 0:
-        raise TestbedError("this command needs root (network namespaces, netlink, raw sockets)")
-
-
-def _wire_scenario(args: argparse.Namespace) -> Scenario:
-    """The scenario in wire units (an emulation's rates and delays at this scale and dilation)."""
-    from testbed.emulation import EmulationPlan
-    from workers.model import kv_bytes_per_token
-
-    sc = scenario_from_args(args)
-    if sc.emulation is None:
-        return sc
-    if args.token_scale < 1 or not 0.1 <= args.dilation <= 1000:
-        raise InputError("--token-scale must be >= 1 and --dilation between 0.1 and 1000")
-    model = sc.model_dir()
-    plan = EmulationPlan.make(sc, args.token_scale, args.dilation, kv_bytes_per_token(model, sc.workers.dtype))
-    if not getattr(args, "json", False):
-        print(plan.describe(sc))
-    return plan.wire_scenario(sc)
-
-
-def cmd_net_up(args: argparse.Namespace) -> int:
-    from testbed.experiment import network_session
-
-    with network_session(_wire_scenario(args), args.impairment) as net:
-        print(net.describe())
-        print(f"run {net.run.run_id} is up; Ctrl-C or `testbed net down` tears it down", flush=True)
-        while True:
-            signal.pause()
-
-
-def cmd_net_down(args: argparse.Namespace) -> int:
-    stopped = runstate.stop_runs(args.run)
-    for run_id in stopped:
-        print(f"run {run_id} down")
-    if not runstate.clean_stale() and not stopped:
-        print("no run is up")
-    return 0
-
-
-def cmd_net_check(args: argparse.Namespace) -> int:
-    from testbed.experiment import network_session
-    from testbed.net.check import check_report, passed, run_check
-
-    with network_session(_wire_scenario(args), args.impairment) as net:
-        if not args.json:
-            print(net.describe(), flush=True)
-            print(f"measuring ({args.samples} RTT samples per path, {args.seconds:g} s bulk TCP per path)...",
-                  flush=True)
-        rows = run_check(net, rtt_samples=args.samples, goodput_s=args.seconds)
-    print(check_report(net, rows, args.json))
-    return 0 if passed(rows) else 1
-
-
-def cmd_exec(args: argparse.Namespace) -> int:
-    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
-    if not argv:
-        raise InputError("exec: no command given (testbed exec HOST -- CMD ...)")
-    try:
-        ns = runstate.host_namespace(args.host, args.run)
-    except LookupError as e:
-        raise InputError(f"exec: {e}") from None
-    try:
-        netns.exec_in(ns, argv)  # returns only if the command could not be started
-    except OSError as e:
-        print(f"error: exec: {argv[0]}: {e.strerror}", file=sys.stderr)
-        return 127 if isinstance(e, FileNotFoundError) else 126
-    return 0
-
-
-def cmd_clean(args: argparse.Namespace) -> int:
-    if not runstate.STATE_ROOT.exists() and not any(runstate.PREFIX_RE.match(n) for n in netns.list_namespaces()):
-        print("nothing to clean")
-        return 0
-    _require_root()
-    removed = runstate.clean_stale(include_live=args.all)
-    for r in removed:
-        print(f"removed {r}")
-    if not removed:
-        print("nothing to clean" + ("" if args.all else " (live runs kept; --all removes them too)"))
-    return 0
 
 
 def cmd_bench_net(args: argparse.Namespace) -> int:
@@ -127,7 +43,7 @@ def cmd_bench_handoff(args: argparse.Namespace) -> int:
 
     if args.reps < 1 or args.tokens < 1 or args.prompt < 1 or args.load_streams < 0:
         raise InputError("bench handoff: --reps, --tokens and --prompt must be >= 1, --load-streams >= 0")
-    sc = _wire_scenario(args)
+    sc = wire_scenario(args)
     with network_session(sc, args.impairment) as net:
         result = run_handoff_bench(net, args.reps, args.tokens, args.prompt, args.load_streams)
     print(json.dumps(result, indent=2) if args.json else format_result(result))
@@ -215,8 +131,9 @@ def cmd_soak(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {
-    "net up": cmd_net_up, "net down": cmd_net_down, "net check": cmd_net_check, "clean": cmd_clean,
-    "run": cmd_run, "exec": cmd_exec, "trace stats": cmd_trace_stats, "trace gen": cmd_trace_gen, "verify": cmd_verify,
+    "net up": cli_net.cmd_net_up, "net down": cli_net.cmd_net_down, "net check": cli_net.cmd_net_check,
+    "clean": cli_net.cmd_clean, "exec": cli_net.cmd_exec,
+    "run": cmd_run, "trace stats": cmd_trace_stats, "trace gen": cmd_trace_gen, "verify": cmd_verify,
     "report": cmd_report, "soak": cmd_soak, "sweep": cli_replay.cmd_sweep, "calibrate": cli_replay.cmd_calibrate,
     "bench net": cmd_bench_net, "bench handoff": cmd_bench_handoff,
     "serve": cli_serve.cmd_serve, "bench client": cli_serve.cmd_bench_client,
@@ -238,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if args.command in NEEDS_ROOT:
-            _require_root()
+            require_root()
         return int(COMMANDS[args.command](args))
     except TestbedError as e:
         print(f"error: {e}", file=sys.stderr)

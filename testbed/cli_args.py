@@ -8,8 +8,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pydantic import ValidationError
+
+from testbed.errors import InputError
 from testbed.scenario import Scenario, load_scenario
 from testbed.traces.formats import FORMATS
+from workers.control import why_invalid
 
 
 def scenario_from_args(args: argparse.Namespace) -> Scenario:
@@ -18,7 +22,14 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
     if getattr(args, "topo", None):
         from testbed.mininet_topo import load_topo_scenario
 
-        return load_topo_scenario(args.topo, sc)
+        sc = load_topo_scenario(args.topo, sc)
+    if getattr(args, "network", None):
+        raw = sc.model_dump(mode="json")
+        raw["network"]["backend"] = args.network
+        try:  # validated again: a backend may bring its own limits (Mininet's interface names)
+            sc = Scenario.model_validate(raw).model_copy(update={"source": sc.source})
+        except ValidationError as e:
+            raise InputError(f"--network {args.network}: {why_invalid(e)}") from None
     return sc
 
 
@@ -33,6 +44,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                             "one switch-to-switch WAN link); the rest comes from --scenario")
         p.add_argument("--impairment", choices=["auto", "netem", "delayline"], default="auto",
                        help="how WAN delay/jitter/loss are made (default: netem if the kernel has it)")
+        p.add_argument("--network", choices=["pyroute2", "mininet"],
+                       help="who builds namespaces, links and bridges (default: the scenario's network.backend)")
 
     net = sub.add_parser("net", help="build, check or tear down the emulated network")
     nsub = net.add_subparsers(dest="net_cmd", required=True)
@@ -44,6 +57,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p = nsub.add_parser("up", help="build the network and hold it until Ctrl-C / `net down`")
     scenario_opts(p)
     wire_opts(p)
+    p.add_argument("--cli", action="store_true",
+                   help="Mininet backend: hold it in Mininet's CLI (`prefill ping decode-b`) until `exit`")
     p.set_defaults(command="net up")
     p = nsub.add_parser("down", help="tear down running networks")
     p.add_argument("--run", help="only this run id")

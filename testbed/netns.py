@@ -56,12 +56,8 @@ MS_REC, MS_BIND, MS_SHARED = 0x4000, 0x1000, 1 << 20
 MNT_DETACH = 2
 
 
-def create_namespace(ns: str) -> None:
-    """Create a named namespace like ``ip netns add`` (bind mount under /run/netns).
-
-    Done in a throwaway thread (unshare affects only the calling thread), not in a forked
-    child: forking a multi-threaded orchestrator copies its signal handlers and state.
-    """
+def _mount_point(ns: str) -> Path:
+    """The file a named namespace is bind-mounted on (created here, empty)."""
     NETNS_DIR.mkdir(parents=True, exist_ok=True)
     d = bytes(NETNS_DIR)
     # Make /run/netns a shared mount so the bind mounts propagate (what iproute2 does).
@@ -70,6 +66,27 @@ def create_namespace(ns: str) -> None:
         _libc.mount(b"", d, b"none", MS_SHARED | MS_REC, None)
     path = NETNS_DIR / ns
     os.close(os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0))
+    return path
+
+
+def attach_namespace(ns: str, pid: int) -> None:
+    """Name the network namespace of process ``pid`` ``ns``, like ``ip netns attach``: it
+    then outlives the process until ``remove_namespace``."""
+    path = _mount_point(ns)
+    if _libc.mount(f"/proc/{pid}/ns/net".encode(), bytes(path), b"none", MS_BIND, None) != 0:
+        err = ctypes.get_errno()
+        with contextlib.suppress(OSError):
+            path.unlink()
+        raise OSError(err, f"bind mount of process {pid}'s namespace on {path} failed")
+
+
+def create_namespace(ns: str) -> None:
+    """Create a named namespace like ``ip netns add`` (bind mount under /run/netns).
+
+    Done in a throwaway thread (unshare affects only the calling thread), not in a forked
+    child: forking a multi-threaded orchestrator copies its signal handlers and state.
+    """
+    path = _mount_point(ns)
     errors: list[OSError] = []
 
     def _make() -> None:

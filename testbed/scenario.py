@@ -186,6 +186,8 @@ class NetworkSettings(_Strict):
     # flight to behave like a long fat pipe; with an emulation the testbed picks it
     # (hosts learn it by path-MTU discovery from their gateway).
     wan_mtu: int | None = Field(default=None, ge=1280, le=65520)
+    # Who creates namespaces, links and bridges (testbed/net/nodes.py); shaping is ours on both.
+    backend: Literal["pyroute2", "mininet"] = "pyroute2"
 
     @field_validator("subnet")
     @classmethod
@@ -222,6 +224,9 @@ class Scenario(_Strict):
                 if host.startswith("gw") or host == "wan":
                     raise ValueError(f"host name {host!r} is reserved")
                 seen[host] = dc_name
+            if self.network.backend == "mininet" and len(f"gw-{dc_name}-eth{len(dc.hosts)}") > 15:
+                raise ValueError(f"datacenter {dc_name!r}: with the Mininet backend its gateway's ports are "
+                                 f"gw-{dc_name}-eth<N>, longer than an interface name may be (15)")
         for dc in self.datacenters.values():
             for host, spec in dc.hosts.items():
                 if spec.device != "native" and spec.device not in self.devices:

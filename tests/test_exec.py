@@ -25,8 +25,9 @@ def _exec(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=60)
 
 
-def test_exec_runs_in_the_hosts_namespace_and_passes_the_exit_status() -> None:
-    proc, run_id = _start_net_up(TOPOLOGIES / "two-dc.yaml")
+@pytest.mark.parametrize("network", ["pyroute2", "mininet"])
+def test_exec_runs_in_the_hosts_namespace_and_passes_the_exit_status(network: str) -> None:
+    proc, run_id = _start_net_up(TOPOLOGIES / "two-dc.yaml", "--network", network)
     try:
         plan = make_plan(load_scenario(TOPOLOGIES / "two-dc.yaml"), f"pdd{run_id}")
         for host in ("decode-b", "client"):  # each in its own namespace, with its own address

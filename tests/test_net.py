@@ -176,9 +176,9 @@ def test_netem_requested_without_netem_fails_cleanly() -> None:
     assert not [n for n in netns.list_namespaces() if n.startswith(run.prefix)]
 
 
-def _start_net_up(scenario: Path) -> tuple[subprocess.Popen[str], str]:
+def _start_net_up(scenario: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "testbed", "net", "up", "--scenario", str(scenario)],
+        [sys.executable, "-m", "testbed", "net", "up", "--scenario", str(scenario), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
         start_new_session=True,
     )
@@ -216,11 +216,14 @@ def test_net_up_tears_down_on_signal(sig: signal.Signals) -> None:
         runstate.destroy(run_id, [], [])
 
 
-def test_kill9_then_clean_leaves_nothing() -> None:
-    proc, run_id = _start_net_up(TOPOLOGIES / "two-dc.yaml")
+@pytest.mark.parametrize("network", ["pyroute2", "mininet"])
+def test_kill9_then_clean_leaves_nothing(network: str) -> None:
+    proc, run_id = _start_net_up(TOPOLOGIES / "two-dc.yaml", "--network", network)
     try:
         manifest = json.loads((runstate.STATE_ROOT / run_id / "manifest.json").read_text())
         pids = [p["pid"] for p in manifest["processes"]]
+        if network == "mininet":  # one shell per node: 6 hosts, 2 gateways, the WAN
+            assert sum(p["name"].startswith("mininet ") for p in manifest["processes"]) == 9
         proc.kill()
         proc.wait()
         assert _run_leftovers(run_id), "namespaces should survive a kill -9 until cleaned"
@@ -237,15 +240,19 @@ def test_kill9_then_clean_leaves_nothing() -> None:
         runstate.destroy(run_id, [], [])
 
 
-def test_net_check_cli_json() -> None:
+@pytest.mark.parametrize("network", ["pyroute2", "mininet"])
+def test_net_check_cli_json(network: str) -> None:
+    """The same check, with the same tolerances, on either backend."""
     out = subprocess.run(
         [sys.executable, "-m", "testbed", "net", "check", "--scenario", str(TOPOLOGIES / "two-dc.yaml"),
-         "--json", "--samples", "20", "--seconds", "2", "--token-scale", "16", "--dilation", "2"],
+         "--json", "--samples", "20", "--seconds", "2", "--token-scale", "16", "--dilation", "2",
+         "--network", network],
         capture_output=True, text=True, cwd=ROOT, timeout=120,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     data = json.loads(out.stdout)
     assert data["passed"] and data["impairment"] in ("netem", "delayline")
+    assert data["network_backend"] == network
     rows = {(r["path"].split()[0], r["metric"]): r for r in data["rows"]}
     want = {("wan", "rtt median"), ("lan", "rtt median"), ("wan", "goodput"), ("lan", "goodput"), ("wan", "bdp")}
     assert want <= set(rows)

@@ -40,6 +40,7 @@ def run_bench(sc: Scenario, impairment: str, repeats: int = 5, seconds: float = 
     best = max(flows, key=lambda k: flows[k])
     result = {
         "scenario": sc.name,
+        "network_backend": sc.network.backend,
         "impairment": backend,
         "mtu": sc.network.mtu,
         "rtt_configured_ms": conf_rtt,
@@ -54,7 +55,8 @@ def run_bench(sc: Scenario, impairment: str, repeats: int = 5, seconds: float = 
         "delayline": stats,
     }
     lines = [
-        f"bench net: scenario {sc.name}, impairment {backend}, MTU {sc.network.mtu}",
+        f"bench net: scenario {sc.name}, network backend {sc.network.backend}, impairment {backend}, "
+        f"MTU {sc.network.mtu}",
         f"  RTT configured {conf_rtt:.2f} ms, measured median {idle.median_ms:.2f} ms "
         f"(error {idle.median_ms - conf_rtt:+.2f} ms), p99 {idle.percentile(99):.2f} ms",
     ]

@@ -30,6 +30,7 @@ from testbed.net.delayline_contract import (
     DirectionConfig,
     DirectionOverride,
 )
+from testbed.net.nodes import NodeBackend, Pyroute2Nodes
 from testbed.net.plan import NetworkPlan, Shaping, make_plan, size_lan
 from testbed.scenario import Scenario
 
@@ -44,6 +45,7 @@ class Network:
     scenario: Scenario
     run: runstate.Run
     plan: NetworkPlan
+    nodes: NodeBackend  # who creates namespaces, links and bridges (testbed/net/nodes.py)
     impairment: str = "none"
     impairment_reason: str = ""
     delayline: subprocess.Popen[bytes] | None = None
@@ -54,7 +56,8 @@ class Network:
     @classmethod
     def up(cls, scenario: Scenario, run: runstate.Run, impairment: Impairment = "auto") -> Network:
         t0 = time.monotonic()
-        net = cls(scenario, run, make_plan(scenario, run.prefix))
+        plan = make_plan(scenario, run.prefix)
+        net = cls(scenario, run, plan, make_backend(plan.backend, run))
         try:
             net._build(impairment)
         except BaseException as e:
@@ -66,6 +69,7 @@ class Network:
             ) from e
         net.timings["up_s"] = time.monotonic() - t0
         run.info["impairment"] = {"backend": net.impairment, "reason": net.impairment_reason}
+        run.info["network_backend"] = net.nodes.name
         run.save()
         return net
 
@@ -79,6 +83,7 @@ class Network:
                 self.delayline.kill()
                 self.delayline.wait()
         self.delayline_stats_final = self.delayline_stats()
+        self.nodes.close()
         runstate.destroy(self.run.run_id, self.run.namespaces, self.run.processes)
         self.run.namespaces.clear()
         self.run.processes.clear()
@@ -110,7 +115,8 @@ class Network:
     def describe(self) -> str:
         """The built network as a person reads it: datacenters, hosts, WAN shaping."""
         p = self.plan
-        lines = [f"scenario {self.scenario.name}: impairment backend {self.impairment} ({self.impairment_reason})"]
+        lines = [f"scenario {self.scenario.name}: network backend {p.backend}, "
+                 f"impairment backend {self.impairment} ({self.impairment_reason})"]
         for dc in p.dcs.values():
             lines.append(f"  datacenter {dc.name}: {dc.subnet} gateway ns {dc.gw_ns}")
             for h in p.hosts.values():
@@ -178,32 +184,38 @@ class Network:
 
     def _build(self, impairment: Impairment) -> None:
         p = self.plan
-        with self._stage("create namespaces"):
-            for ns in p.namespaces:
+        nodes = [(h.ns, h.name, "host") for h in p.hosts.values()]
+        nodes += [(dc.gw_ns, f"gw-{dc.name}", "gateway") for dc in p.dcs.values()] + [(p.wan_ns, "wan", "wan")]
+        with self._stage(f"create namespaces ({self.nodes.name})"):
+            for ns, label, kind in nodes:
                 self.run.add_namespace(ns)  # recorded before it exists
-                netns.create_namespace(ns)
+                self.nodes.add_node(ns, label, kind)  # type: ignore[arg-type]
                 self._init_namespace(ns)
         with self._stage("choose impairment backend"):
             self._choose_impairment(impairment)
+        for h in p.hosts.values():
+            with self._stage(f"host {h.name} link"):
+                self.nodes.add_link(h.ns, "eth0", p.dcs[h.dc].gw_ns, h.gw_port, p.mtu)
         for dc in p.dcs.values():
-            with self._stage(f"gateway {dc.gw_ns}"), netns.iproute(dc.gw_ns) as ipr:
-                ipr.link("add", ifname="br0", kind="bridge", mtu=p.mtu)
-                br = ipr.link_lookup(ifname="br0")[0]
-                ipr.addr("add", index=br, address=dc.gw_lan_ip, prefixlen=24)
-                ipr.link("set", index=br, state="up")
+            with self._stage(f"gateway {dc.gw_ns}"):
+                ports = [h.gw_port for h in p.hosts.values() if h.dc == dc.name]
+                self.nodes.add_bridge(dc.gw_ns, dc.bridge, ports, p.mtu)
+                with netns.iproute(dc.gw_ns) as ipr:
+                    br = ipr.link_lookup(ifname=dc.bridge)[0]
+                    ipr.addr("add", index=br, address=dc.gw_lan_ip, prefixlen=24)
+                    for idx in [br] + [ipr.link_lookup(ifname=port)[0] for port in ports]:
+                        ipr.link("set", index=idx, state="up")
+                self.nodes.note_address(dc.gw_ns, dc.bridge, dc.gw_lan_ip, 24)
                 netns.write_sysctl(dc.gw_ns, "net.ipv4.ip_forward", 1)
         for h in p.hosts.values():
             dc = p.dcs[h.dc]
-            with self._stage(f"host {h.name} link"):
-                self._veth(h.ns, "eth0", dc.gw_ns, h.gw_port)
+            with self._stage(f"host {h.name} address"):
                 with netns.iproute(h.ns) as ipr:
                     idx = ipr.link_lookup(ifname="eth0")[0]
                     ipr.addr("add", index=idx, address=h.ip, prefixlen=24)
                     ipr.link("set", index=idx, state="up")
                     ipr.route("add", dst="0.0.0.0/0", gateway=dc.gw_lan_ip)
-                with netns.iproute(dc.gw_ns) as ipr:
-                    port = ipr.link_lookup(ifname=h.gw_port)[0]
-                    ipr.link("set", index=port, master=ipr.link_lookup(ifname="br0")[0], state="up")
+                self.nodes.note_address(h.ns, "eth0", h.ip, 24)
             if dc.lan_rate_mbit:
                 with self._stage(f"host {h.name} lan shaping"):
                     self._shape_lan(h.ns, "eth0", dc.lan_rate_mbit)
@@ -221,15 +233,6 @@ class Network:
         # A KV connection kept open between transfers (workers/kv_wire.py) keeps its window,
         # as a transfer engine's would; the default would restart slow start after each idle.
         netns.write_sysctl(ns, "net.ipv4.tcp_slow_start_after_idle", 0)
-
-    def _veth(self, ns_a: str, if_a: str, ns_b: str, if_b: str, mtu: int | None = None) -> None:
-        # Created from inside ns_a with the peer placed straight into ns_b: the pair never
-        # exists in the root namespace, so concurrent runs cannot collide on names.
-        mtu = mtu or self.plan.mtu
-        with netns.iproute(ns_a) as ipr:
-            ipr.link("add", ifname=if_a, kind="veth", mtu=mtu, peer={"ifname": if_b, "net_ns_fd": ns_b})
-        with netns.iproute(ns_b) as ipr:
-            ipr.link("set", index=ipr.link_lookup(ifname=if_b)[0], mtu=mtu)
 
     def _shape_lan(self, ns: str, ifname: str, rate_mbit: float) -> None:
         rate = int(rate_mbit * 1e6)
@@ -259,13 +262,14 @@ class Network:
         a, b = p.wan_between
         with self._stage("WAN links"):
             for dc in (p.dcs[a], p.dcs[b]):
-                self._veth(dc.gw_ns, "wan0", p.wan_ns, dc.wan_port, p.wan_frame_mtu)
+                self.nodes.add_link(dc.gw_ns, "wan0", p.wan_ns, dc.wan_port, p.wan_frame_mtu)
                 other = p.dcs[b if dc.name == a else a]
                 with netns.iproute(dc.gw_ns) as ipr:
                     idx = ipr.link_lookup(ifname="wan0")[0]
                     ipr.addr("add", index=idx, address=dc.gw_wan_ip, prefixlen=30)
                     ipr.link("set", index=idx, state="up")
                     ipr.route("add", dst=str(other.subnet), gateway=other.gw_wan_ip)
+                self.nodes.note_address(dc.gw_ns, "wan0", dc.gw_wan_ip, 30)
                 with netns.iproute(p.wan_ns) as ipr:
                     ipr.link("set", index=ipr.link_lookup(ifname=dc.wan_port)[0], state="up")
         with self._stage("WAN offloads off"):
@@ -308,6 +312,14 @@ class Network:
         if self.delayline.poll() is not None:
             log = (self.run.dir / "delayline.log").read_text()[-2000:]
             raise BuildError(f"delay line exited with {self.delayline.returncode}: {log}")
+
+
+def make_backend(name: str, run: runstate.Run) -> NodeBackend:
+    if name == "mininet":
+        from testbed.net.mininet_nodes import MininetNodes
+
+        return MininetNodes(run)
+    return Pyroute2Nodes(run)
 
 
 def _backlog_cap(s: Shaping) -> int:

@@ -145,9 +145,11 @@ def check_report(net: Network, rows: list[Row], as_json: bool) -> str:
     dl = net.delayline_stats_final or net.delayline_stats()
     ok = passed(rows)
     if as_json:
-        return json.dumps({"scenario": net.scenario.name, "impairment": net.impairment, "passed": ok,
+        return json.dumps({"scenario": net.scenario.name, "network_backend": net.nodes.name,
+                           "impairment": net.impairment, "passed": ok,
                            "rows": rows_as_dicts(rows), "delayline": dl.model_dump() if dl else None,
                            "timings": net.timings}, indent=2)
-    lines = [format_table(rows), *(dl.summary() if dl else [])]
+    lines = [f"network backend {net.nodes.name}: up in {net.timings.get('up_s', 0):.2f} s, "
+             f"down in {net.timings.get('down_s', 0):.2f} s", format_table(rows), *(dl.summary() if dl else [])]
     lines.append("PASS" if ok else "FAIL: measured network deviates from the scenario")
     return "\n".join(lines)

@@ -4,6 +4,8 @@ Layout (one namespace per box)::
 
     host ns (eth0) --veth-- gw-<dc> (port hN, bridge br0) --veth wan0-- wan (to-<dc> ... to-<dc>)
 
+(on the Mininet backend the gateway's bridge is ``gw-<dc>`` and its ports ``gw-<dc>-ethN``)
+
 * each datacenter has a gateway namespace; its hosts hang off a bridge there, one /24 per
   datacenter (gateway .1, hosts from .10);
 * the WAN is its own namespace between the two gateways. It forwards frames between its two
@@ -45,6 +47,7 @@ class DcPlan:
     gw_lan_ip: str
     gw_wan_ip: str
     wan_port: str  # interface name of this datacenter's side inside the WAN namespace
+    bridge: str  # the gateway's bridge, which carries its LAN address
     lan_rate_mbit: float | None
 
 
@@ -70,6 +73,7 @@ class NetworkPlan:
     wan_between: tuple[str, str]
     wan_shaping: dict[tuple[str, str], Shaping]  # (src_dc, dst_dc) -> shaping
     wan_mtu: int = 0  # 0 = mtu
+    backend: str = "pyroute2"  # who creates nodes and links (testbed/net/nodes.py)
 
     @property
     def wan_frame_mtu(self) -> int:
@@ -124,8 +128,12 @@ def make_plan(scenario: Scenario, prefix: str) -> NetworkPlan:
     dcs: dict[str, DcPlan] = {}
     wan_net = ipaddress.IPv4Network((base, 30))
     wan_ips = [str(ip) for ip in wan_net.hosts()]
+    mininet = scenario.network.backend == "mininet"
     for i, (dc_name, dc) in enumerate(scenario.datacenters.items()):
         subnet = ipaddress.IPv4Network((base + (i + 1) * 256, 24))
+        # Mininet's LinuxBridge is named after its node and takes the ports named after it
+        # (gw-a-eth1, ...: a Mininet switch's ports count from 1).
+        bridge = f"gw-{dc_name}" if mininet else "br0"
         dcs[dc_name] = DcPlan(
             name=dc_name,
             gw_ns=f"{prefix}-gw-{dc_name}",
@@ -133,6 +141,7 @@ def make_plan(scenario: Scenario, prefix: str) -> NetworkPlan:
             gw_lan_ip=str(subnet.network_address + 1),
             gw_wan_ip=wan_ips[i],
             wan_port=f"to-{dc_name}",
+            bridge=bridge,
             lan_rate_mbit=dc.lan.rate_mbit,
         )
         for j, host in enumerate(dc.hosts):
@@ -143,7 +152,7 @@ def make_plan(scenario: Scenario, prefix: str) -> NetworkPlan:
                 dc=dc_name,
                 ns=f"{prefix}-{host}",
                 ip=str(subnet.network_address + 10 + j),
-                gw_port=f"h{j}",
+                gw_port=f"{bridge}-eth{j + 1}" if mininet else f"h{j}",
             )
     a, b = scenario.wan.between
     mtu = scenario.network.mtu
@@ -152,4 +161,5 @@ def make_plan(scenario: Scenario, prefix: str) -> NetworkPlan:
         (a, b): size_shaping(scenario.wan.forward, scenario.wan.reverse, wan_mtu),
         (b, a): size_shaping(scenario.wan.reverse, scenario.wan.forward, wan_mtu),
     }
-    return NetworkPlan(prefix, mtu, f"{prefix}-wan", hosts, dcs, (a, b), shaping, wan_mtu)
+    return NetworkPlan(prefix, mtu, f"{prefix}-wan", hosts, dcs, (a, b), shaping, wan_mtu,
+                       scenario.network.backend)
