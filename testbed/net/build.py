@@ -30,7 +30,7 @@ from testbed.net.delayline_contract import (
     DirectionConfig,
     DirectionOverride,
 )
-from testbed.net.nodes import NodeBackend, Pyroute2Nodes
+from testbed.net.nodes import NodeBackend, NodeKind, Pyroute2Nodes
 from testbed.net.plan import NetworkPlan, Shaping, make_plan, size_lan
 from testbed.scenario import Scenario
 
@@ -184,12 +184,12 @@ class Network:
 
     def _build(self, impairment: Impairment) -> None:
         p = self.plan
-        nodes = [(h.ns, h.name, "host") for h in p.hosts.values()]
+        nodes: list[tuple[str, str, NodeKind]] = [(h.ns, h.name, "host") for h in p.hosts.values()]
         nodes += [(dc.gw_ns, f"gw-{dc.name}", "gateway") for dc in p.dcs.values()] + [(p.wan_ns, "wan", "wan")]
         with self._stage(f"create namespaces ({self.nodes.name})"):
             for ns, label, kind in nodes:
                 self.run.add_namespace(ns)  # recorded before it exists
-                self.nodes.add_node(ns, label, kind)  # type: ignore[arg-type]
+                self.nodes.add_node(ns, label, kind)
                 self._init_namespace(ns)
         with self._stage("choose impairment backend"):
             self._choose_impairment(impairment)

@@ -36,9 +36,9 @@ from testbed.errors import BuildError, CapabilityError
 from testbed.net.nodes import NodeKind
 
 
-def _import_mininet() -> Any:
+def _check_mininet() -> None:
     try:
-        import mininet.net
+        import mininet.net  # noqa: F401
     except ImportError as e:
         raise CapabilityError(
             f"the Mininet backend needs Mininet importable from this venv ({e}); `make setup` installs it"
@@ -46,7 +46,6 @@ def _import_mininet() -> Any:
     missing = [tool for tool in ("mnexec", "brctl") if shutil.which(tool) is None]
     if missing:
         raise CapabilityError(f"the Mininet backend needs {', '.join(missing)} on PATH; `make setup` installs them")
-    return mininet
 
 
 class _Errors(logging.Handler):
@@ -74,7 +73,8 @@ def _mininet_class(base: type) -> type:
     """``Mininet`` with an ``iperf`` (the CLI's ``iperf h1 h2``) that works with iperf 2.1:
     Mininet 2.3.0 probes the server with telnet, then waits for a bandwidth line for the
     probe too, which iperf 2.1 no longer prints, so it waits forever. Here the server is
-    known to listen once its socket shows in the namespace, and one bandwidth line ends the wait."""
+    known to listen once its socket shows in the namespace, and one bandwidth line (or 15 s)
+    ends the wait."""
 
     class TestbedMininet(base):  # type: ignore[misc, valid-type]
         def iperf(self, hosts: list[Any] | None = None, l4Type: str = "TCP", udpBw: str = "10M",
@@ -90,8 +90,9 @@ def _mininet_class(base: type) -> type:
                 time.sleep(0.02)
             cliout = client.cmd(args + f"-t {seconds} -c {server.IP()}" + (f" -b {udpBw}" if l4Type == "UDP" else ""))
             servout = ""
-            while "/sec" not in servout:
-                servout += server.monitor(timeoutms=5000)
+            deadline = time.monotonic() + 15
+            while "/sec" not in servout and time.monotonic() < deadline:
+                servout += server.monitor(timeoutms=1000)
             server.sendInt()
             servout += server.waitOutput()
             result = [self._parseIperf(servout), self._parseIperf(cliout)]
@@ -107,7 +108,8 @@ class MininetNodes:
     name = "mininet"
 
     def __init__(self, run: runstate.Run) -> None:
-        mn = _import_mininet()
+        _check_mininet()
+        from mininet.link import Link
         from mininet.log import lg
         from mininet.net import Mininet
         from mininet.node import Host, Node
@@ -115,7 +117,7 @@ class MininetNodes:
 
         self.run = run
         self._classes: dict[NodeKind, type] = {"host": Host, "gateway": LinuxBridge, "wan": Node}
-        self._link_cls = mn.link.Link
+        self._link_cls = Link
         self.errors = _Errors()
         self._lg = lg
         lg.addHandler(self.errors)
