@@ -252,7 +252,8 @@ def test_paced_and_dilated_pdd_produces_the_reference_tokens() -> None:
 
 
 def _tpot(sc: Any, policy: str, dilation: float) -> tuple[float, float]:
-    specs = [RequestSpec(f"t{i}", synth_tokens(f"tpot-{i}", 200), 30, at=1.2 * i) for i in range(5)]
+    # 0.8 s apart: each request (TTFT <= 0.4 s, 30 steps of ~7 ms) ends before the next.
+    specs = [RequestSpec(f"t{i}", synth_tokens(f"tpot-{i}", 200), 30, at=0.8 * i) for i in range(5)]
     plan = _plan(sc, dilation, "float32")
     run = run_policy(sc, "auto", parse_policy(policy), [RequestSpec(s.rid, s.prompt, s.max_new, at=s.at * dilation)
                                                         for s in specs], dtype="float32", timeout_s=240,

@@ -195,8 +195,8 @@ def _run_leftovers(run_id: str) -> list[str]:
     return [n for n in netns.list_namespaces() if n.startswith(f"pdd{run_id}-")]
 
 
-@pytest.mark.parametrize("network", ["pyroute2", "mininet"])
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize(("sig", "network"), [(signal.SIGINT, "pyroute2"), (signal.SIGTERM, "pyroute2"),
+                                               (signal.SIGTERM, "mininet")])
 def test_net_up_tears_down_on_signal(sig: signal.Signals, network: str) -> None:
     proc, run_id = _start_net_up(TOPOLOGIES / "two-dc.yaml", "--network", network)
     try:
