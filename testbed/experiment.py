@@ -118,11 +118,10 @@ def run_policy(sc: Scenario, impairment: Impairment | str, policy: PolicySpec, s
             for rid, why in annotate_failures(failed, applied).items():
                 recs[rid].error = why
         wall = time.monotonic() - t0
-        cpu: dict[str, float] = {}
+        cpu: dict[str, float] = {}  # by name: a restarted worker's processes (and Mininet's node shells) add up
         for p in net.run.processes:
             if (s := cpu_seconds(p.pid)) is not None:
-                name = "mininet shells" if p.name.startswith("mininet ") else p.name  # one entry, not one per node
-                cpu[name] = cpu.get(name, 0.0) + s
+                cpu[p.name] = cpu.get(p.name, 0.0) + s
         router = cl.router_records()
         workers = cl.worker_stats()
         policy_report = cl.policy_stats()  # read before the run directory goes with the network
