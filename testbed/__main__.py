@@ -1,3 +1,3 @@
-from testbed.cli import main
+from testbed.cli.main import main
 
 raise SystemExit(main())

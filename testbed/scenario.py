@@ -20,9 +20,9 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from protocol.worker_config import DeviceSpec
 from testbed.errors import InputError
-from testbed.faults.spec import Fault, as_fault
-from workers.contracts import DeviceSpec
+from testbed.faults.timeline import Fault, as_fault
 
 NAME_RE = r"^[a-z][a-z0-9]{0,11}(-[a-z0-9]{1,11})*$"
 HostName = Annotated[str, Field(pattern=NAME_RE, max_length=16)]
@@ -66,7 +66,7 @@ class DeviceProfile(_Strict):
 class Costs(_Strict):
     """Hardware prices in one unit (say, GPU-A hours): per accelerator of each device profile
     and for the inter-datacenter line. A policy's cost is what it deploys (see
-    ``testbed/cost.py``); nothing else in a run depends on these numbers."""
+    ``testbed/analysis/cost.py``); nothing else in a run depends on these numbers."""
 
     unit: str = Field(default="cost units", min_length=1)
     devices: dict[str, float] = Field(description="price of one accelerator, per device profile")
@@ -211,7 +211,7 @@ class Scenario(_Strict):
     emulation: Emulation | None = Field(default=None, description="null: rates and times are taken as given")
     costs: Costs | None = Field(default=None, description="hardware prices (cost per output token, cost table)")
     faults: list[Annotated[Fault, BeforeValidator(as_fault)]] = Field(
-        default=[], description="fault timeline applied in every run (testbed.faults.spec), e.g. wan-down@20+5")
+        default=[], description="fault timeline applied in every run (testbed.faults.timeline), e.g. wan-down@20+5")
     source: Path | None = Field(default=None, exclude=True)
 
     @model_validator(mode="after")

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from testbed import netns
-from testbed.experiment import network_session
+from testbed.deploy.deployment import network_session
+from testbed.net import netns
 from testbed.net.build import Network
 from testbed.scenario import Scenario, deep_merge, load_scenario
 

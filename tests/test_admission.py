@@ -3,12 +3,12 @@ token unsent, and joins when a request leaves; one that could never fit fails at
 
 from __future__ import annotations
 
-from testbed.cluster import Cluster
-from testbed.experiment import network_session
-from testbed.metrics import request_rows
+from testbed.analysis.metrics import request_rows
+from testbed.deploy.cluster import Cluster
+from testbed.deploy.deployment import network_session
+from testbed.load.verify import compare
 from testbed.policies import parse_policy
 from testbed.traces.workload import RequestSpec, synth_tokens
-from testbed.verify import compare
 from workers.model import ModelRunner, ensure_default_model
 
 from .conftest import needs_root, scenario_with

@@ -14,12 +14,12 @@ from typing import Any
 
 import aiomqtt
 
-from testbed import netns
-from testbed.broker import MOSQUITTO_USER, start_broker
-from testbed.experiment import network_session
+from protocol.messages import QOS, Topics
+from protocol.worker_config import BrokerInfo
+from testbed.deploy.broker import MOSQUITTO_USER, start_broker
+from testbed.deploy.deployment import network_session
+from testbed.net import netns
 from testbed.scenario import Role
-from workers.contracts import BrokerInfo
-from workers.control import QOS, Topics
 
 from .conftest import needs_root, scenario_with
 

@@ -13,28 +13,7 @@ import aiomqtt
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from testbed import netns
-from testbed.cluster import Cluster
-from testbed.contracts import PlanInfo, PolicyContext, PolicyReport, RequestRecord, RouterConfig, WorkerEndpoint
-from testbed.experiment import network_session
-from testbed.net.delayline_contract import DelayLineConfig, DelayLineReport, DirectionConfig, DirectionReport
-from testbed.policies import make_policy, parse_policy, parse_policy_list
-from testbed.policies.pdd import Pdd
-from testbed.policies.spec import PddSpec, SameDcSpec, spec_from_json
-from testbed.scenario import Role
-from testbed.traces.workload import RequestSpec, synth_tokens
-from workers.contracts import (
-    BrokerInfo,
-    CacheReport,
-    DecodeCounters,
-    DeviceReport,
-    DeviceSpec,
-    PrefillCounters,
-    WorkerConfig,
-    WorkerFaults,
-    WorkerStats,
-)
-from workers.control import (
+from protocol.messages import (
     QOS,
     CancelCmd,
     DecodeCmd,
@@ -62,9 +41,30 @@ from workers.control import (
     parse_event,
     rid_of,
 )
-from workers.control import (
+from protocol.messages import (
     Tokens as TokensMsg,
 )
+from protocol.router_config import PlanInfo, PolicyContext, PolicyReport, RequestRecord, RouterConfig, WorkerEndpoint
+from protocol.worker_config import (
+    BrokerInfo,
+    CacheReport,
+    DecodeCounters,
+    DeviceReport,
+    DeviceSpec,
+    PrefillCounters,
+    WorkerConfig,
+    WorkerFaults,
+    WorkerStats,
+)
+from testbed.deploy.cluster import Cluster
+from testbed.deploy.deployment import network_session
+from testbed.net import netns
+from testbed.net.delayline_contract import DelayLineConfig, DelayLineReport, DirectionConfig, DirectionReport
+from testbed.policies import make_policy, parse_policy, parse_policy_list
+from testbed.policies.pdd import Pdd
+from testbed.policies.spec import PddSpec, SameDcSpec, spec_from_json
+from testbed.scenario import Role
+from testbed.traces.workload import RequestSpec, synth_tokens
 
 from .conftest import needs_root, scenario_with
 

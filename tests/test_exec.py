@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from testbed import runstate
+from testbed.net import runstate
 from testbed.net.plan import make_plan
 from testbed.scenario import load_scenario
 

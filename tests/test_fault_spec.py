@@ -15,7 +15,7 @@ import pytest
 
 from testbed.errors import InputError
 from testbed.faults.inject import FaultInjector, annotate_failures
-from testbed.faults.spec import AppliedFault, parse_fault
+from testbed.faults.timeline import AppliedFault, parse_fault
 from testbed.net.delayline_contract import DirectionOverride
 
 from .conftest import ROOT, TOPOLOGIES, scenario_with

@@ -13,16 +13,16 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from testbed.cluster import Cluster
-from testbed.experiment import network_session
+from testbed.deploy.cluster import Cluster
+from testbed.deploy.deployment import network_session
 from testbed.faults.inject import FaultInjector
-from testbed.faults.spec import parse_fault
+from testbed.faults.timeline import parse_fault
+from testbed.load.verify import compare, verification_prompts
 from testbed.net import measure
 from testbed.net.delayline import STATS_PERIOD_S
 from testbed.net.delayline_contract import DirectionOverride
 from testbed.policies import parse_policy
 from testbed.traces.workload import RequestSpec
-from testbed.verify import compare, verification_prompts
 from workers.model import ModelRunner, ensure_default_model
 
 from .conftest import ROOT, built, needs_root, scenario_with, small_wan
@@ -55,7 +55,7 @@ def test_delay_line_takes_a_direction_down_adds_delay_and_loss_and_restores() ->
 
 
 def test_a_rate_fault_changes_the_line_and_its_end_restores_it() -> None:
-    from testbed import netns
+    from testbed.net import netns
 
     def rate_of(net, dst: str) -> int:  # noqa: ANN001
         with netns.iproute(net.plan.wan_ns) as ipr:

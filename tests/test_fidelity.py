@@ -15,23 +15,23 @@ import numpy as np
 import pytest
 import yaml
 
-from testbed.client import ClientRecord
-from testbed.cluster import worker_configs
-from testbed.contracts import RequestRecord
-from testbed.dilation import DELAYLINE_CPUS, MARGIN, Probe, choose_dilation
-from testbed.emulation import EmulationPlan, round_up
-from testbed.experiment import run_policy
-from testbed.fidelity import judge
-from testbed.metrics import itls, request_rows, summarize
+from protocol.messages import Extended, KvSent
+from protocol.router_config import RequestRecord
+from protocol.worker_config import BrokerInfo, DeviceReport, DeviceSpec, ModelCost, Scales, WorkerStats
+from testbed.analysis.metrics import itls, request_rows, summarize
+from testbed.analysis.results import load_run
+from testbed.deploy.cluster import worker_configs
+from testbed.deploy.deployment import run_policy
+from testbed.deploy.dilation import DELAYLINE_CPUS, MARGIN, Probe, choose_dilation
+from testbed.deploy.emulation import EmulationPlan, round_up
+from testbed.deploy.fidelity import judge
+from testbed.load.replay_client import ClientRecord
+from testbed.load.verify import compare
 from testbed.net.delayline_contract import LATE_EDGES_US, DelayLineReport, DirectionReport, late_percentile
 from testbed.net.plan import make_plan
 from testbed.policies import parse_policy
-from testbed.results import load_run
 from testbed.scenario import ModelCard, deep_merge
 from testbed.traces.workload import RequestSpec, synth_tokens
-from testbed.verify import compare
-from workers.contracts import BrokerInfo, DeviceReport, DeviceSpec, ModelCost, Scales, WorkerStats
-from workers.control import Extended, KvSent
 from workers.device import make_pacer
 from workers.model import ModelRunner, ensure_default_model
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from protocol.messages import Request, RouterStatus, Status, Tokens, parse_command, parse_event
 from workers import kv_wire
-from workers.control import Request, RouterStatus, Status, Tokens, parse_command, parse_event
 from workers.kv_wire import BLOCK, END, HDR, HELLO, MAGIC, VERSION, ModelShape
 
 SHAPE = ModelShape(layers=2, kv_heads=2, head_dim=4, dtype=torch.float32)

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from testbed import netns, runstate
 from testbed.errors import BuildError
+from testbed.net import netns, runstate
 from testbed.net.build import Network
 from testbed.scenario import Scenario
 

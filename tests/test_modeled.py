@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from testbed.dilation import MARGIN, MODELED_STEP_S, Probe, choose_dilation, concurrent_workers
-from testbed.emulation import round_up
+from testbed.analysis.results import load_run
+from testbed.deploy.dilation import MARGIN, MODELED_STEP_S, Probe, choose_dilation, concurrent_workers
+from testbed.deploy.emulation import round_up
 from testbed.errors import InputError
+from testbed.load.verify import run_verify
 from testbed.policies.base import ClusterView, WorkerView
 from testbed.policies.spec import parse_policy
-from testbed.results import load_run
 from testbed.scenario import load_scenario
-from testbed.verify import run_verify
 from workers.model import ModelRunner, ensure_default_model
 from workers.modeled import ModeledRunner
 

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from testbed import netns, runstate
 from testbed.errors import BuildError, CapabilityError
-from testbed.net import check, measure, shaping
+from testbed.net import check, measure, netns, runstate, shaping
 from testbed.net.build import Network
 from testbed.net.delayline import STATS_PERIOD_S
 

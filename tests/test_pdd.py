@@ -9,19 +9,19 @@ import pandas as pd
 import pytest
 import torch
 
-from testbed import netns
-from testbed.client import ClientRecord
-from testbed.cluster import Cluster
+from protocol.messages import HandoffCmd, KvReceived, KvSent, PrefillDone, RequestHints
+from testbed.analysis.metrics import request_rows
+from testbed.deploy.cluster import Cluster
+from testbed.deploy.deployment import network_session
 from testbed.errors import InputError
-from testbed.experiment import network_session
-from testbed.metrics import request_rows
+from testbed.load.replay_client import ClientRecord
+from testbed.load.verify import compare
+from testbed.net import netns
 from testbed.policies import make_policy, parse_policy
 from testbed.policies.base import ClusterView, PolicyContext, RequestState, WorkerView
 from testbed.policies.prefix_index import PrefixIndex
 from testbed.policies.wan import WanEstimator
 from testbed.traces.workload import RequestSpec, synth_tokens
-from testbed.verify import compare
-from workers.control import HandoffCmd, KvReceived, KvSent, PrefillDone, RequestHints
 from workers.model import ModelRunner, ensure_default_model
 
 from .conftest import needs_root, scenario_with
@@ -293,7 +293,7 @@ def test_drc_off_md_caches_nothing_and_routing_uses_what_md_lacks() -> None:
 
 
 def test_kv_kept_off_the_wan_by_a_cut_off_in_the_queue_or_mid_transfer() -> None:
-    from testbed.metrics import _kept_off
+    from testbed.analysis.metrics import _kept_off
 
     queued = _kv_sent("q", "decode-b", 1.0, 1.0).model_copy(update={"cancelled": True})
     assert _kept_off(queued, 5000) == 5000  # never started: the router's planned delta stands in

@@ -6,13 +6,13 @@ import re
 
 import pytest
 
-from testbed.cluster import Cluster
-from testbed.experiment import network_session
-from testbed.metrics import request_rows
+from protocol.worker_config import WorkerFaults
+from testbed.analysis.metrics import request_rows
+from testbed.deploy.cluster import Cluster
+from testbed.deploy.deployment import network_session
+from testbed.load.verify import compare, verification_prompts
 from testbed.policies import parse_policy
 from testbed.traces.workload import RequestSpec, synth_tokens
-from testbed.verify import compare, verification_prompts
-from workers.contracts import WorkerFaults
 from workers.model import ModelRunner, ensure_default_model
 
 from .conftest import needs_root, scenario_with

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from testbed.client import ClientRecord
-from workers.contracts import BrokerInfo, WorkerConfig
-from workers.control import DecodeCmd, ExtendCmd, HandoffAck, MainPart, PrefillCmd, Tokens
+from protocol.messages import DecodeCmd, ExtendCmd, HandoffAck, MainPart, PrefillCmd, Tokens
+from protocol.worker_config import BrokerInfo, WorkerConfig
+from testbed.load.replay_client import ClientRecord
 from workers.decode import DecodeWorker
 from workers.model import ensure_default_model
 from workers.runtime import Worker

@@ -8,13 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from testbed import netns, runstate
-from testbed.cluster import Cluster
-from testbed.experiment import network_session
+from protocol.worker_config import WorkerFaults
+from testbed.analysis.results import load_run
+from testbed.deploy.cluster import Cluster
+from testbed.deploy.deployment import network_session
+from testbed.net import netns, runstate
 from testbed.policies import parse_policy
-from testbed.results import load_run
 from testbed.traces import load_trace
-from workers.contracts import WorkerFaults
 
 from .conftest import ROOT, needs_root, scenario_with
 

@@ -13,17 +13,17 @@ import pandas as pd
 import pytest
 import yaml
 
-from testbed import report
-from testbed.confidence import mean_ci, t975
-from testbed.cost import HardwareCost, cost_per_million_tokens, hardware_cost
-from testbed.emulation import EmulationPlan
+from testbed.analysis import report
+from testbed.analysis.confidence import mean_ci, t975
+from testbed.analysis.cost import HardwareCost, cost_per_million_tokens, hardware_cost
+from testbed.analysis.metrics import Slo, summarize
+from testbed.analysis.results import PolicySummary, RunSummary, TraceInfo, load_run
+from testbed.deploy.emulation import EmulationPlan
+from testbed.deploy.fidelity import Verdict
 from testbed.errors import InputError
-from testbed.fidelity import Verdict
-from testbed.metrics import Slo, summarize
 from testbed.policies.base import PolicyReport
 from testbed.policies.classic import CrossDc, SameDc
 from testbed.policies.pdd import Pdd
-from testbed.results import PolicySummary, RunSummary, TraceInfo, load_run
 from testbed.scenario import load_scenario
 
 from .conftest import ROOT, TOPOLOGIES, scenario_with

@@ -9,11 +9,17 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from testbed import report
+from testbed.analysis import report
+from testbed.analysis.results import load_run
 from testbed.errors import InputError
-from testbed.results import load_run
-from testbed.seeds import draws, seeded_bathtub, seeded_sweep_markdown, write_seeded_bathtub, write_seeded_sweep
-from testbed.sweep import LoadPoint, SlaThroughput, SweepResult
+from testbed.experiments.load_sweep import LoadPoint, SlaThroughput, SweepResult
+from testbed.experiments.repetitions import (
+    draws,
+    seeded_bathtub,
+    seeded_sweep_markdown,
+    write_seeded_bathtub,
+    write_seeded_sweep,
+)
 from testbed.traces import load_trace
 from testbed.traces.generate import same_recipe
 
@@ -125,9 +131,9 @@ def test_runs_of_draws_of_one_recipe_are_repetitions(tmp_path: Path, no_plots: N
 
 def test_calibration_over_draws_bisects_their_mean_gap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        no_plots: None) -> None:
-    from testbed import sweep
+    from testbed.experiments import load_sweep as sweep
+    from testbed.experiments.repetitions import Draw
     from testbed.policies.spec import parse_policy_list
-    from testbed.seeds import Draw
 
     from .test_report import _saved_run
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from testbed import netns, runstate
+from testbed.net import netns, runstate
 from testbed.traces.workload import synth_tokens
 from workers.model import ModelRunner, ensure_default_model
 

@@ -13,12 +13,12 @@ import pandas as pd
 import pytest
 from pydantic import ValidationError
 
-from testbed.bench.client import scaled_trace
-from testbed.client import ClientRecord
+from testbed.bench.external_client import scaled_trace
 from testbed.errors import InputError
+from testbed.load.replay_client import ClientRecord
 from testbed.serve.compare import ClientRecords, comparison, load_aiperf
-from testbed.serve.metrics import Pipelines
 from testbed.serve.openai_api import ChatCompletionRequest, CompletionRequest
+from testbed.serve.prometheus import Pipelines
 from workers.tokenizer import build_tokenizer, vocabulary
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from testbed import netns
+from testbed.load.soak import random_faults, soak_specs
+from testbed.net import netns
 from testbed.scenario import load_scenario
-from testbed.soak import random_faults, soak_specs
 from testbed.traces import load_trace
 
 from .conftest import ROOT, TOPOLOGIES, needs_root
@@ -48,7 +48,7 @@ def test_random_faults_cover_every_kind_and_fit_the_scenario() -> None:
 
 
 def test_a_soak_fails_when_nothing_completes_after_the_faults() -> None:
-    from testbed.soak import SoakReport
+    from testbed.load.soak import SoakReport
 
     base = {"minutes": 1, "load": 1, "policy": "pdd", "dilation": 2, "requests": 10, "completed": 5, "failed": 5,
             "hung": 0, "lost": 0, "failures_by_reason": {}, "faults": [], "faults_by_kind": {}, "memory": []}

@@ -13,9 +13,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from testbed.analysis.results import load_run
 from testbed.errors import InputError
-from testbed.results import load_run
-from testbed.sweep import (
+from testbed.experiments.load_sweep import (
     LoadPoint,
     SlaThroughput,
     SweepResult,
@@ -111,7 +111,7 @@ def test_p50_gap_needs_both_baselines() -> None:
 
 @pytest.mark.parametrize("h", [0.0, 0.2, 0.55, 0.9, 1.0])
 def test_a_rewritten_trace_has_the_hit_rate_asked_and_keeps_lengths_and_timing(h: float) -> None:
-    from testbed.bathtub import with_hit_rate
+    from testbed.experiments.hit_rate_sweep import with_hit_rate
     from testbed.traces import load_trace
     from testbed.traces.stats import hit_rates
 
@@ -130,7 +130,7 @@ def test_a_rewritten_trace_has_the_hit_rate_asked_and_keeps_lengths_and_timing(h
 
 
 def test_the_bathtub_benefit_is_pdd_against_the_baseline_per_rate() -> None:
-    from testbed.bathtub import HitPoint, benefit
+    from testbed.experiments.hit_rate_sweep import HitPoint, benefit
 
     def pt(h: float, policy: str, mean: float, met: float) -> HitPoint:
         return HitPoint(hit_target=h, hit_trace=h, hit_measured=h, policy=policy, run_dir="x", completed=1,

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from testbed import report
-from testbed.bathtub import HitPoint, benefit, save_bathtub
-from testbed.seeds import write_seeded_sweep
-from testbed.sweep import save_sweep
-from testbed.sweep_report import Calibration, rebuild_folder, save_calibration
+from testbed.analysis import report
+from testbed.experiments.hit_rate_sweep import HitPoint, benefit, save_bathtub
+from testbed.experiments.load_sweep import save_sweep
+from testbed.experiments.repetitions import write_seeded_sweep
+from testbed.experiments.sweep_report import Calibration, rebuild_folder, save_calibration
 
 from .conftest import ROOT
 from .test_seeds import _result
@@ -90,8 +90,9 @@ def test_calibrate_saves_what_it_found_and_says_when_not_reached(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """``testbed calibrate``'s own path from the bisection to calibration.json/.md (the
     replays stood in for: the bisection is tested in test_seeds)."""
-    from testbed import cli_replay, sweep
-    from testbed.cli_args import build_parser
+    from testbed.cli.args import build_parser
+    from testbed.cli import replay_commands as cli_replay
+    from testbed.experiments import load_sweep as sweep
 
     from .test_report import _saved_run
 
@@ -129,8 +130,10 @@ def test_sweep_over_draws_puts_each_draw_in_its_folder_and_tabulates_them(
 
     import pandas as pd
 
-    from testbed import bathtub, cli_replay, sweep
-    from testbed.cli_args import build_parser
+    from testbed.cli.args import build_parser
+    from testbed.cli import replay_commands as cli_replay
+    from testbed.experiments import hit_rate_sweep as bathtub
+    from testbed.experiments import load_sweep as sweep
 
     seen: list[tuple[int, Path, object]] = []
 

@@ -16,7 +16,7 @@ from testbed.scenario import load_scenario
 from .conftest import ROOT, TOPOLOGIES
 
 pytest.importorskip("mininet.topo", reason="make setup installs Mininet")
-from testbed.mininet_topo import load_topo_scenario  # noqa: E402
+from testbed.net.topo_import import load_topo_scenario  # noqa: E402
 
 BAD = textwrap.dedent('''
     from mininet.topo import Topo

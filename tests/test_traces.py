@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from protocol.messages import RequestHints
 from testbed.errors import InputError
 from testbed.traces import load_trace
 from testbed.traces.generate import GenConfig, generate, mooncake_lines, write_jsonl
 from testbed.traces.stats import hit_rates, trace_stats
-from workers.control import RequestHints
 
 from .conftest import ROOT
 

@@ -1,6 +1,6 @@
 """Entry point of a worker process: ``python -m workers CONFIG.json``.
 
-The configuration is a ``WorkerConfig`` (``workers/contracts.py``), validated here before
+The configuration is a ``WorkerConfig`` (``protocol/worker_config.py``), validated here before
 anything else starts; its role picks the worker class.
 """
 
@@ -11,7 +11,7 @@ import gc
 import sys
 from pathlib import Path
 
-from workers.contracts import WorkerConfig
+from protocol.worker_config import WorkerConfig
 from workers.decode import DecodeWorker
 from workers.prefill import PrefillWorker
 from workers.runtime import Worker

@@ -33,9 +33,7 @@ from collections import deque
 
 import torch
 
-from workers import kv_wire
-from workers.contracts import DecodeCounters, WorkerConfig, WorkerStats
-from workers.control import (
+from protocol.messages import (
     CancelCmd,
     Command,
     DecodeCmd,
@@ -46,6 +44,8 @@ from workers.control import (
     HandoffCmd,
     KvReceived,
 )
+from protocol.worker_config import DecodeCounters, WorkerConfig, WorkerStats
+from workers import kv_wire
 from workers.handoff import HandoffMixin
 from workers.model import DecodeBatch
 from workers.modeled import ModeledBatch

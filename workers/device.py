@@ -26,7 +26,7 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
-from workers.contracts import DeviceReport, DeviceSpec, ModelCost, Scales, WorstOverrun
+from protocol.worker_config import DeviceReport, DeviceSpec, ModelCost, Scales, WorstOverrun
 
 WORST_KEPT = 5
 

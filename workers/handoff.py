@@ -3,7 +3,7 @@
 Both sides are ordinary decode workers; a request's ``DecodeCmd`` says which side this
 worker plays for it (``relay``: the MD it hands over to; ``main``: the RLD whose tokens it
 waits for). The messages are ``HandoffCmd`` / ``HandoffAck`` / ``ExtendCmd`` in
-``workers/control.py``.
+``protocol/messages.py``.
 
 Guarantees (greedy decoding):
 
@@ -37,8 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
-from workers.contracts import WorkerConfig
-from workers.control import (
+from protocol.messages import (
     DecodeCmd,
     Done,
     Event,
@@ -49,6 +48,7 @@ from workers.control import (
     HandoffSent,
     Topics,
 )
+from protocol.worker_config import WorkerConfig
 from workers.device import Pacer
 from workers.model import ModelRunner
 from workers.seq import MainState, RelayState, Seq

@@ -1,4 +1,4 @@
-"""Point-to-point TCP transfer of KV between workers (the format: ``workers/kv_format.py``).
+"""Point-to-point TCP transfer of KV between workers (the format: ``protocol/kv_format.py``).
 
 ``send_kv`` sends what the receiver lacks, block by block; ``serve_kv`` / ``receive_kv``
 take transfers. The receiver trusts nothing its peer sends: every frame's length is capped
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.kv_format import (  # noqa: F401 - the format's names are part of this module's interface
+from protocol.kv_format import (  # noqa: F401 - the format's names are part of this module's interface
     ACK,
     BLOCK,
     BLOCK_HDR,

@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from workers.kv_format import ModelShape  # the KV layout is the wire format's contract
+from protocol.kv_format import ModelShape  # the KV layout is the wire format's contract
 
 DEFAULT_MODEL_NAME = "pdd-tiny-llama-v2"
 DEFAULT_CONFIG = {

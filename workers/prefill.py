@@ -14,9 +14,9 @@ import time
 
 import torch
 
+from protocol.messages import CancelCmd, Command, Failed, KvSent, KVTarget, PrefillCmd, PrefillDone
+from protocol.worker_config import PrefillCounters, TransferTotals, WorkerConfig, WorkerStats
 from workers import kv_wire
-from workers.contracts import PrefillCounters, TransferTotals, WorkerConfig, WorkerStats
-from workers.control import CancelCmd, Command, Failed, KvSent, KVTarget, PrefillCmd, PrefillDone
 from workers.kv_queue import PeerQueues
 from workers.radix_cache import RadixCache
 from workers.runtime import Worker

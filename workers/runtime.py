@@ -27,8 +27,7 @@ import aiomqtt
 import torch
 from pydantic import ValidationError
 
-from workers.contracts import CacheReport, ModelCost, WorkerConfig, WorkerStats
-from workers.control import (
+from protocol.messages import (
     QOS,
     Command,
     DecodeCmd,
@@ -42,10 +41,11 @@ from workers.control import (
     rid_of,
     why_invalid,
 )
+from protocol.mqtt_session import Session, keepalive_for
+from protocol.worker_config import CacheReport, ModelCost, WorkerConfig, WorkerStats
 from workers.device import Pacer, make_pacer
 from workers.model import ModelRunner
 from workers.modeled import ModeledRunner
-from workers.mqtt_session import Session, keepalive_for
 from workers.radix_cache import RadixCache
 
 T = TypeVar("T")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers.control import HandoffCmd
+from protocol.messages import HandoffCmd
 from workers.radix_cache import Node
 
 

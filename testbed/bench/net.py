@@ -6,8 +6,7 @@ import statistics
 import time
 from typing import Any
 
-from testbed import runstate
-from testbed.net import measure
+from testbed.net import measure, runstate
 from testbed.net.build import Network
 from testbed.scenario import Scenario
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from testbed.faults.spec import NETWORK_KINDS, AppliedFault, Fault
+from testbed.faults.timeline import NETWORK_KINDS, AppliedFault, Fault
 from testbed.net.build import Network
 from testbed.net.delayline_contract import DirectionOverride
 

@@ -4,7 +4,7 @@
 everything or nothing: any failure undoes what was built and raises ``BuildError`` naming
 the step that failed. ``Network.down`` stops the delay line and deletes every namespace of
 the run (deleting a namespace deletes its links and qdiscs). The run registry
-(``testbed.runstate``) records each object before it is created, so ``testbed clean``
+(``testbed.net.runstate``) records each object before it is created, so ``testbed clean``
 can finish the job after a crash.
 """
 
@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from testbed import netns, runstate
 from testbed.errors import BuildError, CapabilityError
-from testbed.net import shaping
+from testbed.net import netns, runstate, shaping
 from testbed.net.delayline_contract import (
     DelayLineConfig,
     DelayLineControl,

@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from testbed import netns
+from testbed.net import netns
 
 ICMP_ECHO, ICMP_REPLY = 8, 0
 

@@ -31,8 +31,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from testbed import netns, runstate
 from testbed.errors import BuildError, CapabilityError
+from testbed.net import netns, runstate
 from testbed.net.nodes import NodeKind
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Literal, Protocol
 
-from testbed import netns, runstate
+from testbed.net import netns, runstate
 
 NodeKind = Literal["host", "gateway", "wan"]
 

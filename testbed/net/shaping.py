@@ -15,7 +15,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 from pyroute2.netlink.rtnl.tcmsg import plugins as tc_plugins
 from pyroute2.netlink.rtnl.tcmsg import sched_pfifo
 
-from testbed import netns
+from testbed.net import netns
 from testbed.net.plan import FRAME_OVERHEAD, Shaping
 
 # bfifo shares pfifo's option struct (tc_fifo_qopt: one u32 limit, in bytes for bfifo).

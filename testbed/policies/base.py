@@ -3,7 +3,7 @@
 A policy is an object behind one interface: ``plan`` a request over the cluster's live
 view; say what each decoder is told (``decode_command``) and how a relay hands over
 (``handoff``); decide whether a useless WAN transfer is cut off (``cut_off``); react to
-worker events (``on_event``). It returns typed commands from ``workers/control.py``, so the
+worker events (``on_event``). It returns typed commands from ``protocol/messages.py``, so the
 options a worker understands are stated once, there.
 """
 
@@ -15,9 +15,9 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
+from protocol.messages import DecodeCmd, Event, HandoffCmd, PrefillDone, RequestHints
+from protocol.worker_config import Contract
 from testbed.policies.prefix_index import PrefixIndex
-from workers.contracts import Contract
-from workers.control import DecodeCmd, Event, HandoffCmd, PrefillDone, RequestHints
 
 
 class PolicyContext(Contract):
@@ -159,7 +159,7 @@ class RequestState:
 class Policy(ABC):
     name: str = "policy"
     ctx: PolicyContext = PolicyContext()
-    # What the policy deploys (its hardware cost, ``testbed/cost.py``): (role, where) pairs,
+    # What the policy deploys (its hardware cost, ``testbed/analysis/cost.py``): (role, where) pairs,
     # "home" = the datacenter(s) of the prefill instances, "away" = the others; and whether
     # it needs the inter-datacenter line.
     deploys: ClassVar[tuple[tuple[str, Literal["home", "away"]], ...]] = ()

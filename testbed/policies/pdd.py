@@ -28,7 +28,7 @@ Degraded service (faults, ``testbed.faults``): with no main decoder alive (dead,
 by the WAN long enough for its broker session to lapse) a request goes **P-RLD** (counted as
 ``P-RLD (no main decoder)``); with no relay alive, **P-MD** (``P-MD (no relay)``). The
 router's side of the same rule: a main decoder lost before the handoff leaves the relay to
-finish alone (``testbed.router``).
+finish alone (``testbed.deploy.router``).
 
 Options (``pdd:key=value,...``, parsed once into ``PddOptions`` in ``spec.py``):
 ``handoff`` one-shot | catch-up | adaptive (one-shot while the RLD has at least ``load``
@@ -43,11 +43,11 @@ from __future__ import annotations
 
 from collections import Counter
 
+from protocol.messages import DecodeCmd, Done, Event, Failed, HandoffCmd, KvReceived, KvSent, MainPart, RelayPart
 from testbed.policies.base import ClusterView, Plan, PlanInfo, Policy, PolicyContext, PolicyReport, RequestState
 from testbed.policies.prefix_index import PrefixIndex
 from testbed.policies.spec import PddOptions, PddSpec
 from testbed.policies.wan import WanEstimator
-from workers.control import DecodeCmd, Done, Event, Failed, HandoffCmd, KvReceived, KvSent, MainPart, RelayPart
 
 UNSHAPED_RATE_BPS = 10e9  # assumed line rate when the scenario leaves the WAN unshaped
 

@@ -23,7 +23,6 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from testbed.serve.gateway import Gateway, NotReady, RequestFailed
-from testbed.serve.metrics import CONTENT_TYPE, ServeMetrics
 from testbed.serve.openai_api import (
     DEFAULT_MAX_TOKENS,
     ApiError,
@@ -43,6 +42,7 @@ from testbed.serve.openai_api import (
     ModelList,
     Usage,
 )  # fmt: skip
+from testbed.serve.prometheus import CONTENT_TYPE, ServeMetrics
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from testbed.analysis.results import load_run
 from testbed.errors import InputError
-from testbed.results import load_run
 
 MATCH_S = 1.0  # a client's request start and the server's receipt of it, at most this far apart
 QUANTILES = (0.5, 0.9, 0.99)

@@ -5,7 +5,7 @@ It runs on the serving thread, inside the client host's namespace, so every requ
 the emulated network where the replayer's would. Each request is recorded as a
 ``ClientRecord`` (sent = when the front end published it; token times = when its tokens
 reached the front end) and a ``RequestSpec``, so a served run is saved and measured with
-the same code as a replayed one (``testbed.metrics.request_rows``).
+the same code as a replayed one (``testbed.analysis.metrics.request_rows``).
 
 Guarantees: a stream yields its tokens once each, in order (``ClientRecord.accept``); it
 ends with the request's completion, its failure (``RequestFailed``, with the reason the
@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 import aiomqtt
 from pydantic import ValidationError
 
-from testbed.client import ClientRecord, connect_when_ready
+from protocol.messages import Request, RequestHints, RouterStatus, Tokens, Topics, why_invalid
+from protocol.mqtt_session import Session
+from protocol.worker_config import BrokerInfo
+from testbed.load.replay_client import ClientRecord, connect_when_ready
 from testbed.traces.workload import RequestSpec
-from workers.contracts import BrokerInfo
-from workers.control import Request, RequestHints, RouterStatus, Tokens, Topics, why_invalid
-from workers.mqtt_session import Session
 
 
 class RequestFailed(Exception):

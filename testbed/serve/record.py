@@ -12,17 +12,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from testbed.client import ClientRecord
-from testbed.contracts import PolicyReport, RequestRecord
-from testbed.emulation import EmulationPlan
-from testbed.experiment import PolicyRun, measure
-from testbed.fidelity import Verdict
-from testbed.metrics import Slo
+from protocol.router_config import PolicyReport, RequestRecord
+from protocol.worker_config import WorkerStats
+from testbed.analysis.metrics import Slo
+from testbed.analysis.results import RunSummary, TraceInfo
+from testbed.deploy.deployment import PolicyRun, measure
+from testbed.deploy.emulation import EmulationPlan
+from testbed.deploy.fidelity import Verdict
+from testbed.load.replay_client import ClientRecord
 from testbed.policies.spec import PolicySpec
-from testbed.results import RunSummary, TraceInfo
 from testbed.scenario import Scenario
 from testbed.traces.workload import RequestSpec
-from workers.contracts import WorkerStats
 
 SERVED_FORMAT = "openai-http"
 
@@ -31,7 +31,7 @@ def save_served(out: Path, sc: Scenario, plan: EmulationPlan, policy: PolicySpec
                 specs: list[RequestSpec], router: dict[str, RequestRecord], workers: dict[str, WorkerStats],
                 policy_report: PolicyReport, verdict: Verdict, impairment: str, url: str,
                 slo: Slo | None = None) -> list[Path]:
-    from testbed import report
+    from testbed.analysis import report
 
     run = PolicyRun(recs, router, workers, policy_report, verdict, impairment)
     df, summary = measure(sc, policy, plan, specs, run, slo or Slo())

@@ -1,7 +1,7 @@
 """``testbed serve``: the emulation behind an OpenAI-compatible API until Ctrl-C or SIGTERM.
 
 It builds the network and starts broker, workers and router for one policy, exactly as a
-replay does (``testbed.experiment``), then serves HTTP on ``127.0.0.1:PORT`` of the machine.
+replay does (``testbed.deploy.deployment``), then serves HTTP on ``127.0.0.1:PORT`` of the machine.
 The listening socket is made in the machine's namespace, and the serving thread then enters
 the client host's namespace: requests arrive on the machine's loopback and go on into the
 emulated network from the client host in datacenter ``a``, where the replayer's would.
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from testbed import netns
-from testbed.emulation import EmulationPlan
+from testbed.deploy.emulation import EmulationPlan
 from testbed.errors import InputError, Terminated, TestbedError
+from testbed.net import netns
 from testbed.policies.spec import PolicySpec
 from testbed.scenario import Role, Scenario
 
@@ -63,7 +63,7 @@ def listen(port: int) -> socket.socket:
 
 def plan_for(sc: Scenario, opts: ServeOptions) -> EmulationPlan:
     """Scales and dilation; ``auto`` calibrates on the shape of ``opts.shape_trace``."""
-    from testbed.experiment import emulation_plan
+    from testbed.deploy.deployment import emulation_plan
     from testbed.traces import load_trace
 
     if opts.token_scale < 1:
@@ -126,13 +126,13 @@ def run_serve(sc: Scenario, opts: ServeOptions) -> int:
     verdict failed (unless ``allow_infidelity``)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from testbed.cluster import Cluster, worker_roles
-    from testbed.experiment import network_session
-    from testbed.fidelity import cpu_seconds, format_verdict, judge
+    from testbed.deploy.cluster import Cluster, worker_roles
+    from testbed.deploy.deployment import network_session
+    from testbed.deploy.fidelity import cpu_seconds, format_verdict, judge
     from testbed.policies.spec import PddSpec
     from testbed.serve.app import OpenAiFront, Served
     from testbed.serve.gateway import Gateway
-    from testbed.serve.metrics import Pipelines, ServeMetrics
+    from testbed.serve.prometheus import Pipelines, ServeMetrics
     from testbed.serve.record import save_served
 
     model_dir = Path(sc.model_dir())

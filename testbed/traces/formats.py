@@ -18,10 +18,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, model_validator
 
+from protocol.messages import SAFE_NAME, RequestHints
 from testbed.errors import InputError
-from testbed.traces.errors import from_validation, line_error, read_lines
+from testbed.traces.line_errors import from_validation, line_error, read_lines
 from testbed.traces.workload import VOCAB_HIGH, Segment, TraceRequest, Workload, scale_len
-from workers.control import SAFE_NAME, RequestHints
 
 MOONCAKE_BLOCK = 512
 FORMATS = ("mooncake", "azure", "sessions", "requests")

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workers.control import RequestHints
+from protocol.messages import RequestHints
 
 VOCAB_LOW, VOCAB_HIGH = 3, 8192  # ids 0..2 are pad/bos/eos in the default model (vocabulary 8192)
 

@@ -1,0 +1,342 @@
+"""Control plane: the MQTT topic layout and every message that travels on it, in one place.
+
+Every topic lives under ``pdd/<run_id>/``. QoS 1 for requests, commands, events and
+tokens; MQTT keeps per-topic order for one publisher, so a request's token stream (one
+topic, one publisher at a time) arrives in order.
+
+    client/requests            client  -> router   Request
+    worker/<name>/cmd          router  -> worker   PrefillCmd | DecodeCmd | CancelCmd | HandoffCmd
+                               RLD     -> MD       ExtendCmd (eager token IDs)
+                               MD      -> RLD      HandoffAck (a catch-up batch is extended)
+    worker/<name>/status       worker  -> router   Status (retained; last will = dead)
+    events                     worker  -> router   Event: PrefillDone | KvSent | KvReceived |
+                                                   HandoffSent | Extended | Done | Failed
+    tokens/<rid>               worker  -> client   Tokens (and router -> client on failure)
+    router/status              router  -> client   RouterStatus (retained)
+
+Commands and events are tagged unions (``op`` / ``kind``): each variant states exactly the
+fields it carries, with types and ranges, so a policy author reads the contract here
+instead of in the worker that consumes it. ``parse_command`` / ``parse_event`` validate a
+payload; a payload that fails names its request when it can (``rid_of``), so the receiver
+fails that request alone and goes on serving the others.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, TypeAdapter, ValidationError, model_validator
+
+from protocol.worker_config import Contract, WorkerRole
+
+QOS = 1
+
+
+class Topics:
+    def __init__(self, run_id: str) -> None:
+        self.root = f"pdd/{run_id}"
+
+    @property
+    def requests(self) -> str:
+        return f"{self.root}/client/requests"
+
+    def cmd(self, worker: str) -> str:
+        return f"{self.root}/worker/{worker}/cmd"
+
+    def status(self, worker: str) -> str:
+        return f"{self.root}/worker/{worker}/status"
+
+    @property
+    def all_status(self) -> str:
+        return f"{self.root}/worker/+/status"
+
+    @property
+    def events(self) -> str:
+        return f"{self.root}/events"
+
+    def tokens(self, rid: str) -> str:
+        return f"{self.root}/tokens/{rid}"
+
+    @property
+    def all_tokens(self) -> str:
+        return f"{self.root}/tokens/+"
+
+    @property
+    def router_status(self) -> str:
+        return f"{self.root}/router/status"
+
+
+# A request id or session name becomes part of an MQTT topic (``tokens/<rid>``), a file name
+# and a CSV cell: ``/``, ``+``, ``#``, spaces and control characters would break them.
+SAFE_NAME = r"^[A-Za-z0-9_.:=@-]{1,128}$"
+RequestId = Annotated[str, Field(pattern=SAFE_NAME)]
+
+
+# ------------------------------------------------------------------------- client -> router
+class RequestHints(Contract):
+    """What the trace says about a request beyond its tokens (policies may use it)."""
+
+    session: RequestId | None = None
+    turn: int = Field(default=0, ge=0)
+    short_output: bool = False  # long input, short output: PDD's anomalous kind
+    tag: str | None = None
+    eager: int | None = Field(default=None, ge=0)  # fixed eager-token budget (verify, experiments)
+
+
+class Request(Contract):
+    rid: RequestId
+    prompt: list[int] = Field(min_length=1)
+    max_new: int = Field(ge=1)
+    hints: RequestHints = RequestHints()
+    ignore_eos: bool = False  # decode all ``max_new`` tokens even past the end-of-sequence token
+
+
+# ------------------------------------------------------------------------- commands
+class KVTarget(Contract):
+    worker: str
+    host: str
+    port: int = Field(ge=1, le=65535)
+
+
+class PrefillCmd(Contract):
+    """Compute the prompt's KV (what the prefix cache lacks) and ship it to every target."""
+
+    op: Literal["prefill"] = "prefill"
+    rid: str
+    prompt: list[int] = Field(min_length=1)
+    kv_to: list[KVTarget] = []
+
+
+class RelayPart(Contract):
+    """This decoder relays (PDD's RLD): it streams eager tokens, then hands over to ``main``."""
+
+    main: str
+    eager_budget: int | None = Field(default=None, ge=0)  # hand over after exactly this many
+
+
+class MainPart(Contract):
+    """This decoder takes over from a relay (PDD's MD): it holds the KV until ``relay``'s
+    eager tokens arrive by ``ExtendCmd``."""
+
+    relay: str
+
+
+class DecodeCmd(Contract):
+    """Expect the request's KV over TCP, then decode ``max_new`` tokens (or until EOS)."""
+
+    op: Literal["decode"] = "decode"
+    rid: str
+    prompt: list[int] = Field(min_length=1)
+    max_new: int = Field(ge=1)
+    ignore_eos: bool = False  # set by the router from the request, whatever the policy built
+    drc: bool = True  # use and fill this decoder's radix cache
+    relay: RelayPart | None = None
+    main: MainPart | None = None
+
+    @model_validator(mode="after")
+    def _one_part(self) -> DecodeCmd:
+        if self.relay is not None and self.main is not None:
+            raise ValueError("a decoder either relays or takes over, not both")
+        return self
+
+
+class CancelCmd(Contract):
+    """Stop working on a request. On a prefill worker ``target`` cuts off only the transfer
+    to that worker; on a decoder ``keep_kv`` keeps the arriving KV for the cache only."""
+
+    op: Literal["cancel"] = "cancel"
+    rid: str
+    target: str | None = None
+    keep_kv: bool = False
+
+
+class HandoffCmd(Contract):
+    """To a relay: the main decoder holds the KV; hand the stream over (``one-shot``: all
+    eager tokens at once; ``catch-up``: batches of at most ``batch``) or, ``local``, finish
+    the request here because the main decoder cannot take it."""
+
+    op: Literal["handoff"] = "handoff"
+    rid: str
+    mode: Literal["one-shot", "catch-up", "local"]
+    batch: int = Field(default=64, ge=1)
+
+
+class HandoffAck(Contract):
+    """To a relay: the main decoder has extended ``extended`` eager tokens (catch-up)."""
+
+    op: Literal["handoff_ack"] = "handoff_ack"
+    rid: str
+    extended: int = Field(ge=0)
+
+
+class ExtendCmd(Contract):
+    """To a main decoder: eager token IDs at output indices ``start ..``; ``final`` hands
+    the stream over."""
+
+    op: Literal["extend"] = "extend"
+    rid: str
+    start: int = Field(ge=0)
+    tokens: list[int] = []
+    final: bool = False
+
+
+Command = Annotated[PrefillCmd | DecodeCmd | CancelCmd | HandoffCmd | HandoffAck | ExtendCmd,
+                    Field(discriminator="op")]
+_COMMAND: TypeAdapter[Command] = TypeAdapter(Command)
+
+
+def parse_command(payload: bytes | bytearray | str) -> Command:
+    """Validate a command; raises ``pydantic.ValidationError``."""
+    return _COMMAND.validate_json(payload)
+
+
+# ------------------------------------------------------------------------- events
+class _Event(Contract):
+    rid: str
+    worker: str
+    t: float
+
+
+class PrefillDone(_Event):
+    kind: Literal["prefill_done"] = "prefill_done"
+    hit_tokens: int = Field(ge=0)
+    computed: int = Field(ge=0)
+    first_token: int
+    start: float
+    end: float
+    real_s: float
+    modeled_s: float | None = None
+
+
+class KvSent(_Event):
+    """A KV transfer ended at the sender (completed, or cut off when ``cancelled``)."""
+
+    kind: Literal["kv_sent"] = "kv_sent"
+    to: str
+    bytes: int = Field(ge=0)  # acknowledged by the receiver's TCP
+    written: int = Field(ge=0)
+    payload: int = Field(ge=0)
+    planned_payload: int = Field(ge=0)
+    tokens: int = Field(ge=0)
+    had: int = Field(ge=0)  # tokens the receiver already held
+    start: float  # the transfer began (after its turn in the sender's queue for this peer)
+    end: float
+    queued_s: float = Field(default=0.0, ge=0)  # waited in that queue (real seconds)
+    cancelled: bool = False
+
+
+class KvReceived(_Event):
+    kind: Literal["kv_received"] = "kv_received"
+    bytes: int = Field(ge=0)
+    had: int = Field(ge=0)
+    start: float
+    end: float
+    cache_only: bool = False
+
+
+class HandoffSent(_Event):
+    """A relay sent eager tokens ``start .. start + tokens`` to the main decoder ``to``."""
+
+    kind: Literal["handoff"] = "handoff"
+    tokens: int = Field(ge=0)
+    start: int = Field(ge=0)
+    final: bool
+    to: str
+
+
+class Extended(_Event):
+    kind: Literal["extended"] = "extended"
+    tokens: int = Field(ge=0)
+    start: int = Field(ge=0)
+    final: bool
+    mismatches: int = Field(ge=0)
+    compute_s: float
+    t_start: float
+    since_kv_s: float
+
+
+class Done(_Event):
+    """The worker finished its part. On a relay ``handed_off`` says whether the main decoder
+    took over (True) or the request ended on the relay (False)."""
+
+    kind: Literal["done"] = "done"
+    output_tokens: int = Field(ge=0)
+    kv_bytes: int = Field(default=0, ge=0)
+    handed_off: bool | None = None
+    eager: int | None = None
+    batches: list[int] = []
+    taken_over_at: int | None = None
+
+
+class Failed(_Event):
+    kind: Literal["failed"] = "failed"
+    reason: str
+    target: str | None = None  # a KV transfer to this worker failed
+    before_handoff: bool = False  # a main decoder failed while the relay still streams
+
+
+Event = Annotated[PrefillDone | KvSent | KvReceived | HandoffSent | Extended | Done | Failed,
+                  Field(discriminator="kind")]
+_EVENT: TypeAdapter[Event] = TypeAdapter(Event)
+
+
+def parse_event(payload: bytes | bytearray | str) -> Event:
+    return _EVENT.validate_json(payload)
+
+
+def event_from_python(data: object) -> Event:
+    return _EVENT.validate_python(data)
+
+
+# ------------------------------------------------------------------------- streams and status
+class Tokens(Contract):
+    rid: str
+    start: int = Field(ge=0)  # index of the first token in this message within the output
+    tokens: list[int]
+    worker: str
+    t: float
+    done: bool = False
+    error: str | None = None
+
+
+class Status(Contract):
+    worker: str
+    role: WorkerRole
+    state: Literal["up", "dead"]
+    active: int = 0
+    queued: int = 0
+    host: str = ""
+    kv_port: int = 0
+    cache_hit_rate: float | None = None
+
+
+class RouterStatus(Contract):
+    state: Literal["ready", "stopped"]
+    workers: dict[str, WorkerRole]  # name -> role
+    policy: str
+
+
+def no_delay(client: Any) -> None:
+    """Send every packet of a connected ``aiomqtt.Client`` at once. paho leaves Nagle's
+    algorithm on, so a token message would wait for the acknowledgement of the previous
+    one (a WAN round trip from datacenter b) and tokens would arrive in bursts."""
+    sock = client._client.socket()  # aiomqtt has no public accessor for paho's socket
+    if isinstance(sock, socket.socket):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def why_invalid(error: ValidationError) -> str:
+    """A validation error in one line: each failing field and what was wrong with it."""
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'message'}: {e['msg']}" for e in error.errors())
+
+
+def rid_of(payload: bytes | bytearray | str) -> str | None:
+    """The request id a (possibly malformed) message names, if it names one."""
+    try:
+        data = json.loads(payload)
+    except ValueError:
+        return None
+    rid = data.get("rid") if isinstance(data, dict) else None
+    return rid if isinstance(rid, str) and rid else None

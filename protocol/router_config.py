@@ -1,0 +1,61 @@
+"""What crosses between the orchestrator and the router process.
+
+* ``RouterConfig``: built from the scenario in ``testbed.deploy.cluster``, written as JSON, and
+  validated by ``python -m testbed.deploy.router CONFIG.json``. It embeds one ``BrokerInfo``, the
+  parsed ``PolicySpec`` (never the policy string), the workers' endpoints and the
+  ``PolicyContext``.
+* ``RequestRecord``: one per request, written by the router when it stops (JSON lines) and
+  read by ``testbed.analysis.metrics``: the plan, why it was chosen (``PlanInfo``), every worker
+  event, and how the request ended.
+* ``PolicyReport``: the policy's own counters, written next to the records.
+
+``PolicyContext``, ``PlanInfo`` and ``PolicyReport`` are defined with the policy interface
+(``testbed/policies/base.py``) and re-exported here.
+
+Worker-side contracts (worker configuration and statistics) are in ``protocol/worker_config.py``,
+the MQTT messages in ``protocol/messages.py``.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from protocol.messages import Event
+from protocol.worker_config import BrokerInfo, Contract, WorkerRole
+from testbed.policies.base import PlanInfo, PolicyContext, PolicyReport
+from testbed.policies.spec import PolicySpec
+
+
+class WorkerEndpoint(Contract):
+    role: WorkerRole
+    dc: str
+    host: str  # emulated IP address
+    kv_port: int = Field(ge=1, le=65535)
+
+
+class RouterConfig(Contract):
+    run_id: str
+    broker: BrokerInfo
+    policy: PolicySpec
+    workers: dict[str, WorkerEndpoint]
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    records_path: str
+    context: PolicyContext = PolicyContext()
+
+
+class RequestRecord(Contract):
+    rid: str
+    pipeline: str | None = None  # e.g. "P-D(a)", "P-MD", "P-RLD-MD", "P-RLD"; None: never planned
+    prefill: str | None = None
+    decode: str | None = None
+    relay: str | None = None
+    prefill_dc: str | None = None
+    decode_dc: str | None = None
+    plan_info: PlanInfo = PlanInfo()
+    md_failed: str | None = None  # the main decoder's failure the relay covered for
+    cut_off: bool = False  # the WAN transfer was cut off (the relay finished first)
+    error: str | None = None
+    events: list[Event] = []  # in arrival order at the router (late events included)
+
+
+__all__ = ["PlanInfo", "PolicyContext", "PolicyReport", "RequestRecord", "RouterConfig", "WorkerEndpoint"]

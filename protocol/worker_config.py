@@ -1,0 +1,178 @@
+"""What crosses between the orchestrator and a worker process, besides MQTT messages.
+
+* ``WorkerConfig``: the worker's whole configuration, built from the scenario in one place
+  (``testbed.deploy.cluster``), written as JSON next to the run and validated by the worker at
+  start (``python -m workers CONFIG.json``). It embeds one ``BrokerInfo``, one
+  ``DeviceSpec`` and the test-only ``WorkerFaults``.
+* ``WorkerStats``: the statistics file a worker rewrites every second and on exit, read by
+  the orchestrator for ``summary.json`` and the plots.
+
+Both are strict (unknown fields are errors), so a renamed field fails loudly at the
+boundary instead of silently reading a default. The MQTT messages live in
+``protocol.messages``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+WorkerRole = Literal["prefill", "decode", "relay-decode"]
+
+
+class Contract(BaseModel):
+    """Base of every cross-process shape: strict, immutable, JSON in and out."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def dump(self) -> bytes:
+        return self.model_dump_json().encode()
+
+
+class BrokerInfo(Contract):
+    """Where the run's mosquitto listens and the run's credentials."""
+
+    host: str
+    port: int = Field(ge=1, le=65535)
+    username: str
+    password: str
+
+
+class DeviceSpec(Contract):
+    """The roofline a worker's steps are paced to (``workers.device``); no peak = native."""
+
+    name: str = "native"
+    peak_tflops: float | None = Field(default=None, gt=0)
+    mem_gbps: float | None = Field(default=None, gt=0)
+    step_overhead_ms: float = Field(default=0.0, ge=0)
+    prefill_chunk: int | None = Field(default=None, ge=1)  # emulated tokens per prefill pass
+
+
+class ModelCost(Contract):
+    """What a forward pass of the priced model costs: parameters a token passes through,
+    layers, attention width (query heads x head dim), KV bytes per token, weight bytes a
+    pass reads."""
+
+    params: float = Field(gt=0)
+    layers: int = Field(ge=1)
+    hidden: int = Field(ge=1)
+    kv_bytes_per_token: int = Field(ge=1)
+    weight_bytes: float = Field(gt=0)
+
+
+class Scales(Contract):
+    """``../shared/FIDELITY.md``: one replayed input (output) token stands for ``s_in``
+    (``s_out``) emulated tokens; real seconds = ``dilation`` x emulated seconds."""
+
+    s_in: int = Field(default=1, ge=1)
+    s_out: int = Field(default=1, ge=1)
+    dilation: float = Field(default=1.0, gt=0)
+
+
+class WorkerFaults(Contract):
+    """Fault injection for tests: die abruptly after N streamed tokens; corrupt KV block N."""
+
+    die_after_tokens: int | None = Field(default=None, ge=1)
+    corrupt_block: int | None = Field(default=None, ge=0)
+
+
+class WorkerConfig(Contract):
+    name: str
+    role: WorkerRole
+    run_id: str
+    host_ip: str
+    kv_port: int = Field(default=7070, ge=1, le=65535)
+    broker: BrokerInfo
+    kv_token: str = ""  # per-run secret a KV sender puts in HELLO; receivers refuse others ("": no check)
+    model_path: str
+    # real: the small model computes every token; modeled: no forward pass (workers/modeled.py)
+    compute: Literal["real", "modeled"] = "real"
+    dtype: Literal["float32", "float64", "bfloat16"] = "float32"
+    threads: int = Field(default=1, ge=1)
+    block_size: int = Field(default=16, ge=1)
+    prefill_chunk: int = Field(default=512, ge=1)
+    cache_tokens: int = Field(default=262144, ge=0)
+    max_batch: int = Field(default=32, ge=1)
+    kv_capacity_tokens: int | None = Field(default=None, ge=1)  # decoders: KV of admitted requests (replayed tokens)
+    kv_timeout_s: float = Field(default=120.0, gt=0)
+    kv_streams_per_peer: int = Field(default=1, ge=1)
+    device: DeviceSpec = DeviceSpec()
+    cost: ModelCost | None = None  # the emulated model; None: price the real model's own work
+    scales: Scales = Scales()
+    stats_path: str = ""
+    faults: WorkerFaults = WorkerFaults()
+
+
+# ------------------------------------------------------------------------- statistics file
+class WorstOverrun(Contract):
+    kind: str
+    real_s: float
+    modeled_s: float
+    t: float  # unix time the step ended
+    detail: str = ""  # e.g. a decode step's batch size and whether the batch was rebuilt
+
+
+class DeviceReport(Contract):
+    """Pacing totals (real seconds): steps, how many overran their modeled time and by how
+    much; per kind of step (prefill, decode, extend) the same counts."""
+
+    device: str
+    native: bool = True  # host CPU, not an emulated device: nothing is paced
+    steps: int = 0
+    overruns: int = 0
+    overrun_s: float = 0.0
+    modeled_s: float = 0.0
+    real_s: float = 0.0
+    by_kind: dict[str, tuple[int, int]] = {}  # kind -> (steps, overruns)
+    worst: list[WorstOverrun] = []  # the largest overruns, largest first
+
+    @property
+    def overrun_fraction(self) -> float:
+        return self.overruns / self.steps if self.steps else 0.0
+
+
+class CacheReport(Contract):
+    """Prefix-cache counters and their history: (unix time, hit tokens, looked-up tokens)."""
+
+    hit_rate: float
+    blocks: int
+    hit_tokens: int
+    lookup_tokens: int
+    evicted_blocks: int = 0
+    series: list[tuple[float, int, int]] = []
+
+
+class TransferTotals(Contract):
+    count: int = 0
+    bytes: int = 0
+    cancelled: int = 0
+
+
+class PrefillCounters(Contract):
+    computed_tokens: int = 0
+    reused_tokens: int = 0
+    transfers: TransferTotals = TransferTotals()
+
+
+class DecodeCounters(Contract):
+    step_ms_by_batch: dict[int, float] = {}  # mean real step time by batch size (recent steps)
+    tokens_out: int = 0
+    batch_builds: int = 0
+    handoffs_sent: int = 0
+    extends_done: int = 0
+    extend_mismatches: int = 0
+    admission_waits: int = 0  # requests whose KV arrived when the decoder had no room
+    admission_wait_max_s: float = 0.0  # the longest of those waits (real seconds)
+    admission_queue_max: int = 0
+
+
+class WorkerStats(Contract):
+    worker: str
+    role: WorkerRole
+    compute: Literal["real", "modeled"] = "real"
+    device: DeviceReport
+    cache: CacheReport | None = None
+    repeated_commands: int = 0  # start commands delivered again (QoS 1) and dropped
+    prefill: PrefillCounters | None = None
+    decode: DecodeCounters | None = None

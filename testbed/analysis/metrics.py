@@ -1,0 +1,227 @@
+"""Per-request latency metrics and summaries, defined as in vLLM's serving benchmark.
+
+Measured at the client: TTFT = send -> first token received; TPOT = (E2E - TTFT) /
+(output tokens - 1), only when output > 1; ITL = every gap between consecutive tokens,
+pooled over requests; E2E = send -> last token. Failed requests are counted and listed
+with their reasons and excluded from latency statistics; in goodput they count as not
+meeting the SLO. Goodput = requests that completed within the SLO (TTFT and TPOT) per
+second of the run (first send to last token).
+
+Under an emulation (``testbed/deploy/emulation.py``) every duration is reported in emulated
+seconds: measured real time divided by the dilation ``D``; TPOT and ITL per emulated
+token (further divided by ``s_out``); output, eager and handoff token counts in emulated
+tokens (``x s_out``; ``output_tokens`` stays the replayed count).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from pydantic import BaseModel, ConfigDict
+
+from protocol.messages import Extended, HandoffSent, KvSent, PrefillDone, RequestHints
+from protocol.router_config import RequestRecord
+from protocol.worker_config import Scales
+from testbed.load.replay_client import ClientRecord
+from testbed.traces.workload import RequestSpec
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float = 5.0
+    tpot_s: float = 0.25
+
+
+def _kept_off(e: KvSent, planned_delta: int | None) -> int:
+    """KV bytes a cut-off kept off the line: what the receiver lacked minus what crossed (the
+    receiver's TCP acknowledged; bytes still in the sender's socket buffer were discarded by
+    the reset). A transfer cut off while it waited in the sender's queue never asked the
+    receiver what it lacked; the router's estimate at planning time stands in."""
+    if e.written == 0 and e.planned_payload == 0:
+        return planned_delta or 0
+    return max(0, e.planned_payload - min(e.payload, e.bytes))
+
+
+def request_rows(recs: dict[str, ClientRecord], router: dict[str, RequestRecord],
+                 specs: list[RequestSpec] | None = None, scales: Scales | None = None) -> pd.DataFrame:
+    sc = scales or Scales()
+    d, per_token = sc.dilation, sc.dilation * sc.s_out
+    hints = {s.rid: s.hints for s in specs or []}
+    t0 = min((r.sent for r in recs.values() if r.sent), default=0.0)
+    rows = []
+    for rid, r in recs.items():
+        rr = router.get(rid) or RequestRecord(rid=rid)
+        h = hints.get(rid) or RequestHints()
+        kv_sent = [e for e in rr.events if isinstance(e, KvSent)]
+        prefill = next((e for e in rr.events if isinstance(e, PrefillDone)), None)
+        cross = rr.prefill_dc is not None and rr.prefill_dc != rr.decode_dc
+        # KV to the (main) decoder crosses the WAN when it sits in the other datacenter; KV to
+        # a relay never does.
+        wan = [e for e in kv_sent if cross and e.to == rr.decode]
+        handoffs = [e for e in rr.events if isinstance(e, HandoffSent)]
+        final_extend = next((e for e in rr.events if isinstance(e, Extended) and e.final), None)
+        relay = rr.relay or (rr.decode if rr.pipeline == "P-RLD" else None)
+        eager = r.by_worker.get(relay, 0) if relay else 0
+        row: dict[str, Any] = {
+            "rid": rid, "ok": r.ok, "error": r.error, "pipeline": rr.pipeline,
+            "prefill_worker": rr.prefill, "decode_worker": rr.decode,
+            "prompt_tokens": r.prompt_len, "output_tokens": len(r.tokens), "max_new": r.max_new,
+            "session": h.session, "turn": h.turn, "short_output": h.short_output,
+            "output_tokens_emulated": len(r.tokens) * sc.s_out,
+            "sent": r.sent, "sent_offset_s": (r.sent - t0) / d if r.sent else np.nan,
+            "ttft_s": np.nan, "tpot_s": np.nan, "e2e_s": np.nan,
+            "prefill_hit_tokens": prefill.hit_tokens if prefill else None,
+            "prefill_computed": prefill.computed if prefill else None,
+            "kv_bytes": sum(e.bytes for e in kv_sent),
+            "kv_tokens_sent": sum(e.tokens for e in kv_sent),
+            "wan_kv_bytes": sum(e.bytes for e in wan),
+            "wan_kv_cancelled_bytes": sum(_kept_off(e, rr.plan_info.delta_bytes) for e in wan if e.cancelled),
+            "wan_cut_off": any(e.cancelled for e in wan),
+            "kv_transfer_s": max(e.end - e.start for e in kv_sent) / d if kv_sent else np.nan,
+            "wan_transfer_s": max(e.end - e.start for e in wan) / d if wan else np.nan,
+            # When KV was on the WAN and when the main decoder took over (emulated seconds into
+            # the run): the report's throughput and load over time are rebuilt from these.
+            "wan_start_s": (min(e.start for e in wan) - t0) / d if wan else np.nan,
+            "wan_end_s": (max(e.end for e in wan) - t0) / d if wan else np.nan,
+            "handoff_at_s": (final_extend.t - t0) / d if final_extend else np.nan,
+            "kv_queued_s": max(e.queued_s for e in kv_sent) / d if kv_sent else np.nan,
+            "relay": relay, "eager_tokens": eager * sc.s_out,
+            "rld_share": eager / len(r.tokens) if r.tokens else np.nan,
+            "handoffs": len(handoffs), "handoff_sizes": "+".join(str(e.tokens * sc.s_out) for e in handoffs),
+            "md_kv_to_handoff_s": final_extend.since_kv_s / d if final_extend else np.nan,
+            "handoff_mismatches": final_extend.mismatches if final_extend else 0, "md_failed": rr.md_failed,
+            **{f"plan_{k}": v for k, v in rr.plan_info.model_dump(exclude_none=True).items()},
+        }  # fmt: skip
+        if r.ok and r.token_times:
+            row["ttft_s"] = (r.token_times[0] - r.sent) / d
+            row["e2e_s"] = (r.token_times[-1] - r.sent) / d
+            if len(r.token_times) > 1:
+                row["tpot_s"] = (r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) / per_token
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def itls(recs: dict[str, ClientRecord], scales: Scales | None = None) -> list[float]:
+    """Every gap between consecutive tokens (per emulated token under an emulation)."""
+    sc = scales or Scales()
+    per_token = sc.dilation * sc.s_out
+    return [(b - a) / per_token for r in recs.values() if r.ok
+            for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
+
+
+def _pct(s: pd.Series, q: float) -> float | None:
+    s = s.dropna()
+    return float(np.percentile(s, q)) if len(s) else None
+
+
+class Summary(BaseModel):
+    """One policy's measured summary of a replay (durations in emulated seconds under an
+    emulation; ``None`` where nothing was measured)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    slo: Slo
+    slo_met: int
+    slo_attainment: float | None
+    duration_s: float | None
+    goodput_rps: float | None
+    requests: int
+    completed: int
+    failed: int
+    failures: dict[str, str | None]
+    ttft_mean_s: float | None
+    ttft_p50_s: float | None
+    ttft_p90_s: float | None
+    ttft_p99_s: float | None
+    tpot_p50_s: float | None
+    tpot_p99_s: float | None
+    itl_p50_s: float | None
+    itl_p99_s: float | None
+    e2e_p50_s: float | None
+    e2e_p99_s: float | None
+    wan_kv_bytes: int
+    kv_bytes: int
+    wan_kv_cancelled_bytes: int
+    wan_cut_offs: int
+    wan_transfers: int
+    wan_transfer_min_s: float | None
+    wan_transfer_p50_s: float | None
+    wan_transfer_max_s: float | None
+    output_tokens: int
+    output_tokens_emulated: int
+    pipelines: dict[str, int]
+    eager_tokens: int
+    handoffs: int
+    rld_share: float | None
+    relayed: int
+    handoff_p50_s: float | None
+    handoff_p99_s: float | None
+    handoff_mismatches: int
+    requests_by_worker: dict[str, int]
+
+
+def summarize(df: pd.DataFrame, itl: list[float], slo: Slo | None = None,
+              recs: dict[str, ClientRecord] | None = None, scales: Scales | None = None) -> Summary:
+    slo = slo or Slo()
+    ok = df[df.ok]
+    failed = df[~df.ok]
+    itl_s = pd.Series(itl, dtype=float)
+    met = ok[(ok.ttft_s <= slo.ttft_s) & (ok.tpot_s.fillna(0) <= slo.tpot_s)]
+    wan_t = df.wan_transfer_s.dropna()
+    span = None
+    if recs:
+        sends = [r.sent for r in recs.values() if r.sent]
+        ends = [r.token_times[-1] for r in recs.values() if r.token_times]
+        if sends and ends:
+            span = (max(ends) - min(sends)) / (scales or Scales()).dilation
+    return Summary(
+        slo=slo, slo_met=int(len(met)),
+        slo_attainment=len(met) / len(df) if len(df) else None,
+        duration_s=span, goodput_rps=len(met) / span if span else None,
+        requests=len(df), completed=int(len(ok)), failed=int(len(failed)),
+        failures={r.rid: r.error for r in failed.itertuples()},
+        ttft_mean_s=float(ok.ttft_s.mean()) if ok.ttft_s.notna().any() else None,
+        ttft_p50_s=_pct(ok.ttft_s, 50), ttft_p90_s=_pct(ok.ttft_s, 90), ttft_p99_s=_pct(ok.ttft_s, 99),
+        tpot_p50_s=_pct(ok.tpot_s, 50), tpot_p99_s=_pct(ok.tpot_s, 99),
+        itl_p50_s=_pct(itl_s, 50), itl_p99_s=_pct(itl_s, 99),
+        e2e_p50_s=_pct(ok.e2e_s, 50), e2e_p99_s=_pct(ok.e2e_s, 99),
+        wan_kv_bytes=int(df.wan_kv_bytes.sum()), kv_bytes=int(df.kv_bytes.sum()),
+        wan_kv_cancelled_bytes=int(df.wan_kv_cancelled_bytes.sum()), wan_cut_offs=int(df.wan_cut_off.sum()),
+        wan_transfers=len(wan_t), wan_transfer_min_s=float(wan_t.min()) if len(wan_t) else None,
+        wan_transfer_p50_s=_pct(wan_t, 50), wan_transfer_max_s=float(wan_t.max()) if len(wan_t) else None,
+        output_tokens=int(ok.output_tokens.sum()), output_tokens_emulated=int(ok.output_tokens_emulated.sum()),
+        pipelines={str(k): int(v) for k, v in df.pipeline.value_counts().items()},
+        eager_tokens=int(ok.eager_tokens.sum()), handoffs=int(df.handoffs.sum()),
+        rld_share=(float(ok.eager_tokens.sum() / ok.output_tokens_emulated.sum())
+                   if ok.output_tokens_emulated.sum() else None),
+        relayed=int((df.pipeline == "P-RLD-MD").sum()),
+        handoff_p50_s=_pct(ok.md_kv_to_handoff_s, 50), handoff_p99_s=_pct(ok.md_kv_to_handoff_s, 99),
+        handoff_mismatches=int(df.handoff_mismatches.sum()),
+        requests_by_worker=requests_by_worker(df),
+    )  # fmt: skip
+
+
+def requests_by_worker(df: pd.DataFrame) -> dict[str, int]:
+    """How many requests each instance served (prefill, decoder, relay): the balance across
+    instances of a role."""
+    counts: dict[str, int] = {}
+    for row in df[["prefill_worker", "decode_worker", "relay"]].itertuples(index=False):
+        for name in {w for w in row if isinstance(w, str)}:
+            counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def format_summary(name: str, s: Summary) -> str:
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{1000 * v:.0f}"
+
+    return (
+        f"{name:10} {s.completed:>4}/{s.requests:<4} failed {s.failed:<3} "
+        f"TTFT ms p50 {ms(s.ttft_p50_s):>6} p90 {ms(s.ttft_p90_s):>6} p99 {ms(s.ttft_p99_s):>6} | "
+        f"TPOT ms p50 {ms(s.tpot_p50_s):>5} p99 {ms(s.tpot_p99_s):>5} | "
+        f"E2E ms p50 {ms(s.e2e_p50_s):>6} p99 {ms(s.e2e_p99_s):>6} | WAN KV {s.wan_kv_bytes / 1e6:.1f} MB"
+        + (f" | SLO met {100 * s.slo_attainment:.0f}%" if s.slo_attainment is not None else "")
+    )

@@ -1,0 +1,111 @@
+"""What a run directory holds, as typed models: written once by ``testbed run``, read back by
+``testbed report`` (and by anyone analysing runs) without re-running anything.
+
+A run directory (``runs/<timestamp>/`` unless ``--out``) holds:
+
+* ``summary.json``: one ``RunSummary``: the trace (``TraceInfo``), the emulation
+  (``EmulationSummary``: scales, dilation, emulated and wire rates), the scenario as
+  validated, and per policy a ``PolicySummary`` (measured ``Summary``, the policy's own
+  counters, the fidelity ``Verdict``) and every worker's ``WorkerStats``;
+* ``requests.parquet`` / ``requests.csv``: one row per request and policy
+  (``testbed.analysis.metrics.request_rows``; the Parquet file is what reports are rebuilt from);
+* ``report.md`` and the PNG plots (``testbed.analysis.report``), always derived from the two above.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from pydantic import BaseModel, ConfigDict
+
+from protocol.worker_config import WorkerStats
+from testbed.analysis.cost import HardwareCost
+from testbed.analysis.metrics import Summary
+from testbed.deploy.fidelity import Verdict
+from testbed.errors import InputError
+from testbed.faults.timeline import AppliedFault
+from testbed.policies.base import PolicyReport
+from testbed.scenario import Scenario
+
+SUMMARY_FILE = "summary.json"
+REQUESTS_FILE = "requests.parquet"
+
+
+class _Saved(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TraceInfo(_Saved):
+    trace: str
+    format: str
+    requests: int
+    token_scale: int
+    block_size: int
+    meta: dict[str, Any] = {}  # the trace file's own header fields, as it wrote them
+
+
+class LinkScale(_Saved):
+    """A link's rate (and delay) as emulated and as built on the wire."""
+
+    rate_mbit: float | None
+    wire_rate_mbit: float | None
+    delay_ms: float | None = None
+    wire_delay_ms: float | None = None
+
+
+class EmulationSummary(_Saved):
+    emulating: bool
+    model: str | None
+    s_in: int
+    s_out: int
+    dilation: float
+    dilation_reason: str
+    b_r: int  # KV bytes per replayed token of the real model
+    b_e: int  # KV bytes per emulated token of the emulated model
+    formula: str
+    wan_mtu: int
+    wan_forward: LinkScale
+    wan_reverse: LinkScale
+    lan: dict[str, LinkScale]  # per datacenter
+
+
+class PolicySummary(Summary):
+    policy_stats: PolicyReport
+    fidelity: Verdict
+    impairment: str = ""  # the WAN impairment backend that ran (netem or the delay line) and why
+    cost: HardwareCost | None = None  # None: the scenario states no prices
+    cost_per_mtok: float | None = None  # the deployment's price for the run per 1M emulated output tokens
+    faults: list[AppliedFault] = []  # the fault timeline as it was applied
+
+
+class RunSummary(_Saved):
+    trace: TraceInfo
+    speed: float
+    limit: int | None
+    window: str | None
+    emulation: EmulationSummary
+    scenario: Scenario  # as validated for the run (emulated units, not the wire's)
+    policies: dict[str, PolicySummary]
+    workers: dict[str, dict[str, WorkerStats]]
+
+    @property
+    def units(self) -> str:
+        e = self.emulation
+        if e.emulating:
+            return f"emulated seconds (D = {e.dilation:g}); TPOT per emulated token (s_out = {e.s_out})"
+        return "host seconds (no emulation)"
+
+
+def load_run(run_dir: Path) -> tuple[RunSummary, pd.DataFrame]:
+    """A saved run's summary and request rows; a clear error naming the file otherwise."""
+    summary_path, rows_path = run_dir / SUMMARY_FILE, run_dir / REQUESTS_FILE
+    for p in (summary_path, rows_path):
+        if not p.is_file():
+            raise InputError(f"{run_dir}: not a run directory ({p.name} missing)")
+    try:
+        summary = RunSummary.model_validate_json(summary_path.read_text())
+    except ValueError as e:
+        raise InputError(f"{summary_path}: not a summary this version can read: {e}") from e
+    return summary, pd.read_parquet(rows_path)

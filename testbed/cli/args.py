@@ -1,0 +1,253 @@
+"""The ``testbed`` command line's arguments (``testbed.cli.main`` maps each command to its call).
+
+Each subcommand sets ``command`` to its name (``"net up"``, ``"run"``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from protocol.messages import why_invalid
+from testbed.errors import InputError
+from testbed.scenario import Scenario, load_scenario
+from testbed.traces.formats import FORMATS
+
+
+def scenario_from_args(args: argparse.Namespace) -> Scenario:
+    """``--scenario``, with its network taken from ``--topo`` when given."""
+    sc = load_scenario(args.scenario)
+    if getattr(args, "topo", None):
+        from testbed.net.topo_import import load_topo_scenario
+
+        sc = load_topo_scenario(args.topo, sc)
+    if getattr(args, "network", None):
+        raw = sc.model_dump(mode="json")
+        raw["network"]["backend"] = args.network
+        try:  # validated again: a backend may bring its own limits (Mininet's interface names)
+            sc = Scenario.model_validate(raw).model_copy(update={"source": sc.source})
+        except ValidationError as e:
+            raise InputError(f"--network {args.network}: {why_invalid(e)}") from None
+    return sc
+
+
+def build_parser(description: str = "") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="testbed", description=description)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def scenario_opts(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--scenario", type=Path, default=Path("topologies/two-dc.yaml"))
+        p.add_argument("--topo", metavar="FILE.py:CLASS",
+                       help="a Mininet Topo subclass for the network (hosts with roles, one switch per datacenter, "
+                            "one switch-to-switch WAN link); the rest comes from --scenario")
+        p.add_argument("--impairment", choices=["auto", "netem", "delayline"], default="auto",
+                       help="how WAN delay/jitter/loss are made (default: netem if the kernel has it)")
+        p.add_argument("--network", choices=["pyroute2", "mininet"],
+                       help="who builds namespaces, links and bridges (default: the scenario's network.backend)")
+
+    net = sub.add_parser("net", help="build, check or tear down the emulated network")
+    nsub = net.add_subparsers(dest="net_cmd", required=True)
+    def wire_opts(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--token-scale", type=int, default=1, metavar="N",
+                       help="with an emulation: replayed tokens stand for N emulated ones (wire rates follow)")
+        p.add_argument("--dilation", type=float, default=1.0, metavar="D", help="with an emulation: time dilation")
+
+    p = nsub.add_parser("up", help="build the network and hold it until Ctrl-C / `net down`")
+    scenario_opts(p)
+    wire_opts(p)
+    p.add_argument("--cli", action="store_true",
+                   help="Mininet backend: hold it in Mininet's CLI (`prefill ping decode-b`) until `exit`")
+    p.set_defaults(command="net up")
+    p = nsub.add_parser("down", help="tear down running networks")
+    p.add_argument("--run", help="only this run id")
+    p.set_defaults(command="net down")
+    p = nsub.add_parser("check", help="build, measure configured vs measured, tear down")
+    scenario_opts(p)
+    wire_opts(p)
+    p.add_argument("--samples", type=int, default=40, help="RTT samples per path (>= 20)")
+    p.add_argument("--seconds", type=float, default=3.0, help="bulk-transfer seconds per path")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(command="net check")
+
+    p = sub.add_parser("exec", help="run a command inside a host of a running emulation; its exit status is ours",
+                       usage="testbed exec [--run ID] HOST -- CMD [ARG ...]")
+    p.add_argument("--run", help="the run id, when several live runs have HOST")
+    p.add_argument("host", metavar="HOST", help="a scenario host, gw-<dc> (a gateway) or wan")
+    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="CMD", help="the command and its arguments")
+    p.set_defaults(command="exec")
+
+    p = sub.add_parser("clean", help="remove namespaces, links and processes of dead runs")
+    p.add_argument("--all", action="store_true", help="also tear down runs that are still alive")
+    p.set_defaults(command="clean")
+
+    def trace_opts(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--format", default="auto", help=f"auto | {' | '.join(FORMATS)} (default: auto)")
+        p.add_argument("--token-scale", type=int, default=1, metavar="N",
+                       help="divide every length (and the prefix block size) by N")
+
+    def replay_opts(p: argparse.ArgumentParser, policies: str) -> None:
+        """What a replay of a trace needs (run, sweep, calibrate)."""
+        scenario_opts(p)
+        p.add_argument("--trace", type=Path, required=True, help="trace file (formats: traces/README.md)")
+        trace_opts(p)
+        p.add_argument("--policies", "--policy", dest="policies", default=policies,
+                       help=f"comma-separated, each name[:key=value,...] (default {policies})")
+        p.add_argument("--limit", type=int, help="replay only the first N requests")
+        p.add_argument("--window", help="replay only requests sent in START:END seconds of the trace")
+        p.add_argument("--slo-ttft", type=float, default=5.0, help="SLO for goodput: TTFT seconds (default 5)")
+        p.add_argument("--slo-tpot", type=float, default=0.25, help="SLO for goodput: TPOT seconds (default 0.25)")
+        p.add_argument("--timeout", type=float, default=1800.0,
+                       help="give up on a replay after this many (emulated) seconds")
+        p.add_argument("--dilation", metavar="D|auto",
+                       help="real seconds per emulated second (default: the scenario's emulation.time_dilation)")
+
+    p = sub.add_parser("run", help="replay a trace under one or more policies; save, plot and compare")
+    replay_opts(p, "same-dc,cross-dc")
+    p.add_argument("--speed", type=float, default=1.0, help="time compression: 2 = arrivals/delays twice as fast")
+    p.add_argument("--allow-infidelity", action="store_true",
+                   help="exit 0 even when the fidelity verdict fails (it is still printed and saved)")
+    p.add_argument("--out", help="results folder (default runs/<timestamp>)")
+    p.add_argument("--fault", action="append", default=[], metavar="KIND@START[+DUR][:k=v,...]",
+                   help="inject a fault at an emulated time of the replay (repeatable): wan-down, loss (pct), "
+                        "delay (ms), rate (mbit), partition (dc), kill (host), broker-restart; e.g. wan-down@10+5, "
+                        "kill@20:host=relay; see README, Faults")
+    p.set_defaults(command="run")
+
+    p = sub.add_parser("sweep", help="replay a trace at several offered loads: SLO attainment, SLA throughput "
+                                     "and BCR per policy (each load a saved run)")
+    replay_opts(p, "same-dc,pdd")
+    p.add_argument("--load", required=True, metavar="A:B:STEP|X",
+                   help="loads, x the trace's own rate (e.g. 0.5:2:0.5); with --hit-rate one load X")
+    p.add_argument("--hit-rate", metavar="A:B:STEP", help="sweep the prefix-hit rate instead (e.g. 0:1:0.05): "
+                   "every prompt rewritten to share that fraction with a common stream; the bathtub")
+    p.add_argument("--share", type=float, default=0.9, help="share of requests that must meet the SLO (default 0.9)")
+    p.add_argument("--seeds", type=int, default=1, metavar="N",
+                   help="repeat over N draws of a generated trace's recipe (seeds s..s+N-1, s the file's): "
+                        "mean and 95%% interval (default 1)")
+    p.add_argument("--out", type=Path, help="results folder (default runs/sweep-<timestamp>)")
+    p.set_defaults(command="sweep")
+
+    p = sub.add_parser("calibrate", help="bisect the offered load until cross-dc minus same-dc P50 TTFT is +2.5 s "
+                                         "(the report's), then run the policies there beside the report's figures")
+    replay_opts(p, "same-dc,cross-dc,pdd")
+    p.add_argument("--range", default="0.25:4", metavar="LOW:HIGH", help="loads to search, x the trace's rate")
+    p.add_argument("--tolerance", type=float, default=0.25, help="seconds either side of +2.5 s (default 0.25)")
+    p.add_argument("--steps", type=int, default=7, help="at most this many loads tried (default 7)")
+    p.add_argument("--seeds", type=int, default=1, metavar="N",
+                   help="repeat over N draws of a generated trace's recipe (seeds s..s+N-1, s the file's): "
+                        "mean and 95%% interval (default 1)")
+    p.add_argument("--out", type=Path, help="results folder (default runs/calibrate-<timestamp>)")
+    p.set_defaults(command="calibrate")
+
+    trace = sub.add_parser("trace", help="trace statistics and generation")
+    tsub = trace.add_subparsers(dest="trace_cmd", required=True)
+    p = tsub.add_parser("stats", help="lengths, arrival rate, prefix-hit distribution of a trace")
+    p.add_argument("file", type=Path)
+    trace_opts(p)
+    p.add_argument("--block", type=int, help="block size for hit rates (default: 512 / token scale)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(command="trace stats")
+    p = tsub.add_parser("gen", help="generate agentic sessions that follow a prefix-hit target")
+    p.add_argument("--sessions", type=int, default=60)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--duration", type=float, default=120.0, help="sessions start within this many seconds")
+    p.add_argument("--above-95", type=float, default=0.75, help="target share of requests with hit > 95%%")
+    p.add_argument("--anomalous", type=float, default=0.035,
+                   help="share of long-input, low-hit, short-output requests")
+    p.add_argument("--context-max", type=int, default=65536)
+    p.add_argument("--think", type=float, default=2.0, help="mean delay between turns, seconds")
+    p.add_argument("--turns-max", type=int, default=14, help="turns per session: uniform in 3..N")
+    p.add_argument("--first-output-median", type=int, default=800, metavar="N",
+                   help="median output tokens of a session's first turn (lognormal; default 800)")
+    p.add_argument("--output-median", type=int, default=500, metavar="N",
+                   help="median output tokens of follow-up turns (lognormal; default 500)")
+    p.add_argument("--calibrate-scale", type=int, default=1,
+                   help="calibrate hit shares as replayed with this --token-scale")
+    p.add_argument("--as", dest="as_format", choices=["sessions", "mooncake"], default="sessions",
+                   help="write agentic sessions (default) or Mooncake records (no sessions: open loop)")
+    p.add_argument("-o", "--output", type=Path, required=True)
+    p.set_defaults(command="trace gen")
+
+    p = sub.add_parser("verify", help="compare every policy's greedy tokens with a single-process reference")
+    scenario_opts(p)
+    p.add_argument("--policies", default="same-dc,cross-dc",
+                   help="comma-separated, each name[:key=value,...] (default same-dc,cross-dc)")
+    p.add_argument("--prompts", type=int, default=24)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--dtype", default="float64", choices=["float64", "float32"])
+    p.add_argument("--dilation", type=float, default=1.0, metavar="D",
+                   help="time dilation for the paced workers (default 1: verify checks tokens, not time)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(command="verify")
+
+    p = sub.add_parser("report", help="rebuild report.md and the plots of a saved run, or tabulate repetitions "
+                                      "(mean and 95%% interval over several runs); nothing is re-run")
+    p.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR", help="folders written by `testbed run`")
+    p.add_argument("--out", type=Path, help="with several RUN_DIRs: where repetitions.md goes (required)")
+    p.set_defaults(command="report")
+
+    p = sub.add_parser("soak", help="a long replay under a random fault every minute: nothing may hang or be "
+                                    "lost; memory of every process over time")
+    scenario_opts(p)
+    p.add_argument("--trace", type=Path, default=Path("traces/agentic-quick.jsonl"))
+    trace_opts(p)
+    p.add_argument("--minutes", type=float, default=30.0, help="wall-clock minutes of replay (default 30)")
+    p.add_argument("--load", type=float, default=1.5, help="times the trace's own rate (default 1.5)")
+    p.add_argument("--policy", default="pdd", help="one policy, name[:key=value,...] (default pdd)")
+    p.add_argument("--fault-every", type=float, default=60.0, metavar="S",
+                   help="a fault of a random kind every S wall seconds (default 60)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--dilation", metavar="D|auto", help="default: the scenario's")
+    p.add_argument("--out", type=Path, help="results folder (default runs/soak-<timestamp>)")
+    p.set_defaults(command="soak")
+
+    p = sub.add_parser("serve", help="the emulation behind an OpenAI-compatible HTTP API on 127.0.0.1 until "
+                                     "Ctrl-C; the served requests are saved as a run")
+    scenario_opts(p)
+    p.add_argument("--policy", default="pdd", help="one policy, name[:key=value,...] (default pdd)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port on 127.0.0.1 (default 8000; 0: any free one)")
+    p.add_argument("--token-scale", type=int, default=16, metavar="N",
+                   help="each token a client sends or receives stands for N emulated tokens (default 16, as "
+                        "make run-trace)")
+    p.add_argument("--dilation", metavar="D|auto", help="real seconds per emulated second (default: the scenario's)")
+    p.add_argument("--shape-trace", type=Path, default=Path("traces/agentic-quick.jsonl"),
+                   help="--dilation auto calibrates on work shaped like this trace (default agentic-quick)")
+    p.add_argument("--dtype", choices=["float32", "float64", "bfloat16"],
+                   help="the real model's dtype (default: the scenario's; float64 as verify)")
+    p.add_argument("--served-model-name", help="the model name clients send (default: the model directory's name)")
+    p.add_argument("--allow-infidelity", action="store_true",
+                   help="exit 0 even when the fidelity verdict fails (it is still printed and saved)")
+    p.add_argument("--out", type=Path, help="results folder (default runs/serve-<timestamp>)")
+    p.set_defaults(command="serve")
+
+    bench = sub.add_parser("bench", help="benchmarks (slow; not part of make test)")
+    bsub = bench.add_subparsers(dest="bench_cmd", required=True)
+    p = bsub.add_parser("net", help="highest WAN goodput, RTT error, up/down time")
+    scenario_opts(p)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--seconds", type=float, default=5.0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(command="bench net")
+    p = bsub.add_parser("handoff", help="relay -> main decoder handoff: ship KV vs token IDs + recompute")
+    scenario_opts(p)
+    wire_opts(p)
+    p.add_argument("--reps", type=int, default=50, help="repetitions of each method (default 50)")
+    p.add_argument("--tokens", type=int, default=100, help="generated tokens handed over (default 100)")
+    p.add_argument("--prompt", type=int, default=1024, help="prompt tokens the main decoder holds (default 1024)")
+    p.add_argument("--load-streams", type=int, default=2, help="bulk TCP streams loading the WAN (default 2)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(command="bench handoff")
+    p = bsub.add_parser("client", help="aiperf replays a Mooncake trace against testbed serve; its TTFT/TPOT "
+                                       "beside the server's records (make bench-client)")
+    p.add_argument("--aiperf", type=Path, default=Path(".venv-client/bin/aiperf"), help="the aiperf executable")
+    p.add_argument("--scenario", type=Path, default=Path("topologies/two-dc.yaml"))
+    p.add_argument("--trace", type=Path, default=Path("traces/mooncake-sample.jsonl"), help="a Mooncake trace")
+    p.add_argument("--policy", default="pdd", help="the served policy (default pdd)")
+    p.add_argument("--token-scale", type=int, default=16, metavar="N", help="(default 16; must divide 512)")
+    p.add_argument("--dilation", metavar="D|auto", help="default: the scenario's")
+    p.add_argument("--limit", type=int, help="only the first N requests of the trace")
+    p.add_argument("--out", type=Path, default=Path("runs/bench-client"))
+    p.set_defaults(command="bench client")
+    return ap

@@ -1,0 +1,167 @@
+"""Command-line interface: ``testbed net|exec|clean|run|serve|sweep|calibrate|trace|verify|report|soak|bench``.
+
+Argument parsing and calls only: what a command does lives in its own module
+(``testbed.deploy.deployment`` runs policies and traces, ``testbed.load.verify`` checks tokens,
+``testbed.net.check`` measures a network, ``testbed.bench`` benchmarks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+from testbed.cli.args import build_parser, scenario_from_args
+from testbed.cli import net_commands
+from testbed.cli import replay_commands
+from testbed.cli import serve_commands
+from testbed.cli.net_commands import require_root, wire_scenario
+from testbed.errors import InputError, Terminated, TestbedError
+from testbed.policies.spec import parse_policy_list
+
+_MAIN_PID = os.getpid()
+
+
+def _raise_terminated(signum: int, _frame: object) -> None:
+    if os.getpid() != _MAIN_PID:
+        os._exit(128 + signum)  # a library's forked helper must never run our teardown
+    raise Terminated(signal.Signals(signum).name)
+
+
+def cmd_bench_net(args: argparse.Namespace) -> int:
+    from testbed.bench.net import run_bench
+
+    result = run_bench(scenario_from_args(args), args.impairment, repeats=args.repeats, seconds=args.seconds)
+    print(json.dumps(result, indent=2) if args.json else result["text"])
+    return 0
+
+
+def cmd_bench_handoff(args: argparse.Namespace) -> int:
+    from testbed.bench.handoff_cost import format_result, run_handoff_bench
+    from testbed.deploy.deployment import network_session
+
+    if args.reps < 1 or args.tokens < 1 or args.prompt < 1 or args.load_streams < 0:
+        raise InputError("bench handoff: --reps, --tokens and --prompt must be >= 1, --load-streams >= 0")
+    sc = wire_scenario(args)
+    with network_session(sc, args.impairment) as net:
+        result = run_handoff_bench(net, args.reps, args.tokens, args.prompt, args.load_streams)
+    print(json.dumps(result, indent=2) if args.json else format_result(result))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from testbed.cli.replay_commands import replay_inputs
+    from testbed.deploy.deployment import run_trace
+    from testbed.faults.timeline import parse_faults
+
+    if args.speed <= 0:
+        raise InputError(f"--speed: must be positive, got {args.speed}")
+    sc, policies, wl, opts = replay_inputs(args)
+    faults = parse_faults(args.fault, sc.check_fault)
+    opts = dataclasses.replace(opts, allow_infidelity=args.allow_infidelity, speed=args.speed,
+                               out=Path(args.out) if args.out else None, faults=faults)
+    return run_trace(sc, wl, policies, opts)
+
+
+def cmd_trace_stats(args: argparse.Namespace) -> int:
+    from testbed.traces import load_trace
+    from testbed.traces.stats import format_stats, trace_stats
+
+    st = trace_stats(load_trace(args.file, args.format, args.token_scale), args.block)
+    print(st.model_dump_json(indent=2) if args.json else format_stats(st))
+    return 0
+
+
+def cmd_trace_gen(args: argparse.Namespace) -> int:
+    from testbed.traces.generate import GenConfig, generate_file
+
+    if min(args.first_output_median, args.output_median) < 1:
+        raise InputError("--first-output-median and --output-median must be at least 1 token")
+    cfg = GenConfig(sessions=args.sessions, seed=args.seed, duration_s=args.duration, above_95=args.above_95,
+                    anomalous_share=args.anomalous, context_max=args.context_max,
+                    think_mean_s=args.think, calibrate_scale=args.calibrate_scale, turns_max=args.turns_max,
+                    first_output_median=args.first_output_median, output_median=args.output_median)
+    print(generate_file(cfg, args.output, args.as_format))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from testbed.load.verify import run_verify
+
+    sc = scenario_from_args(args)
+    policies = parse_policy_list(args.policies)
+    return run_verify(sc, args.impairment, policies, args.prompts, args.seed, args.dtype, args.json, args.dilation)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from testbed.analysis.report import rebuild, write_repetitions
+
+    if len(args.run_dirs) > 1:
+        if args.out is None:
+            raise InputError("--out: needed with several RUN_DIRs (where repetitions.md goes)")
+        path = write_repetitions(args.run_dirs, args.out)
+        print(path.read_text())
+        print(f"written: {path}")
+        return 0
+    if args.out is not None:
+        raise InputError("--out: only with several RUN_DIRs (one run's report is rebuilt in place)")
+    run_dir = args.run_dirs[0]
+    if not (run_dir / "summary.json").exists():
+        from testbed.experiments.sweep_report import rebuild_folder
+
+        rebuilt = rebuild_folder(run_dir)  # a sweep, bathtub or calibration folder
+        if rebuilt is not None:
+            print(f"written: {', '.join(str(p) for p in rebuilt)}")
+            return 0
+    paths = rebuild(run_dir)
+    print((run_dir / "report.md").read_text())
+    print(f"written: {', '.join(str(p) for p in paths)}")
+    return 0
+
+
+def cmd_soak(args: argparse.Namespace) -> int:
+    from testbed.load.soak import SoakOptions, run_soak
+    from testbed.traces import load_trace
+
+    opts = SoakOptions(args.minutes, args.load, args.policy, args.fault_every, args.seed, args.dilation, args.out)
+    return run_soak(scenario_from_args(args), load_trace(args.trace, args.format, args.token_scale), opts)
+
+
+COMMANDS = {
+    "net up": net_commands.cmd_net_up, "net down": net_commands.cmd_net_down, "net check": net_commands.cmd_net_check,
+    "clean": net_commands.cmd_clean, "exec": net_commands.cmd_exec,
+    "run": cmd_run, "trace stats": cmd_trace_stats, "trace gen": cmd_trace_gen, "verify": cmd_verify,
+    "report": cmd_report, "soak": cmd_soak, "sweep": replay_commands.cmd_sweep, "calibrate": replay_commands.cmd_calibrate,
+    "bench net": cmd_bench_net, "bench handoff": cmd_bench_handoff,
+    "serve": serve_commands.cmd_serve, "bench client": serve_commands.cmd_bench_client,
+}  # fmt: skip
+# Commands that build namespaces need root (``clean`` decides for itself: nothing to clean needs none).
+NEEDS_ROOT = {"exec", "net up", "net down", "net check", "run", "verify", "bench net", "bench handoff", "soak", "sweep",
+              "calibrate", "serve", "bench client"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser(__doc__ or "").parse_args(argv)
+    if getattr(args, "samples", 20) < 20:
+        print("error: --samples must be at least 20", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    signal.signal(signal.SIGHUP, _raise_terminated)
+    # Python leaves SIGINT ignored when it started ignored (a background job of a
+    # non-interactive shell, some CI runners); Ctrl-C or `kill -INT` must still tear down.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        if args.command in NEEDS_ROOT:
+            require_root()
+        return int(COMMANDS[args.command](args))
+    except TestbedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except (KeyboardInterrupt, Terminated):
+        print("interrupted; torn down", file=sys.stderr)
+        return 130

@@ -1,0 +1,146 @@
+"""The replaying commands' arguments turned into validated inputs, and the commands that
+replay a trace many times (``testbed sweep``, ``testbed calibrate``).
+
+Everything the user gave is validated before anything is built or started: the scenario,
+the policies, the trace (file:line: field on error), ``--limit``/``--window`` and the SLO.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from testbed.cli.args import scenario_from_args
+from testbed.errors import InputError
+from testbed.policies.spec import PolicySpec, parse_policy_list
+from testbed.scenario import Scenario
+
+if TYPE_CHECKING:  # the replaying modules (pandas, torch) load only for a command that replays
+    from testbed.deploy.deployment import RunOptions
+    from testbed.experiments.repetitions import Draw
+    from testbed.traces.workload import Workload
+
+
+def _window(text: str | None) -> tuple[float, float] | None:
+    if text is None:
+        return None
+    lo, sep, hi = text.partition(":")
+    try:
+        w = (float(lo or 0), float(hi) if hi else float("inf"))
+    except ValueError as e:
+        raise InputError(f"--window: expected START:END in seconds, got {text!r}") from e
+    if not sep or w[0] < 0 or w[1] <= w[0]:
+        raise InputError(f"--window: expected START:END in seconds with 0 <= START < END, got {text!r}")
+    return w
+
+
+def replay_inputs(args: argparse.Namespace) -> tuple[Scenario, list[PolicySpec], Workload, RunOptions]:
+    """Scenario, policies, workload and the options shared by run, sweep and calibrate."""
+    from testbed.analysis.metrics import Slo
+    from testbed.deploy.deployment import RunOptions
+    from testbed.traces import load_trace
+
+    sc = scenario_from_args(args)
+    policies = parse_policy_list(args.policies)
+    if args.limit is not None and args.limit < 1:
+        raise InputError(f"--limit: must be at least 1, got {args.limit}")
+    if min(args.slo_ttft, args.slo_tpot) <= 0:
+        raise InputError("--slo-ttft and --slo-tpot must be positive")
+    wl = load_trace(args.trace, args.format, args.token_scale).select(args.limit, _window(args.window))
+    if not wl.requests:
+        raise InputError(f"{args.trace}: --window/--limit leave no request")
+    opts = RunOptions(args.impairment, args.dilation, False, 1.0, args.limit, args.window,
+                      Slo(args.slo_ttft, args.slo_tpot), args.timeout)
+    return sc, policies, wl, opts
+
+
+def _out(args: argparse.Namespace, kind: str) -> Path:
+    return args.out or Path("runs") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _draws(args: argparse.Namespace, wl: Workload, out: Path) -> list[Draw]:
+    from testbed.experiments.repetitions import draws
+
+    ds = draws(wl, args.seeds, out, args.limit, _window(args.window))
+    if len(ds) > 1:
+        print(f"{len(ds)} draws of {args.trace}'s recipe: seeds {', '.join(str(d.seed) for d in ds)} "
+              f"(written to {out}/traces/)", flush=True)
+    return ds
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from testbed.experiments.load_sweep import SweepOptions, fixed_dilation, load_sweep, parse_range
+    from testbed.experiments.repetitions import write_seeded_bathtub, write_seeded_sweep
+
+    hit_rates = parse_range(args.hit_rate, "--hit-rate") if args.hit_rate else None
+    if hit_rates and hit_rates[-1] > 1:
+        raise InputError(f"--hit-rate: rates are fractions in [0, 1], got {args.hit_rate!r}")
+    if hit_rates:
+        try:
+            loads = [float(args.load)]
+        except ValueError as e:
+            raise InputError(f"--load: with --hit-rate one load, got {args.load!r}") from e
+    else:
+        loads = parse_range(args.load, "--load")
+    if loads[0] <= 0:
+        raise InputError(f"--load: loads must be positive, got {args.load!r}")
+    if not 0 < args.share <= 1:
+        raise InputError(f"--share: expected a fraction in (0, 1], got {args.share}")
+    sc, policies, wl, opts = replay_inputs(args)
+    out = _out(args, "bathtub" if hit_rates else "sweep")
+    ds = _draws(args, wl, out)
+    # One dilation for every point of every draw, so all of them compare.
+    opts = dataclasses.replace(opts, dilation=fixed_dilation(sc, ds[0].workload, opts).dilation)
+    one = len(ds) == 1
+
+    def sub(tag: str) -> SweepOptions:
+        return SweepOptions(opts, out if one else out / tag, args.share)
+
+    if hit_rates:
+        from testbed.experiments.hit_rate_sweep import compared, hit_sweep
+
+        curves = [(d.seed, hit_sweep(sc, d.workload, policies, hit_rates, loads[0], sub(d.tag))[1]) for d in ds]
+        if not one:
+            write_seeded_bathtub(curves, out, *compared([p.label for p in policies]))
+        print("\n" + (out / "bathtub.md").read_text())
+        where = f"{out}/hit-*/" if one else f"{out}/seed-*/hit-*/"
+        print(f"saved: {out}/bathtub.csv, bathtub.md, bathtub.png; each rate's run in {where}")
+        return 0
+    results = [(d.seed, load_sweep(sc, d.workload, policies, loads, sub(d.tag))) for d in ds]
+    if not one:
+        write_seeded_sweep(results, out)
+    print("\n" + (out / "sweep.md").read_text())
+    where = f"{out}/load-*/" if one else f"{out}/seed-*/load-*/"
+    print(f"saved: {out}/sweep.md, sweep.png, {'sweep.json, sweep.csv' if one else 'sweep_seeds.csv'}; "
+          f"each load's run in {where}")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from testbed.experiments.load_sweep import SweepOptions, calibrate
+    from testbed.experiments.sweep_report import Calibration, save_calibration
+
+    lo, sep, hi = args.range.partition(":")
+    try:
+        lo_f, hi_f = float(lo), float(hi)
+    except ValueError as e:
+        raise InputError(f"--range: expected LOW:HIGH, got {args.range!r}") from e
+    if not sep or not 0 < lo_f < hi_f:
+        raise InputError(f"--range: expected 0 < LOW < HIGH, got {args.range!r}")
+    if args.tolerance <= 0 or args.steps < 2:
+        raise InputError("--tolerance must be positive and --steps at least 2")
+    sc, policies, wl, opts = replay_inputs(args)
+    out = _out(args, "calibrate")
+    ds = _draws(args, wl, out)
+    b, gaps, finals = calibrate(sc, ds, policies, lo_f, hi_f, args.tolerance, args.steps, SweepOptions(opts, out))
+    cal = Calibration(range=args.range, tolerance_s=args.tolerance, seeds=[d.seed for d in ds], steps=b.steps,
+                      gaps={f"{load:g}": g for load, g in gaps.items()}, load=b.load, gap_s=b.value,
+                      reached=b.reached, finals=[str(f) for f in finals])
+    save_calibration(cal, out)
+    print("\n" + (out / "calibration.md").read_text())
+    print(f"saved: {out}/calibration.md, calibration.json; the bisection's runs in {out}/bisection/")
+    return 0 if b.reached else 1

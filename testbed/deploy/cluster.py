@@ -1,0 +1,204 @@
+"""Start the inference side on a built network: broker, workers, router; run a client.
+
+``Cluster`` turns the scenario's hosts into processes: mosquitto and the router on the
+``router`` host, a prefill worker on each ``prefill`` host, a decode worker on each
+``decode`` and each ``relay-decode`` host (the same worker; a relay's part in PDD is set
+per request by the router). Every process is started inside its namespace and recorded in the run, so
+teardown (and ``testbed clean`` after a crash) ends them by PID.
+"""
+
+from __future__ import annotations
+
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from protocol.messages import Topics
+from protocol.router_config import PolicyContext, PolicyReport, RequestRecord, RouterConfig, WorkerEndpoint
+from protocol.worker_config import BrokerInfo, Scales, WorkerConfig, WorkerFaults, WorkerRole, WorkerStats
+from testbed.deploy.broker import BrokerAccess, launch_broker, start_broker
+from testbed.deploy.emulation import EmulationPlan
+from testbed.errors import InputError
+from testbed.load.replay_client import ClientRecord, replay_in_namespace
+from testbed.net.build import Network
+from testbed.policies.spec import PolicySpec
+from testbed.scenario import Role, Scenario
+from testbed.traces.workload import RequestSpec
+from workers.model import kv_bytes_per_token
+
+KV_PORT = 7070
+WORKER_ROLES: dict[Role, WorkerRole] = {Role.PREFILL: "prefill", Role.DECODE: "decode",
+                                        Role.RELAY_DECODE: "relay-decode"}
+
+
+def worker_roles(sc: Scenario) -> dict[str, str]:
+    """Host name -> worker role of every host that runs a worker."""
+    return {host: WORKER_ROLES[spec.role] for dc in sc.datacenters.values() for host, spec in dc.hosts.items()
+            if spec.role in WORKER_ROLES}
+
+
+def worker_configs(sc: Scenario, net: Network, broker: BrokerInfo | dict[str, BrokerInfo], model: str,
+                   dtype: str | None = None, faults: dict[str, WorkerFaults] | None = None,
+                   emulation: EmulationPlan | None = None, kv_token: str = "") -> dict[str, WorkerConfig]:
+    """Every worker's configuration, from the scenario: the one place a WorkerConfig is built.
+    ``broker``: each worker's own credential (by name), or one for all."""
+    ws = sc.workers
+    d = emulation.dilation if emulation else 1.0
+    out = {}
+    for dc in sc.datacenters.values():
+        for host, spec in dc.hosts.items():
+            role = WORKER_ROLES.get(spec.role)
+            if role is None:
+                continue
+            device = sc.device_spec(host)
+            out[host] = WorkerConfig(
+                name=host, role=role, run_id=net.run.run_id, host_ip=net.ip_of(host), kv_port=KV_PORT,
+                broker=broker if isinstance(broker, BrokerInfo) else broker[host], kv_token=kv_token,
+                model_path=model, compute=spec.compute, dtype=dtype or ws.dtype, threads=ws.threads,
+                block_size=ws.block_size, prefill_chunk=ws.prefill_chunk,
+                cache_tokens=ws.prefill_cache_tokens if role == "prefill" else ws.decode_cache_tokens,
+                max_batch=ws.max_batch, kv_timeout_s=ws.kv_timeout_s * d, kv_streams_per_peer=ws.kv_streams_per_peer,
+                kv_capacity_tokens=(None if role == "prefill" or ws.decode_kv_tokens is None
+                                    else -(-ws.decode_kv_tokens // (emulation.scales.s_in if emulation else 1))),
+                device=device,
+                cost=emulation.cost() if emulation else None,
+                scales=emulation.scales if emulation else Scales(),
+                stats_path=str(net.run.dir / f"worker-{host}.json"),
+                faults=(faults or {}).get(host, WorkerFaults()),
+            )  # fmt: skip
+    return out
+
+
+@dataclass
+class Cluster:
+    net: Network
+    policy: PolicySpec
+    access: BrokerAccess  # every component's broker credential; ``admin`` for the orchestrator
+    broker: subprocess.Popen[bytes]
+    broker_host: str
+    workers: dict[str, WorkerConfig] = field(default_factory=dict)
+    router: subprocess.Popen[bytes] = field(init=False)
+
+    @property
+    def topics(self) -> Topics:
+        return Topics(self.net.run.run_id)
+
+    @property
+    def records_path(self) -> Path:
+        return self.net.run.dir / "router-records.jsonl"
+
+    @classmethod
+    def start(cls, net: Network, policy: PolicySpec, faults: dict[str, WorkerFaults] | None = None,
+              dtype: str | None = None, emulation: EmulationPlan | None = None) -> Cluster:
+        """Broker, workers and router on ``net`` (built from the wire scenario). ``emulation``
+        gives the workers their pacing and stretches every timeout by its dilation."""
+        sc = net.scenario
+        routers = sc.hosts_with_role(Role.ROUTER)
+        if not routers:
+            raise InputError(f"{sc.source}: scenario has no host with role router")
+        broker, access = start_broker(net, routers[0], worker_roles(sc))
+        cl = cls(net, policy, access, broker, routers[0])
+        ws = sc.workers
+        model = sc.model_dir()
+        # Only the run's workers may hand a KV receiver a transfer: a per-run token in HELLO.
+        cl.workers = worker_configs(sc, net, access.workers, model, dtype, faults, emulation,
+                                    kv_token=secrets.token_urlsafe(16))
+        d = emulation.dilation if emulation else 1.0
+        for host, cfg in cl.workers.items():
+            path = net.run.dir / f"worker-{host}.cfg.json"
+            path.write_text(cfg.model_dump_json())
+            path.chmod(0o600)  # holds the broker credential
+            net.spawn(host, [sys.executable, "-m", "workers", str(path)], name=f"worker-{host}",
+                      log=net.run.dir / f"worker-{host}.log")
+        fwd = sc.wan.forward
+        context = PolicyContext(
+            wan_rate_bps=fwd.rate_mbit * 1e6 if fwd.rate_mbit else None, wan_rtt_s=2 * fwd.delay_ms / 1000, dilation=d,
+            kv_bytes_per_token=kv_bytes_per_token(model, dtype or ws.dtype), block_size=ws.block_size,
+            decode_cache_tokens=ws.decode_cache_tokens,
+        )  # fmt: skip
+        endpoints = {h: WorkerEndpoint(role=c.role, dc=sc.datacenter_of(h), host=c.host_ip, kv_port=c.kv_port)
+                     for h, c in cl.workers.items()}
+        rcfg = RouterConfig(run_id=net.run.run_id, broker=access.router, policy=policy, workers=endpoints,
+                            request_timeout_s=ws.request_timeout_s * d, records_path=str(cl.records_path),
+                            context=context)
+        rpath = net.run.dir / "router.cfg.json"
+        rpath.write_text(rcfg.model_dump_json())
+        rpath.chmod(0o600)
+        cl.router = net.spawn(routers[0], [sys.executable, "-m", "testbed.deploy.router", str(rpath)], name="router",
+                              log=net.run.dir / "router.log")
+        return cl
+
+    def replay(self, specs: list[RequestSpec], timeout_s: float = 900.0,
+               progress: Callable[[int, int, int], None] | None = None,
+               on_start: Callable[[float], None] | None = None) -> dict[str, ClientRecord]:
+        """Replay ``specs`` from the client host; ``on_start(t0)`` (time.monotonic) when the
+        first request is due (a fault timeline starts there)."""
+        clients = self.net.scenario.hosts_with_role(Role.CLIENT)
+        if not clients:
+            raise InputError(f"{self.net.scenario.source}: scenario has no host with role client")
+        return replay_in_namespace(self.net.ns_of(clients[0]), self.access.client, self.topics, specs, timeout_s,
+                                   progress, on_start)
+
+    def restart_worker(self, host: str) -> str:
+        """Start a killed worker again from its configuration (empty caches); it announces
+        itself "up" and the router routes to it again."""
+        if host not in self.workers:
+            raise LookupError(f"no worker on {host}")
+        path = self.net.run.dir / f"worker-{host}.cfg.json"
+        proc = self.net.spawn(host, [sys.executable, "-m", "workers", str(path)], name=f"worker-{host}",
+                              log=self.net.run.dir / f"worker-{host}.log")
+        return f"worker-{host} started again (pid {proc.pid})"
+
+    def restart_broker(self, downtime_s: float) -> str:
+        """Stop mosquitto (it saves its sessions), wait ``downtime_s``, start it again; every
+        component reconnects on its own (``protocol.mqtt_session``)."""
+        old = self.broker
+        old.send_signal(signal.SIGTERM)
+        try:
+            old.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            old.kill()
+            old.wait()
+        time.sleep(downtime_s)
+        t0 = time.monotonic()
+        self.broker = launch_broker(self.net, self.broker_host)
+        took = time.monotonic() - t0
+        return f"mosquitto pid {old.pid} stopped; pid {self.broker.pid} listening {took:.2f} s after its start"
+
+    def router_records(self) -> dict[str, RequestRecord]:
+        """Stop the router (it writes its records on exit) and read them."""
+        if self.router.poll() is None:
+            time.sleep(0.3)  # let the last events (e.g. kv_sent after done) reach it
+            self.router.send_signal(signal.SIGTERM)
+            try:
+                self.router.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.router.kill()
+        out: dict[str, RequestRecord] = {}
+        if self.records_path.exists():
+            for line in self.records_path.read_text().splitlines():
+                rec = RequestRecord.model_validate_json(line)
+                out[rec.rid] = rec
+        return out
+
+    def policy_stats(self) -> PolicyReport:
+        """The policy's own counters (written by the router on exit)."""
+        p = Path(str(self.records_path) + ".policy.json")
+        return PolicyReport.model_validate_json(p.read_text()) if p.exists() else PolicyReport()
+
+    def worker_stats(self) -> dict[str, WorkerStats]:
+        out = {}
+        for host in self.workers:
+            p = self.net.run.dir / f"worker-{host}.json"
+            if p.exists():
+                out[host] = WorkerStats.model_validate_json(p.read_text())
+        return out
+
+    def log_tail(self, name: str, n: int = 3000) -> str:
+        p = self.net.run.dir / f"{name}.log"
+        return p.read_text()[-n:] if p.exists() else ""

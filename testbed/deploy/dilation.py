@@ -1,0 +1,190 @@
+"""``--dilation auto``: the smallest time dilation at which this host keeps up.
+
+A short calibration runs the real small model, in this process, on work shaped like the
+replayed trace: prefills of the trace's 1st, 10th, 50th and 90th-percentile missed tokens on
+top of its median context (small prefills are where fixed costs dominate); decode steps
+at batch 1, 8 and 24 over the median context; extends of 1 and 64 tokens on a main decoder
+(a decoder outside the prefill's datacenter: the only one that extends; one token is a
+catch-up handoff's usual last batch, where fixed costs dominate as in small prefills). Each real time is
+compared with the modeled time of the same emulated work on the device of that role that
+leaves the least room (``D`` = 1). The worst ratio, times the CPU contention of the
+workers that compute at once and the delay line ((workers + 0.5) / cores, at least 1) and a
+safety margin, is the
+dilation: every paced step then has room to finish inside ``D`` x its modeled time. The
+reason is printed and saved with the run.
+
+A modeled worker (``compute: modeled``) does no forward pass; its steps are probed at the
+same shapes with a fixed real cost, ``MODELED_STEP_S``, measured under load (so without the
+contention factor): what the smallest modeled step must leave room for.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from protocol.worker_config import Scales
+from testbed.deploy.emulation import EmulationPlan, round_up
+from testbed.scenario import Role, Scenario
+from testbed.traces.workload import RequestSpec, synth_tokens
+from workers.device import Pacer, make_pacer
+
+if TYPE_CHECKING:
+    from workers.model import ModelRunner
+
+# Taking the fastest probe leaves the margin to cover what a step meets under load. Most
+# overruns were not compute at all: decode batches rebuilt whenever a member joined or left
+# (~60 ms alone, 0.7-0.95 s under load), a busy event loop holding the GIL against the
+# compute thread, and stats files renamed on a disk filesystem (0.2-0.6 s journal waits).
+# With those gone, at 1.35 (D 2.4) same-dc and cross-dc ran without a single overrun and
+# PDD's prefill still overran 4 of 117 steps (3-31 ms: its sends to two decoders beside it).
+MARGIN = 1.5
+DECODE_BATCHES = (1, 8, 24)
+EXTEND_TOKENS = (1, 64)  # a catch-up handoff's last batch is often one token: fixed costs dominate
+
+
+@dataclass(frozen=True)
+class Probe:
+    what: str
+    real_s: float
+    modeled_s: float  # emulated seconds (D = 1) on the device that leaves the least room
+    contended: bool = True  # real_s was measured alone: the contention factor applies
+
+    @property
+    def ratio(self) -> float:
+        return self.real_s / self.modeled_s if self.modeled_s > 0 else 0.0
+
+
+def _timed(fn: Callable[[], object], reps: int = 5) -> float:
+    """Fastest real seconds of ``fn`` over ``reps`` calls, after one untimed warm-up call (a
+    first call pays one-time costs a worker pays once per process, not per step). The
+    fastest, not the median: interference only adds time, and how much the workers will
+    get is what the contention factor and the margin stand for; a median moved the chosen
+    dilation between 2.3 and 3.0 from one run to the next on this host."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _main_decoders(sc: Scenario) -> list[str]:
+    """Decoders outside every prefill's datacenter: the ones that extend (PDD's MD)."""
+    prefill_dcs = {sc.datacenter_of(h) for h in sc.hosts_with_role(Role.PREFILL)}
+    decoders = sc.hosts_with_role(Role.DECODE)
+    return [h for h in decoders if sc.datacenter_of(h) not in prefill_dcs] or decoders
+
+
+def _pacers(sc: Scenario, plan: EmulationPlan, roles: tuple[Role, ...], hosts: list[str] | None = None,
+            compute: str = "real") -> list[Pacer]:
+    hosts = hosts if hosts is not None else [h for r in roles for h in sc.hosts_with_role(r)]
+    specs = {sc.device_spec(h) for h in hosts if sc.host(h).compute == compute}
+    out = []
+    for spec in sorted(specs, key=lambda d: d.name):
+        p = make_pacer(spec, plan.cost(), Scales(s_in=plan.scales.s_in, s_out=plan.scales.s_out, dilation=1.0))
+        if not p.native:
+            out.append(p)
+    return out
+
+
+def probes(sc: Scenario, plan: EmulationPlan, specs: list[RequestSpec], new_tokens: list[int],
+           model_path: str, dtype: str) -> list[Probe]:
+    """Real vs modeled time of trace-shaped work (see the module docstring). For modeled
+    workers the real time of every step is ``MODELED_STEP_S``."""
+    from workers.model import ModelRunner
+
+    ctx = int(np.median([len(s.prompt) for s in specs]))
+    out = _probe_set(sc, plan, ctx, new_tokens, "modeled", None)
+    if any(sc.host(h).compute == "real" and sc.host(h).device in sc.devices
+           for r in (Role.PREFILL, Role.DECODE, Role.RELAY_DECODE) for h in sc.hosts_with_role(r)):
+        runner = ModelRunner(model_path, dtype, sc.workers.threads)
+        out = _probe_set(sc, plan, ctx, new_tokens, "real", runner) + out
+    return out
+
+
+def _probe_set(sc: Scenario, plan: EmulationPlan, ctx: int, new_tokens: list[int], compute: str,
+               runner: ModelRunner | None) -> list[Probe]:
+    """The probes of the hosts with this kind of compute; real ones run on ``runner``."""
+    from workers.model import DecodeBatch
+
+    prefill_pacers = _pacers(sc, plan, (Role.PREFILL,), compute=compute)
+    decode_pacers = _pacers(sc, plan, (Role.DECODE, Role.RELAY_DECODE), compute=compute)
+    extend_pacers = _pacers(sc, plan, (), _main_decoders(sc), compute=compute)
+    if runner is not None:
+        prompt = synth_tokens("calibrate", ctx)
+        base_kv, _ = runner.prefill(prompt, None, sc.workers.prefill_chunk)
+
+    def cost(fn: Callable[[], object]) -> float:
+        return _timed(fn) if runner is not None else MODELED_STEP_S
+
+    tag = "" if compute == "real" else "modeled "
+    out: list[Probe] = []
+    for q in (1, 10, 50, 90) if prefill_pacers else ():
+        new = max(1, min(ctx, int(np.percentile(new_tokens, q))))
+        cached = ctx - new
+        real = cost(lambda c=cached: runner.prefill(  # type: ignore[union-attr]
+            prompt, base_kv[:, :, :, :c] if c else None, sc.workers.prefill_chunk))
+        modeled = min(p.prefill_time(new, cached) for p in prefill_pacers)
+        out.append(Probe(f"{tag}prefill of {new} tokens after {cached}", real, modeled, runner is not None))
+    for b in DECODE_BATCHES if decode_pacers else ():
+        real = cost(lambda b=b: DecodeBatch(runner, [base_kv] * b, headroom=8).step([5] * b))  # type: ignore[arg-type]
+        modeled = min(p.decode_time([ctx] * b) for p in decode_pacers)
+        out.append(Probe(f"{tag}decode step at batch {b}, context {ctx}", real, modeled, runner is not None))
+    for k in EXTEND_TOKENS if extend_pacers else ():
+        real = cost(lambda k=k: runner.extend(base_kv, [5] * k))  # type: ignore[union-attr]
+        modeled = min(p.extend_time(ctx, k) for p in extend_pacers)
+        out.append(Probe(f"{tag}extend of {k} tokens, context {ctx}", real, modeled, runner is not None))
+    return out
+
+
+DELAYLINE_CPUS = 0.5  # the userspace delay line under dense WAN traffic: measured 25-30 % of a core
+# What a modeled step may take the host in real time: no forward pass, but the thread
+# handoff, the event loop's wakeups and a KV allocation, among many processes. Measured with
+# 9 worker processes on 2 cores: 3 ms modeled steps took 4-18 ms (one overran at D = 5, none
+# at D = 10). Already under load, so not multiplied by the contention factor.
+MODELED_STEP_S = 0.015
+
+
+def concurrent_workers(sc: Scenario) -> int:
+    """Worker processes that step at once under one policy: every prefill and relay host and
+    the decoders of one datacenter (a policy decodes in one datacenter at a time). Modeled
+    workers count too: they compete for the cores' wakeups if not for compute."""
+    per_dc: dict[str, int] = {}
+    for h in sc.hosts_with_role(Role.DECODE):
+        per_dc[sc.datacenter_of(h)] = per_dc.get(sc.datacenter_of(h), 0) + 1
+    return (len(sc.hosts_with_role(Role.PREFILL)) + len(sc.hosts_with_role(Role.RELAY_DECODE))
+            + max(per_dc.values(), default=0))
+
+
+def choose_dilation(found: list[Probe], workers: int, cpus: int) -> tuple[float, str]:
+    """The dilation for these probes and that much contention, and why."""
+    if not found:
+        return 1.0, "auto: no worker on a paced device, nothing to dilate"
+    contention = max(1.0, (workers + DELAYLINE_CPUS) / max(1, cpus))
+
+    def need(p: Probe) -> float:
+        return p.ratio * (contention if p.contended else 1.0) * MARGIN
+
+    worst = max(found, key=need)
+    d = round_up(max(1.0, need(worst)))
+    if worst.contended:
+        why = (f"auto: {worst.what} takes {1000 * worst.real_s:.0f} ms here vs {1000 * worst.modeled_s:.0f} ms "
+               f"emulated ({worst.ratio:.2f}x) x {contention:.2f} contention ({workers} computing workers and "
+               f"the delay line on {cpus} cores) x {MARGIN} margin")
+    else:
+        why = (f"auto: a {worst.what} may take {1000 * worst.real_s:.0f} ms here (measured under load) vs "
+               f"{1000 * worst.modeled_s:.0f} ms emulated ({worst.ratio:.2f}x) x {MARGIN} margin")
+    return d, why
+
+
+def calibrate_dilation(sc: Scenario, plan: EmulationPlan, specs: list[RequestSpec], new_tokens: list[int],
+                       model_path: str, dtype: str) -> tuple[float, str]:
+    found = probes(sc, plan, specs, new_tokens, model_path, dtype)
+    return choose_dilation(found, concurrent_workers(sc), os.cpu_count() or 1)

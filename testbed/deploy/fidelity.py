@@ -1,0 +1,128 @@
+"""The fidelity verdict of a run: did the host keep up with what it emulated?
+
+Per worker: paced steps, the fraction that overran their modeled time and by how much in
+all; per WAN direction: delay-line frames, drops by cause and lateness percentiles
+(measured from the kernel's receive timestamp); per process: CPU seconds and share of the
+run's wall time. A run FAILS when any worker overran more than ``MAX_OVERRUN_FRACTION``
+of its steps or a WAN direction's lateness P99 exceeds ``MAX_LATE_P99_US`` (real time):
+its latencies would then measure this host, not the emulated datacenters. A worker on the
+``native`` device is the host CPU, not an emulated device: reported, never judged.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import BaseModel, ConfigDict
+
+from protocol.worker_config import WorkerStats, WorstOverrun
+from testbed.net.delayline_contract import DelayLineReport
+
+MAX_OVERRUN_FRACTION = 0.01
+MAX_LATE_P99_US = 1000.0
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a live process (None if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class WorkerFidelity(_Record):
+    """One worker's pacing: how many steps overran their modeled time, by kind, and the worst."""
+
+    device: str
+    native: bool
+    compute: str
+    steps: int
+    overruns: int
+    overrun_fraction: float
+    overrun_s: float
+    by_kind: dict[str, tuple[int, int]] = {}  # kind -> (steps, overruns)
+    worst: list[WorstOverrun] = []
+
+
+class LinkFidelity(_Record):
+    """One WAN direction of the delay line: frames, drops by cause, lateness (microseconds)."""
+
+    frames_out: int
+    drop_loss: int
+    drop_queue_full: int
+    drop_overflow: int
+    drop_error: int
+    late_p50_us: float
+    late_p99_us: float
+    late_max_us: float
+
+
+class CpuShare(_Record):
+    cpu_s: float
+    share: float  # of the run's wall time
+
+
+class Verdict(_Record):
+    """Saved with every policy's summary; ``format_verdict`` prints it the same from a live run
+    or a saved one."""
+
+    passed: bool = True
+    reasons: list[str] = []
+    workers: dict[str, WorkerFidelity] = {}
+    links: dict[str, LinkFidelity] = {}
+    cpu: dict[str, CpuShare] = {}
+
+
+def judge(workers: dict[str, WorkerStats], delayline: DelayLineReport | None, cpu: dict[str, float],
+          wall_s: float) -> Verdict:
+    v = Verdict()
+    for name, st in sorted(workers.items()):
+        d = st.device
+        v.workers[name] = WorkerFidelity(
+            device=d.device, native=d.native, compute=st.compute, steps=d.steps, overruns=d.overruns,
+            overrun_fraction=d.overrun_fraction, overrun_s=d.overrun_s, by_kind=d.by_kind, worst=d.worst)
+        if not d.native and d.overrun_fraction > MAX_OVERRUN_FRACTION:
+            v.passed = False
+            kinds = ", ".join(f"{k} {o}/{n}" for k, (n, o) in d.by_kind.items() if o)
+            v.reasons.append(f"{name} overran {100 * d.overrun_fraction:.1f}% of its steps "
+                             f"({d.overruns}/{d.steps}: {kinds}; {d.overrun_s:.2f} s in all)")
+    if delayline is not None:
+        for name, d in delayline.directions.items():
+            v.links[name] = LinkFidelity(**{f: getattr(d, f) for f in LinkFidelity.model_fields})
+            if d.frames_out and d.late_p99_us > MAX_LATE_P99_US:
+                v.passed = False
+                v.reasons.append(f"delay line {name}: lateness P99 above {d.late_p99_us / 1000:g} ms "
+                                 f"(limit {MAX_LATE_P99_US / 1000:g} ms)")
+    for name, secs in sorted(cpu.items()):
+        v.cpu[name] = CpuShare(cpu_s=round(secs, 2), share=round(secs / wall_s, 3) if wall_s > 0 else 0.0)
+    return v
+
+
+def format_verdict(label: str, v: Verdict) -> str:
+    lines = [f"fidelity {label}: {'passed' if v.passed else 'FAILED'}"]
+    lines += [f"  FAILED: {r}" for r in v.reasons]
+    for name, w in v.workers.items():
+        if w.native:
+            lines.append(f"  {name:10} host CPU, not an emulated device ({w.steps} steps)")
+        else:
+            lines.append(f"  {name:10} {w.device:8} {w.compute:7} {w.steps:6} steps, overruns {w.overruns} "
+                         f"({100 * w.overrun_fraction:.2f}%), {w.overrun_s:.2f} s over")
+            for o in w.worst[:3]:
+                lines.append(f"      {o.kind} {1000 * (o.real_s - o.modeled_s):.0f} ms over "
+                             f"({1000 * o.real_s:.0f} vs {1000 * o.modeled_s:.0f} ms; {o.detail})")
+    for name, d in v.links.items():
+        drops = d.drop_loss + d.drop_queue_full + d.drop_overflow + d.drop_error
+        lines.append(f"  wan {name}: {d.frames_out} frames, {drops} dropped (loss {d.drop_loss}, "
+                     f"queue {d.drop_queue_full + d.drop_overflow}), lateness p50 <= "
+                     f"{d.late_p50_us / 1000:g} ms, p99 <= {d.late_p99_us / 1000:g} ms, "
+                     f"max {d.late_max_us / 1000:.2f} ms")
+    if v.cpu:
+        lines.append("  CPU: " + ", ".join(f"{n} {c.cpu_s:.0f} s ({100 * c.share:.0f}%)" for n, c in v.cpu.items()))
+    return "\n".join(lines)

@@ -1,0 +1,315 @@
+"""Router process (datacenter a): admits requests, asks the policy for a plan, dispatches,
+tracks every request in flight until it completes or fails with a reason.
+
+Run as ``python -m testbed.deploy.router CONFIG.json`` inside the router host's namespace. It
+learns worker liveness and load from their retained status messages (a worker that dies
+is announced by its MQTT last will) and ends every request that depended on a dead worker,
+or that exceeds the request timeout, with an explicit error to the client. A message that
+fails validation is logged and fails only the request it names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import signal
+import sys
+import time
+from pathlib import Path
+
+import aiomqtt
+from pydantic import ValidationError
+
+from protocol.messages import (
+    CancelCmd,
+    Done,
+    Event,
+    Failed,
+    HandoffCmd,
+    KvReceived,
+    KVTarget,
+    PrefillCmd,
+    Request,
+    RouterStatus,
+    Status,
+    Tokens,
+    Topics,
+    parse_event,
+    rid_of,
+    why_invalid,
+)
+from protocol.mqtt_session import Session
+from protocol.router_config import RequestRecord, RouterConfig
+from testbed.policies import ClusterView, Policy, RequestState, make_policy
+from testbed.policies.base import WorkerView
+
+WILL_SETTLE_S = 0.3  # a worker's death is acted on this long after its will (a broker restart shows first)
+RESTART_GRACE_S = 3.0  # after the router reconnects, how long a worker has to say "up" again
+ENDED_KEPT = 4096  # finished requests whose late events (cut-off transfers, cache-only KV) still count
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.topics = Topics(cfg.run_id)
+        self.policy: Policy = make_policy(cfg.policy)
+        self.policy.bind(cfg.context)
+        self.view = ClusterView({n: WorkerView(n, w.role, w.dc, w.host, w.kv_port) for n, w in cfg.workers.items()},
+                                block_size=cfg.context.block_size,
+                                cache_tokens=cfg.context.decode_cache_tokens or 262144)
+        self.inflight: dict[str, RequestState] = {}
+        self.finished: dict[str, RequestRecord] = {}  # rid -> record (late events still land)
+        self.ended: dict[str, RequestState] = {}  # finished requests, for the policy's late events
+        self.session: Session | None = None
+        self.ready = False
+        self.pending: set[asyncio.Task[None]] = set()
+        self.last_up: dict[str, float] = {}  # worker -> time.monotonic() of its last "up" status
+        self.suspects: set[str] = set()  # workers whose "dead" status is being confirmed
+
+    async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        assert self.session is not None
+        await self.session.publish(topic, payload, retain=retain)
+
+    async def main(self) -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        b = self.cfg.broker
+        client = Session.client_for(b.host, b.port, b.username, b.password, f"{self.cfg.run_id}-router", keepalive=5)
+        self.session = Session(client, [self.topics.requests, self.topics.all_status, self.topics.events], "router")
+
+        async def on_connect(first: bool) -> None:
+            if self.ready:  # retained: a restarted broker may have lost it
+                await self._publish_state("ready")
+
+        async def on_stop() -> None:
+            for rid in list(self.inflight):
+                await self._fail(rid, "router stopped")
+            await self._publish_state("stopped")
+
+        sweeper = asyncio.create_task(self._sweep())
+        await self.session.run(self._on_message, on_connect, stop, on_stop)
+        sweeper.cancel()
+        tmp = Path(self.cfg.records_path + ".tmp")
+        tmp.write_text("".join(r.model_dump_json() + "\n" for r in self.finished.values()))
+        tmp.replace(self.cfg.records_path)
+        Path(self.cfg.records_path + ".policy.json").write_text(self.policy.stats().model_dump_json())
+
+    async def _on_message(self, msg: aiomqtt.Message) -> None:
+        topic = str(msg.topic)
+        payload = msg.payload
+        assert isinstance(payload, (bytes, bytearray))
+        try:
+            if topic == self.topics.requests:
+                await self._admit(Request.model_validate_json(payload))
+            elif topic == self.topics.events:
+                await self._on_event(parse_event(payload))
+            elif topic.endswith("/status"):
+                await self._on_status(Status.model_validate_json(payload))
+        except ValidationError as e:
+            await self._reject(topic, payload, e)
+
+    async def _publish_state(self, state: str) -> None:
+        workers = {n: x.role for n, x in self.view.workers.items()} if state == "ready" else {}
+        await self.publish(self.topics.router_status, RouterStatus(state=state, workers=workers,  # type: ignore[arg-type]
+                                                                   policy=self.policy.describe()).dump(), retain=True)
+
+    async def _reject(self, topic: str, payload: bytes | bytearray, error: ValidationError) -> None:
+        """A message failed validation: log it; fail the request it names (if any), nothing else."""
+        why = why_invalid(error)
+        rid = rid_of(payload)
+        print(f"router: rejected a message on {topic} for {rid or 'no request'}: {why}", file=sys.stderr, flush=True)
+        if rid is None:
+            return
+        reason = f"router rejected a {'request' if topic == self.topics.requests else 'message'}: {why}"
+        if rid in self.inflight:
+            await self._fail(rid, reason)
+        elif topic == self.topics.requests:  # never admitted: the client still waits for an answer
+            await self.publish(self.topics.tokens(rid), Tokens(rid=rid, start=0, tokens=[], worker="router",
+                                                               t=time.time(), done=True, error=reason).dump())
+
+    async def _on_status(self, st: Status) -> None:
+        w = self.view.workers.get(st.worker)
+        if w is None:
+            return
+        if st.state == "up":
+            w.up, w.active, w.queued = True, st.active, st.queued
+            self.last_up[st.worker] = time.monotonic()
+        elif w.up and st.worker not in self.suspects:
+            # Still routable until confirmed: a request planned onto it meanwhile fails with
+            # the others if the death is real (_on_worker_death).
+            self.suspects.add(st.worker)
+            task = asyncio.create_task(self._confirm_death(st.worker, time.monotonic()))
+            self.pending.add(task)
+            task.add_done_callback(self.pending.discard)
+        if not self.ready and all(x.up for x in self.view.workers.values()):
+            self.ready = True
+            await self._publish_state("ready")
+
+    async def _confirm_death(self, name: str, news_at: float) -> None:
+        """A "dead" status is a worker's last will, or its own word when it stops. A broker
+        that shuts down sends the will of every client, live workers included, just before
+        it drops the router too (and a restarted one hands the retained wills out again):
+        if the router's connection goes within WILL_SETTLE_S, or came back within
+        RESTART_GRACE_S, the worker has until RESTART_GRACE_S after the reconnection to
+        say "up" again. Otherwise it is gone, WILL_SETTLE_S after the news."""
+        session = self.session
+        assert session is not None
+        losses = session.losses
+        await asyncio.sleep(WILL_SETTLE_S)
+        if session.losses != losses or not session.connected.is_set() or session.since_reconnect() < RESTART_GRACE_S:
+            await session.connected.wait()
+            await asyncio.sleep(max(0.0, RESTART_GRACE_S - session.since_reconnect()))
+        self.suspects.discard(name)
+        if self.last_up.get(name, 0.0) <= news_at:  # no "up" since the news: gone
+            self.view.workers[name].up = False
+            await self._worker_died(name)
+
+    async def _worker_died(self, name: str) -> None:
+        print(f"router: worker {name} is gone", file=sys.stderr, flush=True)
+        for req in list(self.inflight.values()):
+            if req.plan and name in req.plan.workers:
+                await self._on_worker_death(req, name)
+
+    async def _on_worker_death(self, req: RequestState, dead: str) -> None:
+        """What a dead worker means for one request that named it: nothing when the request
+        no longer needs it (a prefill whose KV every decoder holds, a relay that handed over);
+        the relay finishes alone when the main decoder (or the prefill that still owed it KV)
+        is lost before the handoff; otherwise the request fails, saying which worker died."""
+        plan = req.plan
+        assert plan is not None
+        received = {e.worker for e in req.events if isinstance(e, KvReceived)}
+        relay = plan.relay
+        relay_can_finish = (relay is not None and relay != dead and self.view.workers[relay].up
+                            and not req.handed_off)
+        reason = f"worker {dead} died"
+        if dead == plan.prefill:
+            if plan.decode in received and (relay is None or relay in received):
+                return
+            if relay_can_finish and relay in received:
+                await self._relay_alone(req, reason)
+                return
+        elif dead == relay:
+            if req.handed_off:
+                return
+        elif dead == plan.decode and relay_can_finish:
+            await self._relay_alone(req, reason)
+            return
+        await self._fail(req.rid, reason)
+
+    async def _relay_alone(self, req: RequestState, reason: str) -> None:
+        """The main decoder cannot take over: the relay finishes the request alone (once),
+        and the main decoder lets go of whatever it holds for it (a decoder whose broker
+        session lapsed comes back holding it: a 30-minute soak saw it grow by gigabytes)."""
+        assert req.plan is not None and req.plan.relay is not None
+        if req.md_failed is not None:
+            return
+        req.md_failed = reason
+        await self.publish(self.topics.cmd(req.plan.relay), HandoffCmd(rid=req.rid, mode="local").dump())
+        await self.publish(self.topics.cmd(req.plan.decode), CancelCmd(rid=req.rid).dump())
+
+    async def _admit(self, r: Request) -> None:
+        req = RequestState(r.rid, r.prompt, r.max_new, time.time(), r.hints)
+        self.inflight[r.rid] = req
+        try:
+            plan = self.policy.plan(req, self.view)
+        except LookupError as e:
+            await self._fail(r.rid, f"no plan: {e}")
+            return
+        req.plan = plan
+        for w in plan.workers:
+            self.view.workers[w].assigned += 1
+            self.view.remember(w, r.prompt)
+        # Decoders first: they must know the request before its KV arrives.
+        targets = []
+        for w in filter(None, (plan.relay, plan.decode)):
+            cmd = self.policy.decode_command(req, plan, w).model_copy(update={"ignore_eos": r.ignore_eos})
+            await self.publish(self.topics.cmd(w), cmd.dump())
+            d = self.view.workers[w]
+            targets.append(KVTarget(worker=d.name, host=d.host, port=d.kv_port))
+        await self.publish(self.topics.cmd(plan.prefill), PrefillCmd(rid=r.rid, prompt=r.prompt, kv_to=targets).dump())
+
+    async def _on_event(self, ev: Event) -> None:
+        req = self.inflight.get(ev.rid)
+        if req is None:
+            if ev.rid in self.finished:  # e.g. the sender's kv_sent after the decoder's done
+                self.finished[ev.rid].events.append(ev)
+                if ev.rid in self.ended:
+                    self.policy.on_event(self.ended[ev.rid], ev)
+            return
+        req.events.append(ev)
+        self.policy.on_event(req, ev)
+        plan = req.plan
+        relay = plan.relay if plan else None
+        if isinstance(ev, Failed):
+            md_lost = (plan is not None and relay is not None and not req.handed_off
+                       and (ev.before_handoff or ev.target == plan.decode))
+            if md_lost:
+                await self._relay_alone(req, ev.reason)
+                return
+            await self._fail(ev.rid, ev.reason)
+        elif isinstance(ev, KvReceived) and plan is not None and relay and ev.worker == plan.decode:
+            await self.publish(self.topics.cmd(relay), self.policy.handoff(req, self.view).dump())
+        elif isinstance(ev, Done) and relay and ev.worker == relay:
+            if ev.handed_off:
+                req.handed_off = True  # the relay released it; the main decoder streams on
+            else:
+                # The relay finished the request before the main decoder took over. Either cut
+                # the WAN transfer off and free the main decoder's reservation, or let the KV
+                # land in the main decoder's cache only (history for the session's next turn).
+                assert plan is not None
+                if self.policy.cut_off(req):
+                    req.cut_off = True
+                    await self.publish(self.topics.cmd(plan.prefill),
+                                       CancelCmd(rid=ev.rid, target=plan.decode).dump())
+                    await self.publish(self.topics.cmd(plan.decode), CancelCmd(rid=ev.rid).dump())
+                else:
+                    await self.publish(self.topics.cmd(plan.decode), CancelCmd(rid=ev.rid, keep_kv=True).dump())
+                self._finish(req, None)
+        elif isinstance(ev, Done):
+            self._finish(req, None)
+
+    async def _fail(self, rid: str, reason: str) -> None:
+        req = self.inflight.get(rid)
+        if req is None:
+            return
+        if req.plan:
+            for w in req.plan.workers:
+                await self.publish(self.topics.cmd(w), CancelCmd(rid=rid).dump())
+        await self.publish(self.topics.tokens(rid), Tokens(rid=rid, start=0, tokens=[], worker="router",
+                                                           t=time.time(), done=True, error=reason).dump())
+        self._finish(req, reason)
+
+    def _finish(self, req: RequestState, error: str | None) -> None:
+        self.inflight.pop(req.rid, None)
+        plan = req.plan
+        if plan:
+            for w in plan.workers:
+                self.view.workers[w].assigned -= 1
+        w = self.view.workers
+        rec = RequestRecord(rid=req.rid, md_failed=req.md_failed, cut_off=req.cut_off, error=error,
+                            events=list(req.events))
+        if plan:
+            rec = rec.model_copy(update={
+                "pipeline": plan.pipeline, "prefill": plan.prefill, "decode": plan.decode, "relay": plan.relay,
+                "decode_dc": w[plan.decode].dc, "prefill_dc": w[plan.prefill].dc, "plan_info": plan.info})
+        self.finished[req.rid] = rec
+        self.ended[req.rid] = req
+        while len(self.ended) > ENDED_KEPT:  # late events come within seconds; bound the memory
+            self.ended.pop(next(iter(self.ended)))
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.time()
+            for rid, req in list(self.inflight.items()):
+                if now - req.arrived > self.cfg.request_timeout_s:
+                    await self._fail(rid, f"timed out after {self.cfg.request_timeout_s} s")
+
+
+if __name__ == "__main__":
+    cfg = RouterConfig.model_validate_json(Path(sys.argv[1]).read_text())
+    gc.collect()
+    gc.freeze()  # no full collector pass over the imports at a moment routing should happen
+    asyncio.run(Router(cfg).main())

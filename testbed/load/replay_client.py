@@ -1,0 +1,246 @@
+"""The measuring client: sends requests, receives streamed tokens, timestamps each token.
+
+Transport and measurement are separate (as in vLLM's serving benchmark): this module only
+sends requests at their arrival times and records what came back and when
+(``ClientRecord``); ``testbed.analysis.metrics`` turns records into TTFT/TPOT/ITL/E2E.
+
+It runs on a thread of the orchestrator that has entered the client host's namespace, so
+its broker connection is a real connection from the client host across the emulated
+network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import gc
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import aiomqtt
+from pydantic import ValidationError
+
+from protocol.messages import Request, RouterStatus, Tokens, Topics, rid_of, why_invalid
+from protocol.mqtt_session import Session
+from protocol.worker_config import BrokerInfo
+from testbed.net import netns
+from testbed.traces.workload import RequestSpec
+
+
+@dataclass
+class ClientRecord:
+    rid: str
+    prompt_len: int
+    max_new: int
+    sent: float = 0.0
+    ended: float | None = None  # when the request finished (completed or failed), client clock
+    token_times: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    error: str | None = None
+    done: bool = False
+    workers: list[str] = field(default_factory=list)
+    by_worker: dict[str, int] = field(default_factory=dict)  # tokens streamed by each worker
+    early: dict[int, Tokens] = field(default_factory=dict)  # chunks past a gap, by start index
+    conflicts: int = 0  # chunks that disagreed with tokens already received at their indices
+
+    @property
+    def ok(self) -> bool:
+        return self.done and self.error is None
+
+    def accept(self, t: Tokens, now: float) -> int:
+        """Take one message of this request's token stream (received at ``now``); returns how
+        many tokens it appended, in order. A repeat (QoS 1 delivers at least once: after a
+        reconnection) is ignored, and of a chunk that runs past what we have only the new
+        tail is taken; a chunk past a gap is held until the gap fills (two publishers, relay
+        and main decoder, resending after a broker restart may arrive out of order; a gap
+        that never fills ends with the caller's timeout). A chunk that disagrees with tokens
+        already received is dropped and counted in ``conflicts`` (``verify`` reports it)."""
+        if self.done:
+            return 0
+        if t.error is not None:
+            self.error, self.done = t.error, True
+            return 0
+        if t.start < len(self.tokens):  # a repeat, or one that runs past what we have
+            had = self.tokens[t.start : t.start + len(t.tokens)]
+            if t.tokens[: len(had)] != had:
+                self.conflicts += 1  # two chunks disagree on an index: a bug upstream, never hidden
+                return 0
+            if len(had) == len(t.tokens):
+                return 0
+            t = t.model_copy(update={"start": len(self.tokens), "tokens": t.tokens[len(had):]})
+        if t.start > len(self.tokens):
+            self.early[t.start] = t
+            return 0
+        before = len(self.tokens)
+        nxt: Tokens | None = t
+        while nxt is not None:
+            self.tokens.extend(nxt.tokens)
+            self.token_times.extend([now] * len(nxt.tokens))
+            if nxt.worker not in self.workers:
+                self.workers.append(nxt.worker)
+            self.by_worker[nxt.worker] = self.by_worker.get(nxt.worker, 0) + len(nxt.tokens)
+            self.done = nxt.done
+            nxt = self.early.pop(len(self.tokens), None)
+        return len(self.tokens) - before
+
+
+class ProtocolError(Exception):
+    pass
+
+
+async def connect_when_ready(session: Session, on_message: Callable[[aiomqtt.Message], Awaitable[None]],
+                             ready: asyncio.Event, stop: asyncio.Event, wait_s: float = 120.0) -> asyncio.Task[None]:
+    """Run ``session`` (until ``stop``) and wait until ``on_message`` has set ``ready`` (the
+    router said its workers are up). Returns the connection's task; raises the broker's
+    error, or ``ProtocolError`` when the router is not ready within ``wait_s``."""
+
+    async def no_op(first: bool) -> None:
+        return None
+
+    connection = asyncio.create_task(session.run(on_message, no_op, stop))
+    waiting = asyncio.create_task(ready.wait())
+    await asyncio.wait({connection, waiting}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+    if not ready.is_set():
+        stop.set()
+        waiting.cancel()
+        if connection.done():
+            connection.result()  # the broker could not be reached: its error
+        connection.cancel()
+        raise ProtocolError(f"the router did not report ready within {wait_s:g} s (workers failed to start?)")
+    return connection
+
+
+async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[RequestSpec], timeout_s: float,
+                  progress: Callable[[int, int, int], None] | None,
+                  on_start: Callable[[float], None] | None = None) -> dict[str, ClientRecord]:
+    # aiomqtt connects from an executor thread: those threads must live in the namespace too.
+    asyncio.get_running_loop().set_default_executor(
+        concurrent.futures.ThreadPoolExecutor(2, initializer=netns.join, initargs=(ns,))
+    )
+    recs = {s.rid: ClientRecord(s.rid, len(s.prompt), s.max_new) for s in specs}
+    by_rid = {s.rid: s for s in specs}
+    followers: dict[str, list[RequestSpec]] = {}
+    for s in specs:
+        if s.after is not None:
+            if s.after not in by_rid:
+                raise ProtocolError(f"request {s.rid} follows unknown request {s.after}")
+            followers.setdefault(s.after, []).append(s)
+    finished = asyncio.Event()
+    n_done = 0
+    pending: set[asyncio.Task[None]] = set()
+    client = Session.client_for(broker.host, broker.port, broker.username, broker.password,
+                                f"{topics.root}-client-{secrets.token_hex(4)}", keepalive=10)
+    session = Session(client, [topics.all_tokens, topics.router_status], "client")
+    ready = asyncio.Event()
+
+    async def on_message(msg: aiomqtt.Message) -> None:
+        now = time.time()
+        payload = msg.payload if isinstance(msg.payload, (bytes, bytearray)) else b""
+        try:
+            if str(msg.topic) == topics.router_status:
+                if RouterStatus.model_validate_json(payload).state == "ready":
+                    ready.set()
+                return
+            t = Tokens.model_validate_json(payload)
+        except ValidationError as e:
+            # A malformed message ends the request it names (if it names one of ours), never
+            # the reader: the other requests go on.
+            rid = rid_of(payload)
+            print(f"client: rejected a message on {msg.topic}: {why_invalid(e)}", file=sys.stderr, flush=True)
+            bad = recs.get(rid) if rid else None
+            if bad is not None and not bad.done:
+                bad.error, bad.done = f"client rejected a token message: {why_invalid(e)}", True
+                complete(bad)
+            return
+        rec = recs.get(t.rid)
+        if rec is None or rec.done:
+            return
+        rec.accept(t, now)
+        if rec.done:
+            complete(rec)
+
+    def complete(rec: ClientRecord) -> None:
+        nonlocal n_done
+        n_done += 1
+        rec.ended = time.time()
+        if n_done == len(recs):
+            finished.set()
+        for nxt in followers.get(rec.rid, []):
+            if rec.ok:
+                task = asyncio.create_task(send(nxt, nxt.delay))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+            else:
+                # An agent cannot take its next turn without this turn's answer.
+                f = recs[nxt.rid]
+                f.error, f.done = f"not sent: previous turn {rec.rid} failed", True
+                complete(f)
+
+    async def send(spec: RequestSpec, delay: float) -> None:
+        if delay > 0:
+            await asyncio.sleep(delay)
+        recs[spec.rid].sent = time.time()
+        req = Request(rid=spec.rid, prompt=spec.prompt, max_new=spec.max_new, hints=spec.hints)
+        await session.publish(topics.requests, req.dump())
+
+    stop = asyncio.Event()
+    connection = await connect_when_ready(session, on_message, ready, stop)
+    t0 = time.time()
+    if on_start is not None:
+        on_start(time.monotonic())
+
+    async def ticker() -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            if progress:
+                failed = sum(1 for r in recs.values() if r.done and r.error)
+                progress(n_done, len(recs), failed)
+
+    tick = asyncio.create_task(ticker())
+    for spec in sorted((s for s in specs if s.after is None), key=lambda s: s.at):
+        await send(spec, t0 + spec.at - time.time())
+    try:
+        await asyncio.wait_for(finished.wait(), timeout=timeout_s)
+    except TimeoutError:
+        for r in recs.values():
+            if not r.done:
+                what = "no completion" if r.sent else "not sent (waiting for its previous turn)"
+                r.error, r.done, r.ended = f"{what} within the client timeout ({timeout_s} s)", True, time.time()
+    tick.cancel()
+    for task in list(pending):
+        task.cancel()
+    stop.set()
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(connection, 5)
+    return recs
+
+
+def replay_in_namespace(ns: str, broker: BrokerInfo, topics: Topics, specs: list[RequestSpec],
+                        timeout_s: float, progress: Callable[[int, int, int], None] | None = None,
+                        on_start: Callable[[float], None] | None = None) -> dict[str, ClientRecord]:
+    """Run the client on a thread inside namespace ``ns`` and wait for it."""
+    result: dict[str, dict[str, ClientRecord]] = {}
+    error: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            with netns.entered(ns):
+                result["r"] = asyncio.run(_replay(ns, broker, topics, specs, timeout_s, progress, on_start))
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            error.append(e)
+
+    # The client's clock is the measurement: keep the collector's full passes off everything
+    # this process built before the replay (pandas, torch, the trace).
+    gc.collect()
+    gc.freeze()
+    th = threading.Thread(target=body, name="client", daemon=True)
+    th.start()
+    th.join()
+    if error:
+        raise error[0]
+    return result["r"]

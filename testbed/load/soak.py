@@ -1,0 +1,286 @@
+"""``testbed soak``: a long replay under a random fault every minute, to find what only time
+finds: a request that never ends, one that vanishes, a process whose memory grows.
+
+The workload is the trace repeated back to back (each copy's request ids prefixed ``cK-``)
+at ``load`` times its rate, for ``minutes`` of wall-clock replay; a fault of a random kind
+(``random_faults``: every kind of ``testbed.faults.timeline``, a killed worker started again
+after a few seconds, so the cluster lives on) lands every ``fault_every_s`` wall seconds.
+Every process of the run has its resident memory sampled (``RssSampler``). The verdict:
+every request *completed* or *failed with a reason*; *hung* (no end within the client's
+bound) and *lost* (sent, yet unknown to the router and never finished) must both be 0.
+Saved: ``soak.json`` (a ``SoakReport``), ``requests.csv``, ``rss.csv`` and ``rss.png``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from testbed.errors import InputError
+from testbed.faults.timeline import AppliedFault, Fault
+from testbed.net.build import Network
+from testbed.scenario import Role, Scenario
+from testbed.traces.workload import RequestSpec, Workload
+
+FAULT_KINDS = ("wan-down", "loss", "delay", "rate", "partition", "kill", "broker-restart")
+
+
+@dataclass(frozen=True)
+class SoakOptions:
+    minutes: float = 30.0  # wall-clock minutes of replay
+    load: float = 1.5  # times the trace's own rate
+    policy: str = "pdd"
+    fault_every_s: float = 60.0  # wall seconds
+    seed: int = 1
+    dilation: float | str | None = None  # None: the scenario's
+    out: Path | None = None
+
+
+class ProcessMemory(BaseModel):
+    name: str
+    pid: int
+    samples: int
+    rss_first_mb: float  # first sample after the warm-up
+    rss_peak_mb: float
+    rss_last_mb: float
+
+    @property
+    def growth_mb(self) -> float:
+        return self.rss_last_mb - self.rss_first_mb
+
+
+class SoakReport(BaseModel):
+    minutes: float
+    load: float
+    policy: str
+    dilation: float
+    requests: int
+    completed: int
+    failed: int
+    hung: int
+    lost: int
+    failures_by_reason: dict[str, int]
+    faults: list[AppliedFault]
+    faults_by_kind: dict[str, int]  # applied without error
+    memory: list[ProcessMemory]
+    # Requests sent after the last fault had cleared, and how many of them completed: the
+    # cluster must serve again once the faults are over.
+    after_faults_sent: int = 0
+    after_faults_completed: int = 0
+
+    @property
+    def recovered(self) -> bool:
+        return self.after_faults_sent == 0 or self.after_faults_completed > 0
+
+    @property
+    def passed(self) -> bool:
+        return self.hung == 0 and self.lost == 0 and self.recovered
+
+
+def soak_specs(wl: Workload, wall_s: float, load: float, dilation: float) -> list[RequestSpec]:
+    """The trace's requests repeated back to back until ``wall_s`` of replay (times in real
+    seconds at ``load`` x the trace's rate, stretched by the dilation)."""
+    base = wl.specs(load / dilation)
+    span = max((s.at for s in base if s.after is None), default=0.0) + 1.0
+    out: list[RequestSpec] = []
+    for k in range(int(wall_s // span) + 1):
+        p = f"c{k}-"
+        out += [replace(s, rid=p + s.rid, at=s.at + k * span, after=None if s.after is None else p + s.after)
+                for s in base]
+    kept = {s.rid for s in out if s.after is None and s.at < wall_s}
+    grew = True
+    while grew:  # the later turns of every session whose first turn is in
+        new = {s.rid for s in out if s.after in kept} - kept
+        kept |= new
+        grew = bool(new)
+    return [s for s in out if s.rid in kept]
+
+
+def random_faults(sc: Scenario, wall_s: float, every_s: float, dilation: float, seed: int) -> list[Fault]:
+    """One fault of a random kind every ``every_s`` wall seconds (the first after one
+    period), lasting a few emulated seconds; times in emulated seconds."""
+    rng = random.Random(seed)
+    a, b = sc.wan.between
+    workers = sorted(h for dc in sc.datacenters.values() for h, spec in dc.hosts.items()
+                     if spec.role in (Role.PREFILL, Role.DECODE, Role.RELAY_DECODE))
+    shaped = [d for d, w in ((f"{a}->{b}", sc.wan.forward), (f"{b}->{a}", sc.wan.reverse)) if w.rate_mbit]
+    out = []
+    t = every_s
+    while t < wall_s:
+        at = round(t / dilation, 2)
+        kind = rng.choice(FAULT_KINDS)
+        if kind == "rate" and not shaped:
+            kind = "loss"
+        fields: dict[str, object] = {"kind": kind, "at_s": at, "duration_s": rng.choice([2.0, 4.0, 8.0])}
+        if kind in ("wan-down", "loss", "delay"):
+            fields["dir"] = rng.choice(["both", f"{a}->{b}", f"{b}->{a}"])
+        if kind == "loss":
+            fields["pct"] = rng.choice([1.0, 5.0, 20.0])
+        elif kind == "delay":
+            fields["ms"] = rng.choice([20.0, 100.0, 500.0])
+        elif kind == "rate":
+            fields["dir"] = rng.choice(shaped)
+            wan = sc.wan.forward if fields["dir"] == f"{a}->{b}" else sc.wan.reverse
+            fields["mbit"] = (wan.rate_mbit or 0) / rng.choice([2, 4, 10])
+        elif kind == "partition":
+            fields["dc"] = b
+        elif kind == "kill":
+            fields["host"] = rng.choice(workers)
+        elif kind == "broker-restart":
+            fields["duration_s"] = rng.choice([0.5, 1.0, 2.0])
+        out.append(Fault.model_validate(fields))
+        t += every_s
+    return out
+
+
+def _rss_mb(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+class RssSampler:
+    """Resident memory of every process of the run (and this one: the client), every
+    ``period_s``; samples before ``warmup_s`` only count towards the peak."""
+
+    def __init__(self, net: Network, period_s: float = 2.0, warmup_s: float = 60.0) -> None:
+        self.net, self.period_s, self.warmup_s = net, period_s, warmup_s
+        self.series: list[tuple[float, str, int, float]] = []  # (t, name, pid, MB)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss", daemon=True)
+        self.t0 = time.monotonic()
+
+    def start(self) -> None:
+        self.t0 = time.monotonic()
+        self._thread.start()
+
+    def stop(self) -> list[ProcessMemory]:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        by_proc: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        for t, name, pid, mb in self.series:
+            by_proc.setdefault((name, pid), []).append((t, mb))
+        out = []
+        for (name, pid), pts in sorted(by_proc.items()):
+            settled = [mb for t, mb in pts if t >= self.warmup_s] or [pts[-1][1]]
+            out.append(ProcessMemory(name=name, pid=pid, samples=len(pts), rss_first_mb=settled[0],
+                                     rss_peak_mb=max(mb for _, mb in pts), rss_last_mb=pts[-1][1]))
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            t = time.monotonic() - self.t0
+            procs = [(p.name, p.pid) for p in self.net.run.processes] + [("orchestrator", os.getpid())]
+            for name, pid in procs:
+                mb = _rss_mb(pid)
+                if mb is not None:
+                    self.series.append((t, name, pid, mb))
+
+
+def _reason_kind(why: str) -> str:
+    """A failure reason without its request-specific parts (ids, numbers, addresses)."""
+    why = re.sub(r"\(during fault [^)]*\)", "(during a fault)", why)
+    why = re.sub(r"\b[\w.-]*c\d+-[\w.:-]+", "<rid>", why)
+    return re.sub(r"\d+(\.\d+)?", "N", why)[:120]
+
+
+def run_soak(sc: Scenario, wl: Workload, opts: SoakOptions) -> int:
+    """The soak (see the module docstring). Exit code 0 when nothing hung and nothing was lost."""
+    import pandas as pd
+
+    from testbed.analysis.plots import plot_rss
+    from testbed.deploy.cluster import Cluster
+    from testbed.deploy.deployment import Progress, emulation_plan, network_session
+    from testbed.faults.inject import FaultInjector, annotate_failures
+    from testbed.policies import parse_policy
+
+    for name, value in (("--minutes", opts.minutes), ("--load", opts.load), ("--fault-every", opts.fault_every_s)):
+        if value <= 0:
+            raise InputError(f"{name}: must be positive, got {value}")
+    spec = parse_policy(opts.policy)  # one policy; a bad one exits 2 naming it, before anything starts
+    wall_s = opts.minutes * 60
+    plan = emulation_plan(sc, wl, wl.specs(opts.load), opts.dilation)
+    d = plan.dilation
+    specs = soak_specs(wl, wall_s, opts.load, d)
+    faults = random_faults(sc, wall_s, opts.fault_every_s, d, opts.seed)
+    out = opts.out or Path("runs") / time.strftime("soak-%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"soak: {len(specs)} requests over {opts.minutes:g} min at {opts.load:g}x the trace's rate, "
+          f"policy {spec.label}, D = {d:g}, a fault every {opts.fault_every_s:g} s ({len(faults)})", flush=True)
+    with network_session(plan.wire_scenario(sc), "auto") as net:
+        cl = Cluster.start(net, spec, emulation=plan)
+        injector = FaultInjector(net, faults, d, plan.wire_rate_bps, cl.restart_broker, cl.restart_worker)
+        sampler = RssSampler(net)
+        progress = Progress("soak")
+        timeout_s = wall_s + 4 * sc.workers.request_timeout_s * d  # the bound every request must end within
+
+        def begin(t0: float) -> None:
+            injector.start(t0)
+            sampler.start()
+
+        try:
+            recs = cl.replay(specs, timeout_s=timeout_s, progress=progress, on_start=begin)
+        finally:
+            progress.close()
+            applied = injector.stop()
+            memory = sampler.stop()
+        router = cl.router_records()
+    failed = {r.rid: ((r.sent - injector.t0_wall) / d, ((r.ended or r.sent) - injector.t0_wall) / d, r.error)
+              for r in recs.values() if r.error is not None and r.sent}
+    for rid, why in annotate_failures(failed, applied).items():
+        recs[rid].error = why
+    hung = [r for r in recs.values() if (r.error or "").startswith("no completion within the client timeout")]
+    lost = [r for r in recs.values() if r.sent and r.rid not in router and not r.ok]
+    last_clear = max((f.cleared_s or f.applied_s or 0.0 for f in applied), default=0.0)
+    after = [r for r in recs.values() if r.sent and (r.sent - injector.t0_wall) / d > last_clear]
+    report = SoakReport(
+        minutes=opts.minutes, load=opts.load, policy=spec.label, dilation=d, requests=len(recs),
+        completed=sum(r.ok for r in recs.values()), failed=sum(not r.ok for r in recs.values()),
+        hung=len(hung), lost=len(lost),
+        failures_by_reason=dict(Counter(_reason_kind(r.error) for r in recs.values() if r.error).most_common()),
+        faults=applied,
+        faults_by_kind=dict(Counter(f.kind for f in applied if f.applied_s is not None and not f.error)),
+        memory=memory, after_faults_sent=len(after), after_faults_completed=sum(r.ok for r in after),
+    )  # fmt: skip
+    (out / "soak.json").write_text(report.model_dump_json(indent=2))
+    pd.DataFrame([{"rid": r.rid, "ok": r.ok, "error": r.error, "sent": r.sent, "ended": r.ended,
+                   "tokens": len(r.tokens), "max_new": r.max_new} for r in recs.values()]).to_csv(
+        out / "requests.csv", index=False)
+    rss = pd.DataFrame(sampler.series, columns=["t_s", "process", "pid", "rss_mb"])
+    rss.to_csv(out / "rss.csv", index=False)
+    plot_rss(rss, out / "rss.png")
+    print(format_soak(report))
+    print(f"saved: {out}/soak.json, requests.csv, rss.csv, rss.png")
+    if not report.passed:
+        print(f"soak FAILED: {report.hung} hung, {report.lost} lost, "
+              f"{report.after_faults_completed}/{report.after_faults_sent} completed after the last fault",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def format_soak(r: SoakReport) -> str:
+    lines = [f"requests {r.requests}: completed {r.completed}, failed with a reason {r.failed}, "
+             f"hung {r.hung}, lost {r.lost}",
+             "faults applied: " + (", ".join(f"{k} {n}" for k, n in sorted(r.faults_by_kind.items())) or "none"),
+             f"after the last fault cleared: {r.after_faults_completed} of {r.after_faults_sent} requests sent "
+             "completed"]
+    lines += [f"  failed {n:5d}  {why}" for why, n in list(r.failures_by_reason.items())[:12]]
+    lines.append(f"{'process':28s} {'pid':>7s} {'peak MB':>8s} {'first MB':>9s} {'last MB':>8s} {'growth':>7s}")
+    lines += [f"{m.name:28s} {m.pid:7d} {m.rss_peak_mb:8.1f} {m.rss_first_mb:9.1f} {m.rss_last_mb:8.1f} "
+              f"{m.growth_mb:+7.1f}" for m in r.memory]
+    return "\n".join(lines)
