@@ -4,8 +4,8 @@ token unsent, and joins when a request leaves; one that could never fit fails at
 from __future__ import annotations
 
 from testbed.analysis.metrics import request_rows
-from testbed.deploy.cluster import Cluster
-from testbed.deploy.deployment import network_session
+from testbed.deploy.deployment import Deployment
+from testbed.load.trace_replay import TraceReplay
 from testbed.load.verify import compare
 from testbed.policies import parse_policy
 from testbed.traces.workload import RequestSpec, synth_tokens
@@ -23,11 +23,9 @@ def test_a_full_decoder_queues_requests_and_their_first_token_waits() -> None:
     big = RequestSpec("big", synth_tokens("adm-big", 280), 40, at=0.0)
     runner = ModelRunner(ensure_default_model(), "float32")
     refs = {s.rid: runner.reference(s.prompt, s.max_new) for s in specs}
-    with network_session(sc, "auto") as net:
-        cl = Cluster.start(net, parse_policy("same-dc"))
-        recs = cl.replay([*specs, big], timeout_s=120)
-        router = cl.router_records()
-        stats = cl.worker_stats()
+    with Deployment(sc, parse_policy("same-dc")) as dep:
+        run = dep.run(TraceReplay([*specs, big], timeout_s=120))
+    recs, router, stats = run.recs, run.router, run.workers
     assert recs["big"].error == "320 tokens of KV exceed decode-a's capacity of 300"
     assert compare(specs, refs, recs) == []
     counters = stats["decode-a"].decode

@@ -57,7 +57,8 @@ from protocol.worker_config import (
     WorkerStats,
 )
 from testbed.deploy.cluster import Cluster
-from testbed.deploy.deployment import network_session
+from testbed.deploy.deployment import Deployment
+from testbed.load.trace_replay import TraceReplay
 from testbed.net import netns
 from testbed.net.delayline_contract import DelayLineConfig, DelayLineReport, DirectionConfig, DirectionReport
 from testbed.policies import make_policy, parse_policy, parse_policy_list
@@ -239,13 +240,13 @@ def test_a_malformed_message_fails_only_the_request_it_names() -> None:
              RequestSpec("victim2", synth_tokens("victim2", 200), 400, at=0.0)] + [
         RequestSpec(f"ok{i}", synth_tokens(f"ok-{i}", 80), 20, at=0.3 * (i + 1)) for i in range(6)]
     seen: dict[str, Any] = {}
-    with network_session(scenario_with(), "auto") as net:
-        cl = Cluster.start(net, parse_policy("same-dc"))
-        injector = _inject_when_streaming(cl, victim, "decode-a", seen)
-        recs = cl.replay(specs, timeout_s=120)
+    with Deployment(scenario_with(), parse_policy("same-dc")) as dep:
+        injector = _inject_when_streaming(dep.cluster, victim, "decode-a", seen)
+        _, recs = TraceReplay(specs, timeout_s=120).drive(dep, lambda t0: None)
         injector.join(timeout=30)
-        after = cl.replay([RequestSpec("later", synth_tokens("later", 50), 10)], timeout_s=60)  # still serving
-        logs = {name: cl.log_tail(name, 20000) for name in ("worker-decode-a", "worker-prefill", "router")}
+        later = TraceReplay([RequestSpec("later", synth_tokens("later", 50), 10)], timeout_s=60)
+        _, after = later.drive(dep, lambda t0: None)  # still serving
+        logs = {name: dep.cluster.log_tail(name, 20000) for name in ("worker-decode-a", "worker-prefill", "router")}
     assert "error" not in seen, seen
     v = recs[victim]
     assert not v.ok and v.error is not None and "decode-a rejected a command: extend.start:" in v.error, v.error

@@ -13,10 +13,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from testbed.deploy.cluster import Cluster
-from testbed.deploy.deployment import network_session
-from testbed.faults.inject import FaultInjector
+from testbed.deploy.deployment import Deployment
 from testbed.faults.timeline import parse_fault
+from testbed.load.trace_replay import TraceReplay
 from testbed.load.verify import compare, verification_prompts
 from testbed.net import measure
 from testbed.net.delayline import STATS_PERIOD_S
@@ -83,16 +82,9 @@ def spread_prompts() -> tuple[list[RequestSpec], dict[str, list[int]]]:
 
 def _run(policy: str, faults: list[str], specs: list[RequestSpec], timeout_s: float = 90):
     sc = scenario_with()
-    with network_session(sc, "auto") as net:
-        cl = Cluster.start(net, parse_policy(policy), dtype="float64")
-        inj = FaultInjector(net, [parse_fault(f) for f in faults], restart_broker=cl.restart_broker)
-        t0 = time.monotonic()
-        try:
-            recs = cl.replay(specs, timeout_s=timeout_s, on_start=inj.start)
-        finally:
-            log = inj.stop()
-        router = cl.router_records()
-    return recs, router, log, time.monotonic() - t0
+    with Deployment(sc, parse_policy(policy), dtype="float64", timeline=[parse_fault(f) for f in faults]) as dep:
+        run = dep.run(TraceReplay(specs, timeout_s=timeout_s))
+    return run.recs, run.router, run.faults, run.wall_s
 
 
 def test_wan_outage_and_broker_restart_lose_nothing(spread_prompts) -> None:

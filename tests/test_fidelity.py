@@ -21,11 +21,12 @@ from protocol.worker_config import BrokerInfo, DeviceReport, DeviceSpec, ModelCo
 from testbed.analysis.metrics import itls, request_rows, summarize
 from testbed.analysis.results import load_run
 from testbed.deploy.cluster import worker_configs
-from testbed.deploy.deployment import run_policy
+from testbed.deploy.deployment import Deployment
 from testbed.deploy.dilation import DELAYLINE_CPUS, MARGIN, Probe, choose_dilation
 from testbed.deploy.emulation import EmulationPlan, round_up
 from testbed.deploy.fidelity import judge
-from testbed.load.replay_client import ClientRecord
+from testbed.deploy.run_record import ClientRecord
+from testbed.load.trace_replay import TraceReplay
 from testbed.load.verify import compare
 from testbed.net.delayline_contract import LATE_EDGES_US, DelayLineReport, DirectionReport, late_percentile
 from testbed.net.plan import make_plan
@@ -239,8 +240,9 @@ def test_paced_and_dilated_pdd_produces_the_reference_tokens() -> None:
     refs = {s.rid: runner.reference(s.prompt, s.max_new) for s in specs}
     sc = _emulated()
     plan = _plan(sc, 8.0)  # slow enough that decode steps really wait for their modeled time
-    run = run_policy(sc, "auto", parse_policy("pdd:relay_s=0,handoff=catch-up,threshold=4"), specs,
-                     dtype="float64", timeout_s=240, emulation=plan)
+    with Deployment(sc, parse_policy("pdd:relay_s=0,handoff=catch-up,threshold=4"), emulation=plan,
+                    dtype="float64") as dep:
+        run = dep.run(TraceReplay(specs, timeout_s=240))
     assert compare(specs, refs, run.recs) == []
     md = run.workers["decode-b"].device
     assert not md.native and md.device == "h20" and md.steps > 0
@@ -255,9 +257,9 @@ def _tpot(sc: Any, policy: str, dilation: float) -> tuple[float, float]:
     # 0.8 s apart: each request (TTFT <= 0.4 s, 30 steps of ~7 ms) ends before the next.
     specs = [RequestSpec(f"t{i}", synth_tokens(f"tpot-{i}", 200), 30, at=0.8 * i) for i in range(5)]
     plan = _plan(sc, dilation, "float32")
-    run = run_policy(sc, "auto", parse_policy(policy), [RequestSpec(s.rid, s.prompt, s.max_new, at=s.at * dilation)
-                                                        for s in specs], dtype="float32", timeout_s=240,
-                     emulation=plan)
+    with Deployment(sc, parse_policy(policy), emulation=plan, dtype="float32") as dep:
+        run = dep.run(TraceReplay([RequestSpec(s.rid, s.prompt, s.max_new, at=s.at * dilation) for s in specs],
+                                  timeout_s=240))
     decoders = {n: w.device.overrun_fraction for n, w in run.workers.items() if n.startswith("decode")}
     assert all(f <= 0.05 for f in decoders.values()), decoders  # TPOT is the emulated device's
     df = request_rows(run.recs, run.router, specs, plan.scales)

@@ -11,10 +11,10 @@ import torch
 
 from protocol.messages import HandoffCmd, KvReceived, KvSent, PrefillDone, RequestHints
 from testbed.analysis.metrics import request_rows
-from testbed.deploy.cluster import Cluster
-from testbed.deploy.deployment import network_session
+from testbed.deploy.deployment import Deployment
+from testbed.deploy.run_record import ClientRecord
 from testbed.errors import InputError
-from testbed.load.replay_client import ClientRecord
+from testbed.load.trace_replay import TraceReplay
 from testbed.load.verify import compare
 from testbed.net import netns
 from testbed.policies import make_policy, parse_policy
@@ -173,13 +173,24 @@ def _refs(specs: list[RequestSpec]) -> dict[str, list[int]]:
 def _serve(policy: str, specs: list[RequestSpec], overrides: dict[str, Any] | None = None,
            after: Any = None) -> tuple[dict[str, ClientRecord], pd.DataFrame, dict[str, Any], Any]:
     sc = scenario_with(overrides)
-    with network_session(sc, "auto") as net:
-        cl = Cluster.start(net, parse_policy(policy), dtype="float64")
-        recs = cl.replay(specs, timeout_s=120)
-        extra = after(net) if after else None
-        router = cl.router_records()
-        stats = {"workers": cl.worker_stats(), "policy": cl.policy_stats()}
-    return recs, request_rows(recs, router, specs).set_index("rid"), stats, extra
+    load = _ReplayThen(specs, after)
+    with Deployment(sc, parse_policy(policy), dtype="float64") as dep:
+        run = dep.run(load)
+    stats = {"workers": run.workers, "policy": run.policy}
+    return run.recs, request_rows(run.recs, run.router, specs).set_index("rid"), stats, load.extra
+
+
+class _ReplayThen(TraceReplay):
+    """A replay, then ``after(net)`` on the live network (what a test measures there)."""
+
+    def __init__(self, specs: list[RequestSpec], after: Any) -> None:
+        super().__init__(specs, timeout_s=120)
+        self.after, self.extra = after, None
+
+    def drive(self, dep: Deployment, begin: Any) -> tuple[list[RequestSpec], dict[str, ClientRecord]]:
+        out = super().drive(dep, begin)
+        self.extra = self.after(dep.net) if self.after else None
+        return out
 
 
 def _budget_specs(tag: str, out: int = 40) -> list[RequestSpec]:

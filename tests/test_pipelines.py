@@ -8,8 +8,8 @@ import pytest
 
 from protocol.worker_config import WorkerFaults
 from testbed.analysis.metrics import request_rows
-from testbed.deploy.cluster import Cluster
-from testbed.deploy.deployment import network_session
+from testbed.deploy.deployment import Deployment
+from testbed.load.trace_replay import TraceReplay
 from testbed.load.verify import compare, verification_prompts
 from testbed.policies import parse_policy
 from testbed.traces.workload import RequestSpec, synth_tokens
@@ -31,11 +31,9 @@ def prompts_and_refs() -> tuple[list[RequestSpec], dict[str, list[int]]]:
 def test_policy_tokens_equal_reference(policy: str, prompts_and_refs) -> None:
     specs, refs = prompts_and_refs
     assert len(specs) >= 20 and min(len(s.prompt) for s in specs) == 16 and max(len(s.prompt) for s in specs) == 2048
-    with network_session(scenario_with(), "auto") as net:
-        cl = Cluster.start(net, parse_policy(policy), dtype="float64")
-        recs = cl.replay(specs)
-        router = cl.router_records()
-        stats = cl.worker_stats()
+    with Deployment(scenario_with(), parse_policy(policy), dtype="float64") as dep:
+        run = dep.run(TraceReplay(specs))
+    recs, router, stats = run.recs, run.router, run.workers
     assert compare(specs, refs, recs) == []
     df = request_rows(recs, router)
     # Prefix hits really skip compute: computed + reused = prompt tokens, and groups hit.
@@ -58,9 +56,9 @@ def _specs(n: int, out: int) -> list[RequestSpec]:
 
 
 def test_corrupted_kv_block_fails_request_cleanly() -> None:
-    with network_session(scenario_with(), "auto") as net:
-        cl = Cluster.start(net, parse_policy("cross-dc"), faults={"prefill": WorkerFaults(corrupt_block=1)})
-        recs = cl.replay(_specs(3, 4), timeout_s=60)
+    with Deployment(scenario_with(), parse_policy("cross-dc"),
+                    worker_faults={"prefill": WorkerFaults(corrupt_block=1)}) as dep:
+        recs = dep.run(TraceReplay(_specs(3, 4), timeout_s=60)).recs
     assert all(not r.ok for r in recs.values())
     assert all("checksum mismatch" in (r.error or "") for r in recs.values())
 
@@ -68,9 +66,8 @@ def test_corrupted_kv_block_fails_request_cleanly() -> None:
 def test_dead_decode_worker_fails_its_requests_only() -> None:
     sc = scenario_with({"datacenters": {"b": {"hosts": {"decode-b": {"role": "decode"},
                                                          "decode-b2": {"role": "decode"}}}}})
-    with network_session(sc, "auto") as net:
-        cl = Cluster.start(net, parse_policy("cross-dc"), faults={"decode-b": WorkerFaults(die_after_tokens=20)})
-        recs = cl.replay(_specs(8, 40), timeout_s=60)
+    with Deployment(sc, parse_policy("cross-dc"), worker_faults={"decode-b": WorkerFaults(die_after_tokens=20)}) as dep:
+        recs = dep.run(TraceReplay(_specs(8, 40), timeout_s=60)).recs
     failed = [r for r in recs.values() if not r.ok]
     done = [r for r in recs.values() if r.ok]
     assert failed and done, {r.rid: r.error for r in recs.values()}

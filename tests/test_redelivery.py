@@ -13,7 +13,7 @@ import pytest
 
 from protocol.messages import DecodeCmd, ExtendCmd, HandoffAck, MainPart, PrefillCmd, Tokens
 from protocol.worker_config import BrokerInfo, WorkerConfig
-from testbed.load.replay_client import ClientRecord
+from testbed.deploy.run_record import ClientRecord
 from workers.decode import DecodeWorker
 from workers.model import ensure_default_model
 from workers.runtime import Worker

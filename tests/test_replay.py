@@ -10,8 +10,8 @@ from pathlib import Path
 
 from protocol.worker_config import WorkerFaults
 from testbed.analysis.results import load_run
-from testbed.deploy.cluster import Cluster
-from testbed.deploy.deployment import network_session
+from testbed.deploy.deployment import Deployment
+from testbed.load.trace_replay import TraceReplay
 from testbed.net import netns, runstate
 from testbed.policies import parse_policy
 from testbed.traces import load_trace
@@ -96,9 +96,8 @@ def test_a_failed_turn_ends_the_rest_of_its_session_with_a_reason(tmp_path: Path
     trace = _sessions(tmp_path / "s.jsonl", n=2, turns=3, out_tokens=30, delay=0.1)
     specs = load_trace(trace).specs()
     sc = scenario_with()
-    with network_session(sc, "auto") as net:
-        cl = Cluster.start(net, parse_policy("same-dc"), faults={"decode-a": WorkerFaults(die_after_tokens=40)})
-        recs = cl.replay(specs, timeout_s=60)
+    with Deployment(sc, parse_policy("same-dc"), worker_faults={"decode-a": WorkerFaults(die_after_tokens=40)}) as dep:
+        recs = dep.run(TraceReplay(specs, timeout_s=60)).recs
     errors = {rid: r.error for rid, r in recs.items()}
     assert all(r.done for r in recs.values()), errors
     failed = [rid for rid, e in errors.items() if e]

@@ -14,8 +14,8 @@ import pytest
 from pydantic import ValidationError
 
 from testbed.bench.external_client import scaled_trace
+from testbed.deploy.run_record import ClientRecord
 from testbed.errors import InputError
-from testbed.load.replay_client import ClientRecord
 from testbed.serve.compare import ClientRecords, comparison, load_aiperf
 from testbed.serve.openai_api import ChatCompletionRequest, CompletionRequest
 from testbed.serve.prometheus import Pipelines

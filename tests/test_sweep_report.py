@@ -90,8 +90,8 @@ def test_calibrate_saves_what_it_found_and_says_when_not_reached(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """``testbed calibrate``'s own path from the bisection to calibration.json/.md (the
     replays stood in for: the bisection is tested in test_seeds)."""
-    from testbed.cli.args import build_parser
     from testbed.cli import replay_commands as cli_replay
+    from testbed.cli.args import build_parser
     from testbed.experiments import load_sweep as sweep
 
     from .test_report import _saved_run
@@ -130,8 +130,8 @@ def test_sweep_over_draws_puts_each_draw_in_its_folder_and_tabulates_them(
 
     import pandas as pd
 
-    from testbed.cli.args import build_parser
     from testbed.cli import replay_commands as cli_replay
+    from testbed.cli.args import build_parser
     from testbed.experiments import hit_rate_sweep as bathtub
     from testbed.experiments import load_sweep as sweep
 

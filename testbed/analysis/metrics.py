@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict
 from protocol.messages import Extended, HandoffSent, KvSent, PrefillDone, RequestHints
 from protocol.router_config import RequestRecord
 from protocol.worker_config import Scales
-from testbed.load.replay_client import ClientRecord
+from testbed.deploy.run_record import ClientRecord
 from testbed.traces.workload import RequestSpec
 
 

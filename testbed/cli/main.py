@@ -14,10 +14,8 @@ import signal
 import sys
 from pathlib import Path
 
+from testbed.cli import net_commands, replay_commands, serve_commands
 from testbed.cli.args import build_parser, scenario_from_args
-from testbed.cli import net_commands
-from testbed.cli import replay_commands
-from testbed.cli import serve_commands
 from testbed.cli.net_commands import require_root, wire_scenario
 from testbed.errors import InputError, Terminated, TestbedError
 from testbed.policies.spec import parse_policy_list
@@ -56,7 +54,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     import dataclasses
 
     from testbed.cli.replay_commands import replay_inputs
-    from testbed.deploy.deployment import run_trace
+    from testbed.experiments.trace_run import run_trace
     from testbed.faults.timeline import parse_faults
 
     if args.speed <= 0:
@@ -136,7 +134,8 @@ COMMANDS = {
     "net up": net_commands.cmd_net_up, "net down": net_commands.cmd_net_down, "net check": net_commands.cmd_net_check,
     "clean": net_commands.cmd_clean, "exec": net_commands.cmd_exec,
     "run": cmd_run, "trace stats": cmd_trace_stats, "trace gen": cmd_trace_gen, "verify": cmd_verify,
-    "report": cmd_report, "soak": cmd_soak, "sweep": replay_commands.cmd_sweep, "calibrate": replay_commands.cmd_calibrate,
+    "report": cmd_report, "soak": cmd_soak,
+    "sweep": replay_commands.cmd_sweep, "calibrate": replay_commands.cmd_calibrate,
     "bench net": cmd_bench_net, "bench handoff": cmd_bench_handoff,
     "serve": serve_commands.cmd_serve, "bench client": serve_commands.cmd_bench_client,
 }  # fmt: skip

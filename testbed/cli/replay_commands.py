@@ -18,8 +18,8 @@ from testbed.policies.spec import PolicySpec, parse_policy_list
 from testbed.scenario import Scenario
 
 if TYPE_CHECKING:  # the replaying modules (pandas, torch) load only for a command that replays
-    from testbed.deploy.deployment import RunOptions
     from testbed.experiments.repetitions import Draw
+    from testbed.experiments.trace_run import RunOptions
     from testbed.traces.workload import Workload
 
 
@@ -39,7 +39,7 @@ def _window(text: str | None) -> tuple[float, float] | None:
 def replay_inputs(args: argparse.Namespace) -> tuple[Scenario, list[PolicySpec], Workload, RunOptions]:
     """Scenario, policies, workload and the options shared by run, sweep and calibrate."""
     from testbed.analysis.metrics import Slo
-    from testbed.deploy.deployment import RunOptions
+    from testbed.experiments.trace_run import RunOptions
     from testbed.traces import load_trace
 
     sc = scenario_from_args(args)

@@ -1,4 +1,4 @@
-"""Start the inference side on a built network: broker, workers, router; run a client.
+"""Start the inference side on a built network: broker, workers, router.
 
 ``Cluster`` turns the scenario's hosts into processes: mosquitto and the router on the
 ``router`` host, a prefill worker on each ``prefill`` host, a decode worker on each
@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,11 +23,9 @@ from protocol.worker_config import BrokerInfo, Scales, WorkerConfig, WorkerFault
 from testbed.deploy.broker import BrokerAccess, launch_broker, start_broker
 from testbed.deploy.emulation import EmulationPlan
 from testbed.errors import InputError
-from testbed.load.replay_client import ClientRecord, replay_in_namespace
 from testbed.net.build import Network
 from testbed.policies.spec import PolicySpec
 from testbed.scenario import Role, Scenario
-from testbed.traces.workload import RequestSpec
 from workers.model import kv_bytes_per_token
 
 KV_PORT = 7070
@@ -132,17 +129,6 @@ class Cluster:
         cl.router = net.spawn(routers[0], [sys.executable, "-m", "testbed.deploy.router", str(rpath)], name="router",
                               log=net.run.dir / "router.log")
         return cl
-
-    def replay(self, specs: list[RequestSpec], timeout_s: float = 900.0,
-               progress: Callable[[int, int, int], None] | None = None,
-               on_start: Callable[[float], None] | None = None) -> dict[str, ClientRecord]:
-        """Replay ``specs`` from the client host; ``on_start(t0)`` (time.monotonic) when the
-        first request is due (a fault timeline starts there)."""
-        clients = self.net.scenario.hosts_with_role(Role.CLIENT)
-        if not clients:
-            raise InputError(f"{self.net.scenario.source}: scenario has no host with role client")
-        return replay_in_namespace(self.net.ns_of(clients[0]), self.access.client, self.topics, specs, timeout_s,
-                                   progress, on_start)
 
     def restart_worker(self, host: str) -> str:
         """Start a killed worker again from its configuration (empty caches); it announces

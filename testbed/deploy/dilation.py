@@ -30,8 +30,10 @@ import numpy as np
 
 from protocol.worker_config import Scales
 from testbed.deploy.emulation import EmulationPlan, round_up
+from testbed.errors import InputError
 from testbed.scenario import Role, Scenario
-from testbed.traces.workload import RequestSpec, synth_tokens
+from testbed.traces.stats import hit_rates
+from testbed.traces.workload import RequestSpec, Workload, synth_tokens
 from workers.device import Pacer, make_pacer
 
 if TYPE_CHECKING:
@@ -188,3 +190,31 @@ def calibrate_dilation(sc: Scenario, plan: EmulationPlan, specs: list[RequestSpe
                        model_path: str, dtype: str) -> tuple[float, str]:
     found = probes(sc, plan, specs, new_tokens, model_path, dtype)
     return choose_dilation(found, concurrent_workers(sc), os.cpu_count() or 1)
+
+
+def emulation_plan(sc: Scenario, wl: Workload, specs: list[RequestSpec], dilation: float | str | None,
+                   dtype: str | None = None) -> EmulationPlan:
+    """The run's emulation: the scenario's model card at the trace's token scale, and the
+    dilation given, the scenario's, or (``auto``) calibrated on this host."""
+    from workers.model import kv_bytes_per_token  # torch
+
+    model = sc.model_dir()
+    dtype = dtype or sc.workers.dtype
+    b_r = kv_bytes_per_token(model, dtype)
+    wanted = dilation if dilation is not None else (sc.emulation.time_dilation if sc.emulation else 1.0)
+    if wanted != "auto":
+        try:
+            d = float(wanted)
+        except ValueError as e:
+            raise InputError(f"--dilation: expected a number or auto, got {wanted!r}") from e
+        if not 0.1 <= d <= 1000:
+            raise InputError(f"--dilation: must be between 0.1 and 1000, got {d:g}")
+        return EmulationPlan.make(sc, wl.token_scale, d, b_r)
+    plan = EmulationPlan.make(sc, wl.token_scale, 1.0, b_r)
+    if not plan.emulating:
+        return plan
+    print("dilation auto: calibrating this host on trace-shaped work...", flush=True)
+    rates = hit_rates(wl)
+    new = [max(1, round(r.input_len * (1 - rates.get(r.rid, 0.0)))) for r in wl.requests]
+    d, why = calibrate_dilation(sc, plan, specs, new, model, dtype)
+    return EmulationPlan.make(sc, wl.token_scale, d, b_r, why)

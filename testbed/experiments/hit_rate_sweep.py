@@ -96,7 +96,7 @@ def compared(labels: list[str]) -> tuple[str, str]:
 def hit_sweep(sc: Scenario, wl: Workload, policies: list[PolicySpec], rates: list[float], load: float,
               opts: SweepOptions) -> tuple[list[HitPoint], pd.DataFrame]:
     """Every policy at every hit rate (one dilation for all), saved as bathtub.csv/.png/.md."""
-    from testbed.deploy.deployment import run_trace
+    from testbed.experiments.trace_run import run_trace
     from testbed.traces.stats import hit_rates
 
     run = fixed_dilation(sc, wl, opts.run)

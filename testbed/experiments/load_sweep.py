@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict
 
 from testbed.analysis.results import PolicySummary, load_run
-from testbed.deploy.deployment import RunOptions, emulation_plan, run_trace
+from testbed.deploy.dilation import emulation_plan
 from testbed.errors import InputError
+from testbed.experiments.trace_run import RunOptions, run_trace
 from testbed.policies.spec import PolicySpec
 from testbed.scenario import Scenario
 from testbed.traces.workload import Workload

@@ -20,7 +20,6 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
 import aiomqtt
 from pydantic import ValidationError
@@ -28,65 +27,9 @@ from pydantic import ValidationError
 from protocol.messages import Request, RouterStatus, Tokens, Topics, rid_of, why_invalid
 from protocol.mqtt_session import Session
 from protocol.worker_config import BrokerInfo
+from testbed.deploy.run_record import ClientRecord
 from testbed.net import netns
 from testbed.traces.workload import RequestSpec
-
-
-@dataclass
-class ClientRecord:
-    rid: str
-    prompt_len: int
-    max_new: int
-    sent: float = 0.0
-    ended: float | None = None  # when the request finished (completed or failed), client clock
-    token_times: list[float] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    error: str | None = None
-    done: bool = False
-    workers: list[str] = field(default_factory=list)
-    by_worker: dict[str, int] = field(default_factory=dict)  # tokens streamed by each worker
-    early: dict[int, Tokens] = field(default_factory=dict)  # chunks past a gap, by start index
-    conflicts: int = 0  # chunks that disagreed with tokens already received at their indices
-
-    @property
-    def ok(self) -> bool:
-        return self.done and self.error is None
-
-    def accept(self, t: Tokens, now: float) -> int:
-        """Take one message of this request's token stream (received at ``now``); returns how
-        many tokens it appended, in order. A repeat (QoS 1 delivers at least once: after a
-        reconnection) is ignored, and of a chunk that runs past what we have only the new
-        tail is taken; a chunk past a gap is held until the gap fills (two publishers, relay
-        and main decoder, resending after a broker restart may arrive out of order; a gap
-        that never fills ends with the caller's timeout). A chunk that disagrees with tokens
-        already received is dropped and counted in ``conflicts`` (``verify`` reports it)."""
-        if self.done:
-            return 0
-        if t.error is not None:
-            self.error, self.done = t.error, True
-            return 0
-        if t.start < len(self.tokens):  # a repeat, or one that runs past what we have
-            had = self.tokens[t.start : t.start + len(t.tokens)]
-            if t.tokens[: len(had)] != had:
-                self.conflicts += 1  # two chunks disagree on an index: a bug upstream, never hidden
-                return 0
-            if len(had) == len(t.tokens):
-                return 0
-            t = t.model_copy(update={"start": len(self.tokens), "tokens": t.tokens[len(had):]})
-        if t.start > len(self.tokens):
-            self.early[t.start] = t
-            return 0
-        before = len(self.tokens)
-        nxt: Tokens | None = t
-        while nxt is not None:
-            self.tokens.extend(nxt.tokens)
-            self.token_times.extend([now] * len(nxt.tokens))
-            if nxt.worker not in self.workers:
-                self.workers.append(nxt.worker)
-            self.by_worker[nxt.worker] = self.by_worker.get(nxt.worker, 0) + len(nxt.tokens)
-            self.done = nxt.done
-            nxt = self.early.pop(len(self.tokens), None)
-        return len(self.tokens) - before
 
 
 class ProtocolError(Exception):

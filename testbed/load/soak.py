@@ -13,21 +13,25 @@ Saved: ``soak.json`` (a ``SoakReport``), ``requests.csv``, ``rss.csv`` and ``rss
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import pandas as pd
 from pydantic import BaseModel
 
+from testbed.analysis.plots import plot_rss
+from testbed.deploy.deployment import Deployment
+from testbed.deploy.dilation import emulation_plan
+from testbed.deploy.process_sampling import ProcessMemory
 from testbed.errors import InputError
 from testbed.faults.timeline import AppliedFault, Fault
-from testbed.net.build import Network
+from testbed.load.trace_replay import TraceReplay
+from testbed.policies import parse_policy
 from testbed.scenario import Role, Scenario
 from testbed.traces.workload import RequestSpec, Workload
 
@@ -43,19 +47,6 @@ class SoakOptions:
     seed: int = 1
     dilation: float | str | None = None  # None: the scenario's
     out: Path | None = None
-
-
-class ProcessMemory(BaseModel):
-    name: str
-    pid: int
-    samples: int
-    rss_first_mb: float  # first sample after the warm-up
-    rss_peak_mb: float
-    rss_last_mb: float
-
-    @property
-    def growth_mb(self) -> float:
-        return self.rss_last_mb - self.rss_first_mb
 
 
 class SoakReport(BaseModel):
@@ -142,53 +133,14 @@ def random_faults(sc: Scenario, wall_s: float, every_s: float, dilation: float, 
     return out
 
 
-def _rss_mb(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
+class SoakLoop(TraceReplay):
+    """The trace repeated back to back for the soak's wall time, with every process's
+    resident memory sampled while it runs."""
 
+    samples_memory = True
 
-class RssSampler:
-    """Resident memory of every process of the run (and this one: the client), every
-    ``period_s``; samples before ``warmup_s`` only count towards the peak."""
-
-    def __init__(self, net: Network, period_s: float = 2.0, warmup_s: float = 60.0) -> None:
-        self.net, self.period_s, self.warmup_s = net, period_s, warmup_s
-        self.series: list[tuple[float, str, int, float]] = []  # (t, name, pid, MB)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rss", daemon=True)
-        self.t0 = time.monotonic()
-
-    def start(self) -> None:
-        self.t0 = time.monotonic()
-        self._thread.start()
-
-    def stop(self) -> list[ProcessMemory]:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        by_proc: dict[tuple[str, int], list[tuple[float, float]]] = {}
-        for t, name, pid, mb in self.series:
-            by_proc.setdefault((name, pid), []).append((t, mb))
-        out = []
-        for (name, pid), pts in sorted(by_proc.items()):
-            settled = [mb for t, mb in pts if t >= self.warmup_s] or [pts[-1][1]]
-            out.append(ProcessMemory(name=name, pid=pid, samples=len(pts), rss_first_mb=settled[0],
-                                     rss_peak_mb=max(mb for _, mb in pts), rss_last_mb=pts[-1][1]))
-        return out
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            t = time.monotonic() - self.t0
-            procs = [(p.name, p.pid) for p in self.net.run.processes] + [("orchestrator", os.getpid())]
-            for name, pid in procs:
-                mb = _rss_mb(pid)
-                if mb is not None:
-                    self.series.append((t, name, pid, mb))
+    def __init__(self, wl: Workload, wall_s: float, load: float, dilation: float, timeout_s: float) -> None:
+        super().__init__(soak_specs(wl, wall_s, load, dilation), timeout_s, "soak")
 
 
 def _reason_kind(why: str) -> str:
@@ -200,14 +152,6 @@ def _reason_kind(why: str) -> str:
 
 def run_soak(sc: Scenario, wl: Workload, opts: SoakOptions) -> int:
     """The soak (see the module docstring). Exit code 0 when nothing hung and nothing was lost."""
-    import pandas as pd
-
-    from testbed.analysis.plots import plot_rss
-    from testbed.deploy.cluster import Cluster
-    from testbed.deploy.deployment import Progress, emulation_plan, network_session
-    from testbed.faults.inject import FaultInjector, annotate_failures
-    from testbed.policies import parse_policy
-
     for name, value in (("--minutes", opts.minutes), ("--load", opts.load), ("--fault-every", opts.fault_every_s)):
         if value <= 0:
             raise InputError(f"{name}: must be positive, got {value}")
@@ -215,38 +159,20 @@ def run_soak(sc: Scenario, wl: Workload, opts: SoakOptions) -> int:
     wall_s = opts.minutes * 60
     plan = emulation_plan(sc, wl, wl.specs(opts.load), opts.dilation)
     d = plan.dilation
-    specs = soak_specs(wl, wall_s, opts.load, d)
+    timeout_s = wall_s + 4 * sc.workers.request_timeout_s * d  # the bound every request must end within
+    load = SoakLoop(wl, wall_s, opts.load, d, timeout_s)
     faults = random_faults(sc, wall_s, opts.fault_every_s, d, opts.seed)
     out = opts.out or Path("runs") / time.strftime("soak-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    print(f"soak: {len(specs)} requests over {opts.minutes:g} min at {opts.load:g}x the trace's rate, "
+    print(f"soak: {len(load.specs)} requests over {opts.minutes:g} min at {opts.load:g}x the trace's rate, "
           f"policy {spec.label}, D = {d:g}, a fault every {opts.fault_every_s:g} s ({len(faults)})", flush=True)
-    with network_session(plan.wire_scenario(sc), "auto") as net:
-        cl = Cluster.start(net, spec, emulation=plan)
-        injector = FaultInjector(net, faults, d, plan.wire_rate_bps, cl.restart_broker, cl.restart_worker)
-        sampler = RssSampler(net)
-        progress = Progress("soak")
-        timeout_s = wall_s + 4 * sc.workers.request_timeout_s * d  # the bound every request must end within
-
-        def begin(t0: float) -> None:
-            injector.start(t0)
-            sampler.start()
-
-        try:
-            recs = cl.replay(specs, timeout_s=timeout_s, progress=progress, on_start=begin)
-        finally:
-            progress.close()
-            applied = injector.stop()
-            memory = sampler.stop()
-        router = cl.router_records()
-    failed = {r.rid: ((r.sent - injector.t0_wall) / d, ((r.ended or r.sent) - injector.t0_wall) / d, r.error)
-              for r in recs.values() if r.error is not None and r.sent}
-    for rid, why in annotate_failures(failed, applied).items():
-        recs[rid].error = why
+    with Deployment(sc, spec, emulation=plan, timeline=faults) as dep:
+        run = dep.run(load)
+    recs, router, applied = run.recs, run.router, run.faults
     hung = [r for r in recs.values() if (r.error or "").startswith("no completion within the client timeout")]
     lost = [r for r in recs.values() if r.sent and r.rid not in router and not r.ok]
     last_clear = max((f.cleared_s or f.applied_s or 0.0 for f in applied), default=0.0)
-    after = [r for r in recs.values() if r.sent and (r.sent - injector.t0_wall) / d > last_clear]
+    after = [r for r in recs.values() if r.sent and (r.sent - run.fault_t0_wall) / d > last_clear]
     report = SoakReport(
         minutes=opts.minutes, load=opts.load, policy=spec.label, dilation=d, requests=len(recs),
         completed=sum(r.ok for r in recs.values()), failed=sum(not r.ok for r in recs.values()),
@@ -254,13 +180,13 @@ def run_soak(sc: Scenario, wl: Workload, opts: SoakOptions) -> int:
         failures_by_reason=dict(Counter(_reason_kind(r.error) for r in recs.values() if r.error).most_common()),
         faults=applied,
         faults_by_kind=dict(Counter(f.kind for f in applied if f.applied_s is not None and not f.error)),
-        memory=memory, after_faults_sent=len(after), after_faults_completed=sum(r.ok for r in after),
+        memory=run.memory, after_faults_sent=len(after), after_faults_completed=sum(r.ok for r in after),
     )  # fmt: skip
     (out / "soak.json").write_text(report.model_dump_json(indent=2))
     pd.DataFrame([{"rid": r.rid, "ok": r.ok, "error": r.error, "sent": r.sent, "ended": r.ended,
                    "tokens": len(r.tokens), "max_new": r.max_new} for r in recs.values()]).to_csv(
         out / "requests.csv", index=False)
-    rss = pd.DataFrame(sampler.series, columns=["t_s", "process", "pid", "rss_mb"])
+    rss = pd.DataFrame(run.rss, columns=["t_s", "process", "pid", "rss_mb"])
     rss.to_csv(out / "rss.csv", index=False)
     plot_rss(rss, out / "rss.png")
     print(format_soak(report))

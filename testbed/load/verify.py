@@ -17,8 +17,11 @@ import random
 from typing import Any
 
 from protocol.messages import Extended, RequestHints
+from testbed.deploy.deployment import Deployment
+from testbed.deploy.emulation import EmulationPlan
+from testbed.deploy.run_record import ClientRecord
 from testbed.errors import InputError
-from testbed.load.replay_client import ClientRecord
+from testbed.load.trace_replay import TraceReplay
 from testbed.policies.spec import PolicySpec
 from testbed.scenario import Scenario
 from testbed.traces.workload import RequestSpec, synth_tokens
@@ -69,9 +72,7 @@ def run_verify(sc: Scenario, impairment: str, policies: list[PolicySpec], prompt
     every request of every policy equals it token for token, 1 otherwise. Workers are paced
     as the scenario's emulation says (token scale 1, this dilation): pacing only waits, so
     tokens must not change."""
-    from testbed.deploy.deployment import run_policy
-    from testbed.deploy.emulation import EmulationPlan
-    from workers.model import ModelRunner, kv_bytes_per_token
+    from workers.model import ModelRunner, kv_bytes_per_token  # torch
 
     if not 0.1 <= dilation <= 1000:
         raise InputError(f"--dilation: must be between 0.1 and 1000, got {dilation:g}")
@@ -91,7 +92,8 @@ def run_verify(sc: Scenario, impairment: str, policies: list[PolicySpec], prompt
     refs = {s.rid: ref_runner.reference(s.prompt, s.max_new) for s in specs}
     results: dict[str, dict[str, Any]] = {}
     for spec in policies:
-        run = run_policy(sc, impairment, spec, specs, dtype=dtype, emulation=plan)
+        with Deployment(sc, spec, emulation=plan, impairment=impairment, dtype=dtype) as dep:
+            run = dep.run(TraceReplay(specs, label=spec.label))
         bad = compare(specs, refs, run.recs)
         pipelines: dict[str, int] = {}
         for r in run.router.values():

@@ -28,7 +28,8 @@ from pydantic import ValidationError
 from protocol.messages import Request, RequestHints, RouterStatus, Tokens, Topics, why_invalid
 from protocol.mqtt_session import Session
 from protocol.worker_config import BrokerInfo
-from testbed.load.replay_client import ClientRecord, connect_when_ready
+from testbed.deploy.run_record import ClientRecord
+from testbed.load.replay_client import connect_when_ready
 from testbed.traces.workload import RequestSpec
 
 

@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from protocol.worker_config import Scales, WorkerStats
-from testbed.load.replay_client import ClientRecord
+from testbed.deploy.run_record import ClientRecord
 from testbed.net.delayline_contract import DelayLineReport
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, float("inf"))

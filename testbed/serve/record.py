@@ -12,31 +12,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from protocol.router_config import PolicyReport, RequestRecord
-from protocol.worker_config import WorkerStats
+from testbed.analysis import report
 from testbed.analysis.metrics import Slo
+from testbed.analysis.policy_summary import measure
 from testbed.analysis.results import RunSummary, TraceInfo
-from testbed.deploy.deployment import PolicyRun, measure
 from testbed.deploy.emulation import EmulationPlan
-from testbed.deploy.fidelity import Verdict
-from testbed.load.replay_client import ClientRecord
+from testbed.deploy.run_record import PolicyRun
 from testbed.policies.spec import PolicySpec
 from testbed.scenario import Scenario
-from testbed.traces.workload import RequestSpec
 
 SERVED_FORMAT = "openai-http"
 
 
-def save_served(out: Path, sc: Scenario, plan: EmulationPlan, policy: PolicySpec, recs: dict[str, ClientRecord],
-                specs: list[RequestSpec], router: dict[str, RequestRecord], workers: dict[str, WorkerStats],
-                policy_report: PolicyReport, verdict: Verdict, impairment: str, url: str,
+def save_served(out: Path, sc: Scenario, plan: EmulationPlan, policy: PolicySpec, run: PolicyRun, url: str,
                 slo: Slo | None = None) -> list[Path]:
-    from testbed.analysis import report
-
-    run = PolicyRun(recs, router, workers, policy_report, verdict, impairment)
-    df, summary = measure(sc, policy, plan, specs, run, slo or Slo())
-    info = TraceInfo(trace=url, format=SERVED_FORMAT, requests=len(specs), token_scale=plan.scales.s_in,
+    df, summary = measure(sc, policy, plan, run, slo or Slo())
+    info = TraceInfo(trace=url, format=SERVED_FORMAT, requests=len(run.specs), token_scale=plan.scales.s_in,
                      block_size=sc.workers.block_size, meta={"served_by": "testbed serve"})
     run_summary = RunSummary(trace=info, speed=1.0, limit=None, window=None, emulation=plan.summary(sc),
-                             scenario=sc, policies={policy.label: summary}, workers={policy.label: workers})
+                             scenario=sc, policies={policy.label: summary}, workers={policy.label: run.workers})
     return report.save(out, {policy.label: df}, run_summary)

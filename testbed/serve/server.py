@@ -23,18 +23,25 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from aiohttp import web
+
+from testbed.deploy.cluster import worker_roles
+from testbed.deploy.deployment import Deployment
+from testbed.deploy.dilation import emulation_plan
 from testbed.deploy.emulation import EmulationPlan
+from testbed.deploy.fidelity import format_verdict
+from testbed.deploy.run_record import ClientRecord
 from testbed.errors import InputError, Terminated, TestbedError
 from testbed.net import netns
-from testbed.policies.spec import PolicySpec
+from testbed.policies.spec import PddSpec, PolicySpec
 from testbed.scenario import Role, Scenario
-
-if TYPE_CHECKING:
-    from aiohttp import web
-
-    from testbed.serve.gateway import Gateway
+from testbed.serve.app import OpenAiFront, Served
+from testbed.serve.gateway import Gateway
+from testbed.serve.prometheus import Pipelines, ServeMetrics
+from testbed.serve.record import save_served
+from testbed.traces import load_trace
+from testbed.traces.workload import RequestSpec
 
 HOST = "127.0.0.1"  # never anything but the machine's loopback
 
@@ -63,9 +70,6 @@ def listen(port: int) -> socket.socket:
 
 def plan_for(sc: Scenario, opts: ServeOptions) -> EmulationPlan:
     """Scales and dilation; ``auto`` calibrates on the shape of ``opts.shape_trace``."""
-    from testbed.deploy.deployment import emulation_plan
-    from testbed.traces import load_trace
-
     if opts.token_scale < 1:
         raise InputError(f"--token-scale: must be >= 1, got {opts.token_scale}")
     wl = load_trace(opts.shape_trace, "auto", opts.token_scale)
@@ -94,8 +98,6 @@ class _Serving:
             self.up.set()
 
     async def _main(self) -> None:
-        from aiohttp import web
-
         # aiomqtt connects from executor threads: those must be in the namespace too.
         asyncio.get_running_loop().set_default_executor(
             concurrent.futures.ThreadPoolExecutor(2, initializer=netns.join, initargs=(self.ns,)))
@@ -121,19 +123,58 @@ class _Serving:
         self.thread.join(15)
 
 
+class HttpFrontDoor:
+    """``serve``'s load driver: an OpenAI-compatible HTTP server whose requests enter the
+    emulation from the client host, until Ctrl-C or SIGTERM; then the requests it served."""
+
+    samples_memory = False
+
+    def __init__(self, sc: Scenario, opts: ServeOptions, plan: EmulationPlan, sock: socket.socket, served: Served,
+                 tokenizer: object) -> None:
+        self.sc, self.opts, self.plan, self.sock, self.served, self.tokenizer = sc, opts, plan, sock, served, tokenizer
+        self.label = opts.policy.label
+
+    def drive(self, dep: Deployment, begin: Callable[[float], None]) -> tuple[list[RequestSpec],
+                                                                            dict[str, ClientRecord]]:
+        sc, opts, cl = self.sc, self.opts, dep.cluster
+
+        def build() -> tuple[Gateway, web.Application]:
+            gw = Gateway(dep.client_broker, dep.topics, sc.workers.request_timeout_s * dep.dilation * 1.5)
+            pipelines = Pipelines(worker_roles(sc), {w: sc.datacenter_of(w) for w in cl.workers},
+                                  isinstance(opts.policy, PddSpec))
+            metrics = ServeMetrics(self.plan.scales, pipelines, cl.worker_stats, dep.net.delayline_stats)
+            return gw, OpenAiFront(gw, self.tokenizer, self.served, metrics).app()
+
+        gc.collect()
+        gc.freeze()  # the front end's clock measures: no full collections over torch and pandas
+        serving = _Serving(dep.client_ns, self.sock, build)
+        serving.thread.start()
+        port = self.sock.getsockname()[1]
+        begin(time.monotonic())
+        try:
+            serving.up.wait()
+            if serving.error is not None:
+                raise TestbedError(f"the front end did not start: {serving.error}")
+            print(f"serving {self.served.model} with policy {self.served.policy} on http://{HOST}:{port}/v1 "
+                  f"(run {dep.net.run.run_id}, client host {dep.client_host}); Ctrl-C stops and saves",
+                  flush=True)
+            while serving.thread.is_alive():
+                serving.thread.join(0.5)
+            if serving.error is not None:
+                raise TestbedError(f"the front end stopped: {serving.error}")
+        except (KeyboardInterrupt, Terminated) as e:  # how a server is stopped: save, then tear down
+            print(f"\nstopping ({type(e).__name__})...", file=sys.stderr, flush=True)
+        finally:
+            serving.stop()
+            self.sock.close()
+        gw = serving.gateway
+        return (gw.specs, gw.records) if gw is not None else ([], {})
+
+
 def run_serve(sc: Scenario, opts: ServeOptions) -> int:
     """Serve until interrupted; save the served requests; exit 0, or 3 when the fidelity
     verdict failed (unless ``allow_infidelity``)."""
     from transformers import AutoConfig, AutoTokenizer
-
-    from testbed.deploy.cluster import Cluster, worker_roles
-    from testbed.deploy.deployment import network_session
-    from testbed.deploy.fidelity import cpu_seconds, format_verdict, judge
-    from testbed.policies.spec import PddSpec
-    from testbed.serve.app import OpenAiFront, Served
-    from testbed.serve.gateway import Gateway
-    from testbed.serve.prometheus import Pipelines, ServeMetrics
-    from testbed.serve.record import save_served
 
     model_dir = Path(sc.model_dir())
     if not (model_dir / "tokenizer_config.json").exists():
@@ -146,54 +187,18 @@ def run_serve(sc: Scenario, opts: ServeOptions) -> int:
     sock = listen(opts.port)
     port = sock.getsockname()[1]
     plan = plan_for(sc, opts)
-    d = plan.dilation
     print(plan.describe(sc), flush=True)
     out = opts.out or Path("runs") / time.strftime("serve-%Y%m%d-%H%M%S")
-    clients = sc.hosts_with_role(Role.CLIENT)
-    if not clients:
+    if not sc.hosts_with_role(Role.CLIENT):
         raise InputError(f"{sc.source}: scenario has no host with role client (the front end's host)")
-    with network_session(plan.wire_scenario(sc), opts.impairment) as net:
-        cl = Cluster.start(net, opts.policy, dtype=opts.dtype, emulation=plan)
-
-        def build() -> tuple[Gateway, web.Application]:
-            gw = Gateway(cl.access.client, cl.topics, sc.workers.request_timeout_s * d * 1.5)
-            pipelines = Pipelines(worker_roles(sc), {w: sc.datacenter_of(w) for w in cl.workers},
-                                  isinstance(opts.policy, PddSpec))
-            metrics = ServeMetrics(plan.scales, pipelines, cl.worker_stats, net.delayline_stats)
-            return gw, OpenAiFront(gw, tokenizer, served, metrics).app()
-
-        gc.collect()
-        gc.freeze()  # the front end's clock measures: no full collections over torch and pandas
-        serving = _Serving(net.ns_of(clients[0]), sock, build)
-        serving.thread.start()
-        t0 = time.monotonic()
-        try:
-            serving.up.wait()
-            if serving.error is not None:
-                raise TestbedError(f"the front end did not start: {serving.error}")
-            print(f"serving {served.model} with policy {served.policy} on http://{HOST}:{port}/v1 "
-                  f"(run {net.run.run_id}, client host {clients[0]}); Ctrl-C stops and saves to {out}", flush=True)
-            while serving.thread.is_alive():
-                serving.thread.join(0.5)
-            if serving.error is not None:
-                raise TestbedError(f"the front end stopped: {serving.error}")
-        except (KeyboardInterrupt, Terminated) as e:  # how a server is stopped: save, then tear down
-            print(f"\nstopping ({type(e).__name__})...", file=sys.stderr, flush=True)
-        finally:
-            serving.stop()
-            sock.close()
-        wall = time.monotonic() - t0
-        gw = serving.gateway
-        cpu = {p.name: s for p in net.run.processes if (s := cpu_seconds(p.pid)) is not None}
-        router, workers, policy_report = cl.router_records(), cl.worker_stats(), cl.policy_stats()
-    verdict = judge(workers, net.delayline_stats_final, cpu, wall)
-    print(format_verdict(opts.policy.label, verdict))
-    if gw is None or not gw.records:
+    with Deployment(sc, opts.policy, emulation=plan, impairment=opts.impairment, dtype=opts.dtype) as dep:
+        run = dep.run(HttpFrontDoor(sc, opts, plan, sock, served, tokenizer))
+    print(format_verdict(opts.policy.label, run.verdict))
+    if not run.recs:
         print("no request was served: nothing saved")
     else:
-        paths = save_served(out, sc, plan, opts.policy, gw.records, gw.specs, router, workers, policy_report,
-                            verdict, f"{net.impairment} ({net.impairment_reason})", f"http://{HOST}:{port}/v1")
+        paths = save_served(out, sc, plan, opts.policy, run, f"http://{HOST}:{port}/v1")
         print(f"saved: {', '.join(str(p) for p in paths)}")
-    if not verdict.passed and not opts.allow_infidelity:
+    if not run.verdict.passed and not opts.allow_infidelity:
         return 3
     return 0

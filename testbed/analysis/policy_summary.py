@@ -1,0 +1,25 @@
+"""One policy's run, measured: the per-request rows and the typed ``PolicySummary``."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from testbed.analysis.cost import cost_per_million_tokens, hardware_cost
+from testbed.analysis.metrics import Slo, itls, request_rows, summarize
+from testbed.analysis.results import PolicySummary
+from testbed.deploy.emulation import EmulationPlan
+from testbed.deploy.run_record import PolicyRun
+from testbed.policies import make_policy
+from testbed.policies.spec import PolicySpec
+from testbed.scenario import Scenario
+
+
+def measure(sc: Scenario, spec: PolicySpec, plan: EmulationPlan, run: PolicyRun,
+            slo: Slo) -> tuple[pd.DataFrame, PolicySummary]:
+    """One policy's request rows and summary (latencies, cost, policy counters, verdict)."""
+    df = request_rows(run.recs, run.router, run.specs, plan.scales)
+    measured = summarize(df, itls(run.recs, plan.scales), slo, run.recs, plan.scales)
+    cost = hardware_cost(sc, make_policy(spec))
+    per_mtok = cost_per_million_tokens(cost, measured.duration_s, measured.output_tokens_emulated) if cost else None
+    return df, PolicySummary(**dict(measured), policy_stats=run.policy, fidelity=run.verdict, cost=cost,
+                             cost_per_mtok=per_mtok, impairment=run.impairment, faults=run.faults)

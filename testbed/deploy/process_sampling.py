@@ -1,0 +1,89 @@
+"""CPU and resident memory of every process of a run, read from ``/proc``.
+
+CPU seconds go into the fidelity verdict (which process had the host); resident memory is
+sampled on a thread while a load runs (a soak watches it for growth).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from pydantic import BaseModel
+
+from testbed.deploy.fidelity import cpu_seconds
+
+
+class ProcessMemory(BaseModel):
+    name: str
+    pid: int
+    samples: int
+    rss_first_mb: float  # first sample after the warm-up
+    rss_peak_mb: float
+    rss_last_mb: float
+
+    @property
+    def growth_mb(self) -> float:
+        return self.rss_last_mb - self.rss_first_mb
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def cpu_by_name(processes: list[tuple[str, int]]) -> dict[str, float]:
+    """CPU seconds by process name: a restarted worker's processes (and Mininet's node
+    shells, one name for all) add up."""
+    cpu: dict[str, float] = {}
+    for name, pid in processes:
+        if (s := cpu_seconds(pid)) is not None:
+            cpu[name] = cpu.get(name, 0.0) + s
+    return cpu
+
+
+class RssSampler:
+    """Resident memory of every process ``processes()`` names (and this one: the client),
+    every ``period_s``; samples before ``warmup_s`` only count towards the peak."""
+
+    def __init__(self, processes: Callable[[], list[tuple[str, int]]], period_s: float = 2.0,
+                 warmup_s: float = 60.0) -> None:
+        self.processes, self.period_s, self.warmup_s = processes, period_s, warmup_s
+        self.series: list[tuple[float, str, int, float]] = []  # (t, name, pid, MB)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss", daemon=True)
+        self.t0 = time.monotonic()
+
+    def start(self) -> None:
+        self.t0 = time.monotonic()
+        self._thread.start()
+
+    def stop(self) -> list[ProcessMemory]:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        by_proc: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        for t, name, pid, mb in self.series:
+            by_proc.setdefault((name, pid), []).append((t, mb))
+        out = []
+        for (name, pid), pts in sorted(by_proc.items()):
+            settled = [mb for t, mb in pts if t >= self.warmup_s] or [pts[-1][1]]
+            out.append(ProcessMemory(name=name, pid=pid, samples=len(pts), rss_first_mb=settled[0],
+                                     rss_peak_mb=max(mb for _, mb in pts), rss_last_mb=pts[-1][1]))
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            t = time.monotonic() - self.t0
+            for name, pid in [*self.processes(), ("orchestrator", os.getpid())]:
+                mb = rss_mb(pid)
+                if mb is not None:
+                    self.series.append((t, name, pid, mb))

@@ -1,0 +1,94 @@
+"""What one deployment's run returns: the client's record of each request and the typed
+``PolicyRun`` (client records, router records, worker statistics, the policy's counters, the
+faults as applied, the fidelity verdict, CPU and memory of every process).
+
+Load drivers produce ``ClientRecord``s, the ``Deployment`` wraps them into a ``PolicyRun``,
+and the analysis reads it: the one type all three share, so none imports the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protocol.messages import Tokens
+from protocol.router_config import PolicyReport, RequestRecord
+from protocol.worker_config import WorkerStats
+from testbed.deploy.fidelity import Verdict
+from testbed.deploy.process_sampling import ProcessMemory
+from testbed.faults.timeline import AppliedFault
+from testbed.traces.workload import RequestSpec
+
+
+@dataclass
+class ClientRecord:
+    rid: str
+    prompt_len: int
+    max_new: int
+    sent: float = 0.0
+    ended: float | None = None  # when the request finished (completed or failed), client clock
+    token_times: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    error: str | None = None
+    done: bool = False
+    workers: list[str] = field(default_factory=list)
+    by_worker: dict[str, int] = field(default_factory=dict)  # tokens streamed by each worker
+    early: dict[int, Tokens] = field(default_factory=dict)  # chunks past a gap, by start index
+    conflicts: int = 0  # chunks that disagreed with tokens already received at their indices
+
+    @property
+    def ok(self) -> bool:
+        return self.done and self.error is None
+
+    def accept(self, t: Tokens, now: float) -> int:
+        """Take one message of this request's token stream (received at ``now``); returns how
+        many tokens it appended, in order. A repeat (QoS 1 delivers at least once: after a
+        reconnection) is ignored, and of a chunk that runs past what we have only the new
+        tail is taken; a chunk past a gap is held until the gap fills (two publishers, relay
+        and main decoder, resending after a broker restart may arrive out of order; a gap
+        that never fills ends with the caller's timeout). A chunk that disagrees with tokens
+        already received is dropped and counted in ``conflicts`` (``verify`` reports it)."""
+        if self.done:
+            return 0
+        if t.error is not None:
+            self.error, self.done = t.error, True
+            return 0
+        if t.start < len(self.tokens):  # a repeat, or one that runs past what we have
+            had = self.tokens[t.start : t.start + len(t.tokens)]
+            if t.tokens[: len(had)] != had:
+                self.conflicts += 1  # two chunks disagree on an index: a bug upstream, never hidden
+                return 0
+            if len(had) == len(t.tokens):
+                return 0
+            t = t.model_copy(update={"start": len(self.tokens), "tokens": t.tokens[len(had):]})
+        if t.start > len(self.tokens):
+            self.early[t.start] = t
+            return 0
+        before = len(self.tokens)
+        nxt: Tokens | None = t
+        while nxt is not None:
+            self.tokens.extend(nxt.tokens)
+            self.token_times.extend([now] * len(nxt.tokens))
+            if nxt.worker not in self.workers:
+                self.workers.append(nxt.worker)
+            self.by_worker[nxt.worker] = self.by_worker.get(nxt.worker, 0) + len(nxt.tokens)
+            self.done = nxt.done
+            nxt = self.early.pop(len(self.tokens), None)
+        return len(self.tokens) - before
+
+
+@dataclass
+class PolicyRun:
+    """Everything one policy's deployment gave back, read before its network went down."""
+
+    specs: list[RequestSpec]  # what was sent (a replay's input, or what the front door received)
+    recs: dict[str, ClientRecord]
+    router: dict[str, RequestRecord]
+    workers: dict[str, WorkerStats]
+    policy: PolicyReport
+    verdict: Verdict
+    impairment: str  # the WAN impairment backend that ran, and why
+    faults: list[AppliedFault] = field(default_factory=list)
+    wall_s: float = 0.0  # from the load's start to its end
+    memory: list[ProcessMemory] = field(default_factory=list)  # when the driver asked for RSS samples
+    rss: list[tuple[float, str, int, float]] = field(default_factory=list)  # (t, process, pid, MB)
+    fault_t0_wall: float = 0.0  # emulated time 0 of the fault timeline, on the client's clock

@@ -1,0 +1,99 @@
+"""``testbed run``: one trace replayed under each policy, each on a deployment of its own.
+
+The emulation plan (and ``auto`` dilation) is made once; then every policy in turn gets a
+fresh ``Deployment`` driven by a ``TraceReplay``; then the side-by-side tables, the
+fidelity verdicts and the saved run folder (``testbed report`` rebuilds it).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from protocol.worker_config import WorkerStats
+from testbed.analysis import report
+from testbed.analysis.metrics import Slo, format_summary
+from testbed.analysis.policy_summary import measure
+from testbed.analysis.results import PolicySummary, RunSummary, TraceInfo
+from testbed.deploy.deployment import Deployment
+from testbed.deploy.dilation import emulation_plan
+from testbed.deploy.fidelity import format_verdict
+from testbed.faults.timeline import Fault
+from testbed.load.trace_replay import TraceReplay
+from testbed.policies.spec import PolicySpec
+from testbed.scenario import Scenario
+from testbed.traces.workload import Workload
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What ``testbed run`` was asked, beyond scenario, workload and policies."""
+
+    impairment: str = "auto"
+    dilation: float | str | None = None  # None: the scenario's (auto unless it says otherwise)
+    allow_infidelity: bool = False
+    speed: float = 1.0
+    limit: int | None = None
+    window: str | None = None
+    slo: Slo = Slo()
+    timeout_s: float = 1800.0
+    out: Path | None = None
+    faults: tuple[Fault, ...] = ()  # from the command line; the scenario's own come first
+
+
+def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunOptions) -> int:
+    """Replay ``wl`` under each policy on a fresh network; print, save and plot. Exit code:
+    0 when every request of every policy completed with a passing fidelity verdict; 3 when
+    a verdict failed (unless ``allow_infidelity``); 1 when requests failed."""
+    plan = emulation_plan(sc, wl, wl.specs(opts.speed), opts.dilation)
+    d = plan.dilation
+    specs = wl.specs(opts.speed / d)  # arrivals and think times stretched by the dilation
+    out = opts.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    print(f"trace {wl.source}: {len(specs)} requests ({wl.format}, token scale {wl.token_scale}, "
+          f"speed {opts.speed:g}); scenario {sc.name}; policies {', '.join(p.label for p in policies)}", flush=True)
+    print(plan.describe(sc), flush=True)
+    frames: dict[str, pd.DataFrame] = {}
+    summaries: dict[str, PolicySummary] = {}
+    workers: dict[str, dict[str, WorkerStats]] = {}
+    for spec in policies:
+        t0 = time.monotonic()
+        with Deployment(sc, spec, emulation=plan, impairment=opts.impairment,
+                        timeline=[*sc.faults, *opts.faults]) as dep:
+            run = dep.run(TraceReplay(specs, opts.timeout_s * d, spec.label))
+        name = spec.label
+        frames[name], s = measure(sc, spec, plan, run, opts.slo)
+        summaries[name] = s
+        workers[name] = run.workers
+        if len(summaries) == 1:
+            print(f"WAN impairment: {run.impairment}", flush=True)
+        print(format_summary(name, s) + f"  [{time.monotonic() - t0:.0f} s]", flush=True)
+        if max(Counter(w.role for w in run.workers.values()).values(), default=0) > 1:
+            print("    requests by instance: " + ", ".join(f"{w} {n}" for w, n in s.requests_by_worker.items()),
+                  flush=True)
+        for rid, why in list(s.failures.items())[:5]:
+            print(f"    failed {rid}: {why}")
+    summary = RunSummary(
+        trace=TraceInfo(trace=str(wl.source), format=wl.format, requests=len(wl.requests),
+                        token_scale=wl.token_scale, block_size=wl.block_size, meta=wl.meta),
+        speed=opts.speed, limit=opts.limit, window=opts.window, emulation=plan.summary(sc), scenario=sc,
+        policies=summaries, workers=workers,
+    )  # fmt: skip
+    paths = report.save(out, frames, summary)
+    print(f"\ntimes in {summary.units}")
+    print(report.comparison_table(dict(summaries)))
+    print()
+    print(report.comparison_table(dict(summaries), report.PDD_COLUMNS))
+    print()
+    for name, s in summaries.items():
+        print(format_verdict(name, s.fidelity))
+    print(f"\nsaved: {', '.join(str(p) for p in paths)}")
+    if not all(s.fidelity.passed for s in summaries.values()) and not opts.allow_infidelity:
+        print("fidelity FAILED: these latencies measure this host, not the emulated system "
+              "(raise --dilation, or pass --allow-infidelity to exit 0 anyway)", file=sys.stderr)
+        return 3
+    return 0 if all(s.failed == 0 for s in summaries.values()) else 1

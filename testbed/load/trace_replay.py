@@ -1,0 +1,37 @@
+"""The trace replayer as a load driver: requests at their times from the client host.
+
+``TraceReplay`` sends a list of ``RequestSpec`` (times already in real seconds) through
+the replay client inside the deployment's client host, with progress on stderr, and
+returns the client's record of each request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from testbed.deploy.deployment import Deployment
+from testbed.deploy.run_record import ClientRecord
+from testbed.load.progress import Progress
+from testbed.load.replay_client import replay_in_namespace
+from testbed.traces.workload import RequestSpec
+
+
+class TraceReplay:
+    """Replay ``specs`` open- or closed-loop (sessions), as the specs say."""
+
+    samples_memory = False
+
+    def __init__(self, specs: list[RequestSpec], timeout_s: float = 1800.0, label: str = "replay",
+                 show_progress: bool = True) -> None:
+        self.specs, self.timeout_s, self.label, self.show_progress = specs, timeout_s, label, show_progress
+
+    def drive(self, dep: Deployment, begin: Callable[[float], None]) -> tuple[list[RequestSpec],
+                                                                            dict[str, ClientRecord]]:
+        progress = Progress(self.label) if self.show_progress else None
+        try:
+            recs = replay_in_namespace(dep.client_ns, dep.client_broker, dep.topics, self.specs, self.timeout_s,
+                                       progress, begin)
+        finally:
+            if progress is not None:
+                progress.close()
+        return self.specs, recs
