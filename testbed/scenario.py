@@ -23,6 +23,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from protocol.worker_config import DeviceSpec
 from testbed.errors import InputError
 from testbed.faults.timeline import Fault, as_fault
+from testbed.traces.workload import VOCAB_HIGH
 
 NAME_RE = r"^[a-z][a-z0-9]{0,11}(-[a-z0-9]{1,11})*$"
 HostName = Annotated[str, Field(pattern=NAME_RE, max_length=16)]
@@ -302,7 +303,6 @@ class Scenario(_Strict):
     def model_dir(self) -> str:
         """The small real model the workers run: ``workers.model``, or the default one
         (created on first use)."""
-        from testbed.traces.workload import VOCAB_HIGH
         from workers.model import ensure_default_model
 
         if not self.workers.model:

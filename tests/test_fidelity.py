@@ -226,7 +226,7 @@ def _emulated(overrides: dict[str, Any] | None = None) -> Any:
 
 
 def _plan(sc: Any, dilation: float, dtype: str = "float64") -> EmulationPlan:
-    from workers.model import kv_bytes_per_token
+    from workers.model_dir import kv_bytes_per_token
 
     return EmulationPlan.make(sc, 1, dilation, kv_bytes_per_token(ensure_default_model(), dtype))
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .conftest import ROOT
 
-PACKAGES = ("testbed", "workers")
+PACKAGES = ("testbed", "workers", "protocol")
 MAX_LINES = 400
 CLI_MAX_LINES = 250
 
@@ -27,7 +27,7 @@ def _type_checking_only(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
-def _imports(path: Path, module: str, known: set[str]) -> set[str]:
+def _imports(path: Path, module: str, known: set[str], type_level: bool = False) -> set[str]:
     """Every in-package module ``module`` imports (at any depth of its code, except under
     ``if TYPE_CHECKING``), plus the packages those imports initialise first."""
     tree = ast.parse(path.read_text())
@@ -36,7 +36,7 @@ def _imports(path: Path, module: str, known: set[str]) -> set[str]:
     stack: list[ast.AST] = [tree]
     while stack:
         node = stack.pop()
-        if _type_checking_only(node):
+        if _type_checking_only(node) and not type_level:
             continue
         stack.extend(ast.iter_child_nodes(node))
         names: list[str] = []
@@ -93,10 +93,12 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(type_level: bool = False) -> dict[str, set[str]]:
+    """Module -> the project modules it imports; with ``type_level``, also those imported
+    only for type checking (a cycle there still ties two modules together)."""
     mods = _modules()
     known = set(mods)
-    graph = {m: _imports(p, m, known) for m, p in mods.items()}
+    graph = {m: _imports(p, m, known, type_level) for m, p in mods.items()}
     # A package's __init__ is initialised before any of its modules, so a module's imports
     # include its package; but the package's own imports of its modules are not a cycle.
     return {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in graph.items()}
@@ -106,8 +108,10 @@ def test_no_import_cycle() -> None:
     graph = _graph()
     # The walk sees real edges: top-level, relative and function-level imports.
     assert "protocol.messages" in graph["workers.decode"] and "protocol.router_config" in graph["testbed.deploy.router"]
-    assert "testbed.deploy.deployment" in graph["testbed.load.verify"]  # imported inside run_verify
+    assert "testbed.deploy.deployment" in graph["testbed.load.verify"]
+    assert "workers.model" in graph["testbed.load.verify"]  # imported inside run_verify (torch)
     assert _cycles(graph) == []
+    assert _cycles(_graph(type_level=True)) == []
 
 
 def test_cycle_detection_finds_a_cycle() -> None:
@@ -125,3 +129,76 @@ def test_modules_stay_small() -> None:
     sizes = {m: len(p.read_text().splitlines()) for m, p in _modules().items()}
     assert sizes["testbed.cli.main"] <= CLI_MAX_LINES, sizes["testbed.cli.main"]
     assert {m: n for m, n in sizes.items() if n > MAX_LINES} == {}
+
+
+HEAVY = ("torch", "transformers", "pandas", "matplotlib", "mininet")
+
+
+def _top_level_imports(tree: ast.Module) -> set[str]:
+    """Modules imported at the top (``from a import b`` counts as ``a`` and ``a.b``)."""
+    out: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            out |= {node.module or ""} | {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def _heavy_modules() -> set[str]:
+    """Project modules whose import pulls in a heavy library (torch, transformers, pandas,
+    matplotlib, mininet), themselves or through the project modules they import at their
+    top: the only ones a function may import late, so that a command that never needs them
+    (``testbed clean``, ``net up``) does not pay seconds for them."""
+    mods = _modules()
+    tops = {m: _top_level_imports(ast.parse(p.read_text())) for m, p in mods.items()}
+    heavy = {m for m, imps in tops.items() if any(i.split(".")[0] in HEAVY for i in imps)}
+    grew = True
+    while grew:
+        new = {m for m, imps in tops.items() if m not in heavy
+               and any(i in heavy or i.rpartition(".")[0] in heavy for i in imps)}
+        heavy |= new
+        grew = bool(new)
+    return heavy
+
+
+def _late_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every project import inside a function (``TYPE_CHECKING`` aside)."""
+    tree = ast.parse(path.read_text())
+    found = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                base = node.module or ""
+                names = [f"{base}.{a.name}" for a in node.names] + [base]
+            for name in names:
+                if name.split(".")[0] in PACKAGES:
+                    found.append((node.lineno, name))
+                    break
+    return found
+
+
+def test_project_modules_are_imported_at_the_top() -> None:
+    """The dependency graph is in the module headers: a function imports a project module
+    only when that module pulls in a heavy library itself."""
+    mods = _modules()
+    heavy = _heavy_modules()
+    assert "workers.model" in heavy and "testbed.net.build" not in heavy
+    late = {}
+    for p in mods.values():
+        for line, name in _late_imports(p):
+            target = name if name in mods else name.rpartition(".")[0]
+            if target not in heavy:
+                late[f"{p.relative_to(ROOT)}:{line}"] = name
+    assert late == {}
+
+
+def test_a_late_import_of_a_light_module_is_found(tmp_path: Path) -> None:
+    p = tmp_path / "m.py"
+    p.write_text("import os\n\ndef f():\n    from testbed.errors import InputError\n    import json\n    return 1\n")
+    assert _late_imports(p) == [(4, "testbed.errors.InputError")]

@@ -132,7 +132,7 @@ def test_runs_of_draws_of_one_recipe_are_repetitions(tmp_path: Path, no_plots: N
 def test_calibration_over_draws_bisects_their_mean_gap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        no_plots: None) -> None:
     from testbed.experiments import load_sweep as sweep
-    from testbed.experiments.repetitions import Draw
+    from testbed.experiments.load_sweep import Draw
     from testbed.policies.spec import parse_policy_list
 
     from .test_report import _saved_run

@@ -24,6 +24,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from protocol.kv_format import ModelShape  # the KV layout is the wire format's contract
+from workers.tokenizer import ensure_tokenizer
 
 DEFAULT_MODEL_NAME = "pdd-tiny-llama-v2"
 DEFAULT_CONFIG = {
@@ -56,7 +57,6 @@ def default_model_dir() -> Path:
 def ensure_default_model(path: Path | None = None) -> Path:
     """Create the default model once (fixed config and seed) with ``save_pretrained``, and
     its character tokenizer (``workers.tokenizer``; added to a model made before it)."""
-    from workers.tokenizer import ensure_tokenizer
 
     path = path or default_model_dir()
     if (path / "config.json").exists():
@@ -96,15 +96,6 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, _grouped_query_sdpa)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-
-
-def kv_bytes_per_token(path: Path | str, dtype: str) -> int:
-    """KV bytes per token of a model directory, from its config alone (no weights loaded)."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(path)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return ModelShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, DTYPES[dtype]).kv_bytes_per_token
 
 
 class ModelRunner:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from testbed.errors import InputError, TestbedError
 from testbed.serve.compare import load_aiperf, write_comparison
+from testbed.traces import load_trace
 
 AIPERF_BLOCK = 512  # aiperf's (and Mooncake's) prefix block for mooncake_trace
 TOKENIZER_REPO = "pdd-testbed/tokenizer"  # the name aiperf is given; it lives only in our cache folder
@@ -48,7 +49,6 @@ class ClientBenchOptions:
 
 def scaled_trace(src: Path, dst: Path, token_scale: int, dilation: float, limit: int | None) -> int:
     """The Mooncake trace as aiperf must send it (see the module docstring); returns requests."""
-    from testbed.traces import load_trace
 
     if load_trace(src, "auto", 1).format != "mooncake":
         raise InputError(f"{src}: aiperf replays Mooncake traces (JSON lines with hash_ids); see traces/README.md")

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from protocol.messages import why_invalid
 from testbed.errors import InputError
+from testbed.net.topo_import import load_topo_scenario
 from testbed.scenario import Scenario, load_scenario
 from testbed.traces.formats import FORMATS
 
@@ -20,7 +21,6 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
     """``--scenario``, with its network taken from ``--topo`` when given."""
     sc = load_scenario(args.scenario)
     if getattr(args, "topo", None):
-        from testbed.net.topo_import import load_topo_scenario
 
         sc = load_topo_scenario(args.topo, sc)
     if getattr(args, "network", None):

@@ -14,11 +14,19 @@ import signal
 import sys
 from pathlib import Path
 
+from testbed.bench.net import run_bench
 from testbed.cli import net_commands, replay_commands, serve_commands
 from testbed.cli.args import build_parser, scenario_from_args
 from testbed.cli.net_commands import require_root, wire_scenario
+from testbed.cli.replay_commands import replay_inputs
+from testbed.deploy.deployment import network_session
 from testbed.errors import InputError, Terminated, TestbedError
+from testbed.faults.timeline import parse_faults
+from testbed.load.verify import run_verify
 from testbed.policies.spec import parse_policy_list
+from testbed.traces import load_trace
+from testbed.traces.generate import GenConfig, generate_file
+from testbed.traces.stats import format_stats, trace_stats
 
 _MAIN_PID = os.getpid()
 
@@ -30,7 +38,6 @@ def _raise_terminated(signum: int, _frame: object) -> None:
 
 
 def cmd_bench_net(args: argparse.Namespace) -> int:
-    from testbed.bench.net import run_bench
 
     result = run_bench(scenario_from_args(args), args.impairment, repeats=args.repeats, seconds=args.seconds)
     print(json.dumps(result, indent=2) if args.json else result["text"])
@@ -39,7 +46,6 @@ def cmd_bench_net(args: argparse.Namespace) -> int:
 
 def cmd_bench_handoff(args: argparse.Namespace) -> int:
     from testbed.bench.handoff_cost import format_result, run_handoff_bench
-    from testbed.deploy.deployment import network_session
 
     if args.reps < 1 or args.tokens < 1 or args.prompt < 1 or args.load_streams < 0:
         raise InputError("bench handoff: --reps, --tokens and --prompt must be >= 1, --load-streams >= 0")
@@ -53,9 +59,7 @@ def cmd_bench_handoff(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from testbed.cli.replay_commands import replay_inputs
     from testbed.experiments.trace_run import run_trace
-    from testbed.faults.timeline import parse_faults
 
     if args.speed <= 0:
         raise InputError(f"--speed: must be positive, got {args.speed}")
@@ -67,8 +71,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_trace_stats(args: argparse.Namespace) -> int:
-    from testbed.traces import load_trace
-    from testbed.traces.stats import format_stats, trace_stats
 
     st = trace_stats(load_trace(args.file, args.format, args.token_scale), args.block)
     print(st.model_dump_json(indent=2) if args.json else format_stats(st))
@@ -76,7 +78,6 @@ def cmd_trace_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_trace_gen(args: argparse.Namespace) -> int:
-    from testbed.traces.generate import GenConfig, generate_file
 
     if min(args.first_output_median, args.output_median) < 1:
         raise InputError("--first-output-median and --output-median must be at least 1 token")
@@ -89,7 +90,6 @@ def cmd_trace_gen(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from testbed.load.verify import run_verify
 
     sc = scenario_from_args(args)
     policies = parse_policy_list(args.policies)
@@ -124,7 +124,6 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_soak(args: argparse.Namespace) -> int:
     from testbed.load.soak import SoakOptions, run_soak
-    from testbed.traces import load_trace
 
     opts = SoakOptions(args.minutes, args.load, args.policy, args.fault_every, args.seed, args.dilation, args.out)
     return run_soak(scenario_from_args(args), load_trace(args.trace, args.format, args.token_scale), opts)

@@ -9,9 +9,14 @@ import signal
 import sys
 
 from testbed.cli.args import scenario_from_args
+from testbed.deploy.deployment import network_session
+from testbed.deploy.emulation import EmulationPlan
 from testbed.errors import InputError, TestbedError
 from testbed.net import netns, runstate
+from testbed.net.check import check_report, passed, run_check
+from testbed.net.mininet_nodes import MininetNodes
 from testbed.scenario import Scenario
+from workers.model_dir import kv_bytes_per_token
 
 
 def require_root() -> None:
@@ -21,8 +26,6 @@ def require_root() -> None:
 
 def wire_scenario(args: argparse.Namespace) -> Scenario:
     """The scenario in wire units (an emulation's rates and delays at this scale and dilation)."""
-    from testbed.deploy.emulation import EmulationPlan
-    from workers.model import kv_bytes_per_token
 
     sc = scenario_from_args(args)
     if sc.emulation is None:
@@ -37,7 +40,6 @@ def wire_scenario(args: argparse.Namespace) -> Scenario:
 
 
 def cmd_net_up(args: argparse.Namespace) -> int:
-    from testbed.deploy.deployment import network_session
 
     sc = wire_scenario(args)
     if args.cli and sc.network.backend != "mininet":
@@ -45,7 +47,6 @@ def cmd_net_up(args: argparse.Namespace) -> int:
     with network_session(sc, args.impairment) as net:
         print(net.describe())
         if args.cli:
-            from testbed.net.mininet_nodes import MininetNodes
 
             assert isinstance(net.nodes, MininetNodes)
             print(f"run {net.run.run_id} is up; Mininet's CLI holds it until `exit` (or end of input)", flush=True)
@@ -66,8 +67,6 @@ def cmd_net_down(args: argparse.Namespace) -> int:
 
 
 def cmd_net_check(args: argparse.Namespace) -> int:
-    from testbed.deploy.deployment import network_session
-    from testbed.net.check import check_report, passed, run_check
 
     with network_session(wire_scenario(args), args.impairment) as net:
         if not args.json:

@@ -14,11 +14,13 @@ from typing import TYPE_CHECKING
 
 from testbed.cli.args import scenario_from_args
 from testbed.errors import InputError
+from testbed.experiments.repetitions import draws, write_seeded_bathtub, write_seeded_sweep
 from testbed.policies.spec import PolicySpec, parse_policy_list
 from testbed.scenario import Scenario
+from testbed.traces import load_trace
 
 if TYPE_CHECKING:  # the replaying modules (pandas, torch) load only for a command that replays
-    from testbed.experiments.repetitions import Draw
+    from testbed.experiments.load_sweep import Draw
     from testbed.experiments.trace_run import RunOptions
     from testbed.traces.workload import Workload
 
@@ -40,7 +42,6 @@ def replay_inputs(args: argparse.Namespace) -> tuple[Scenario, list[PolicySpec],
     """Scenario, policies, workload and the options shared by run, sweep and calibrate."""
     from testbed.analysis.metrics import Slo
     from testbed.experiments.trace_run import RunOptions
-    from testbed.traces import load_trace
 
     sc = scenario_from_args(args)
     policies = parse_policy_list(args.policies)
@@ -61,7 +62,6 @@ def _out(args: argparse.Namespace, kind: str) -> Path:
 
 
 def _draws(args: argparse.Namespace, wl: Workload, out: Path) -> list[Draw]:
-    from testbed.experiments.repetitions import draws
 
     ds = draws(wl, args.seeds, out, args.limit, _window(args.window))
     if len(ds) > 1:
@@ -74,7 +74,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     import dataclasses
 
     from testbed.experiments.load_sweep import SweepOptions, fixed_dilation, load_sweep, parse_range
-    from testbed.experiments.repetitions import write_seeded_bathtub, write_seeded_sweep
 
     hit_rates = parse_range(args.hit_rate, "--hit-rate") if args.hit_rate else None
     if hit_rates and hit_rates[-1] > 1:

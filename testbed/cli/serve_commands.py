@@ -8,10 +8,10 @@ from pathlib import Path
 
 from testbed.cli.args import scenario_from_args
 from testbed.errors import InputError
+from testbed.policies.spec import parse_policy
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from testbed.policies.spec import parse_policy
     from testbed.serve.server import ServeOptions, run_serve
 
     if not 0 <= args.port <= 65535:
@@ -23,7 +23,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_bench_client(args: argparse.Namespace) -> int:
     from testbed.bench.external_client import ClientBenchOptions, run_client_bench
-    from testbed.policies.spec import parse_policy
 
     sc = scenario_from_args(args)  # fails here, naming the file, rather than in the server
     parse_policy(args.policy)

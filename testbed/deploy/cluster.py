@@ -26,7 +26,7 @@ from testbed.errors import InputError
 from testbed.net.build import Network
 from testbed.policies.spec import PolicySpec
 from testbed.scenario import Role, Scenario
-from workers.model import kv_bytes_per_token
+from workers.model_dir import kv_bytes_per_token
 
 KV_PORT = 7070
 WORKER_ROLES: dict[Role, WorkerRole] = {Role.PREFILL: "prefill", Role.DECODE: "decode",

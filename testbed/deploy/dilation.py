@@ -35,6 +35,7 @@ from testbed.scenario import Role, Scenario
 from testbed.traces.stats import hit_rates
 from testbed.traces.workload import RequestSpec, Workload, synth_tokens
 from workers.device import Pacer, make_pacer
+from workers.model_dir import kv_bytes_per_token
 
 if TYPE_CHECKING:
     from workers.model import ModelRunner
@@ -196,7 +197,6 @@ def emulation_plan(sc: Scenario, wl: Workload, specs: list[RequestSpec], dilatio
                    dtype: str | None = None) -> EmulationPlan:
     """The run's emulation: the scenario's model card at the trace's token scale, and the
     dilation given, the scenario's, or (``auto``) calibrated on this host."""
-    from workers.model import kv_bytes_per_token  # torch
 
     model = sc.model_dir()
     dtype = dtype or sc.workers.dtype

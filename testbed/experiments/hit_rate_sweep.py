@@ -29,6 +29,7 @@ from testbed.analysis.results import load_run
 from testbed.experiments.load_sweep import SweepOptions, fixed_dilation
 from testbed.policies.spec import PolicySpec
 from testbed.scenario import Scenario
+from testbed.traces.stats import hit_rates
 from testbed.traces.workload import Segment, Workload
 
 COMMON_STREAM = "hit-rate-common"
@@ -97,7 +98,6 @@ def hit_sweep(sc: Scenario, wl: Workload, policies: list[PolicySpec], rates: lis
               opts: SweepOptions) -> tuple[list[HitPoint], pd.DataFrame]:
     """Every policy at every hit rate (one dilation for all), saved as bathtub.csv/.png/.md."""
     from testbed.experiments.trace_run import run_trace
-    from testbed.traces.stats import hit_rates
 
     run = fixed_dilation(sc, wl, opts.run)
     points: list[HitPoint] = []

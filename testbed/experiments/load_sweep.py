@@ -26,24 +26,34 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
+from testbed.analysis.cost import hardware_cost
 from testbed.analysis.results import PolicySummary, load_run
 from testbed.deploy.dilation import emulation_plan
 from testbed.errors import InputError
 from testbed.experiments.trace_run import RunOptions, run_trace
-from testbed.policies.spec import PolicySpec
+from testbed.policies import make_policy
+from testbed.policies.spec import PolicySpec, parse_policy_list
 from testbed.scenario import Scenario
 from testbed.traces.workload import Workload
 
-if TYPE_CHECKING:
-    from testbed.experiments.repetitions import Draw
-
-REPORT_P50_GAP_S = 2.5  # ../shared/PDD.md: decode in another city adds +2.5 s to P50 TTFT
+REPORT_P50_GAP_S = 2.5  # the PDD report (docs/design.md): decode in another city adds +2.5 s to P50 TTFT
 REPORT_SLA_GAIN = 0.278  # PDD's SLA-compliant throughput over the same-dc baseline
 SWEEP_FILE = "sweep.json"
+
+
+@dataclass(frozen=True)
+class Draw:
+    """One repetition: the recipe's seed and the workload it gives (selected as the user asked)."""
+
+    seed: int
+    workload: Workload
+
+    @property
+    def tag(self) -> str:
+        return f"seed-{self.seed}"
 
 
 def parse_range(text: str, what: str) -> list[float]:
@@ -188,8 +198,6 @@ def run_point(sc: Scenario, wl: Workload, policies: list[PolicySpec], load: floa
 
 def load_sweep(sc: Scenario, wl: Workload, policies: list[PolicySpec], loads: list[float],
                opts: SweepOptions) -> SweepResult:
-    from testbed.analysis.cost import hardware_cost
-    from testbed.policies import make_policy
 
     run = fixed_dilation(sc, wl, opts.run)
     points: list[LoadPoint] = []
@@ -289,7 +297,6 @@ def calibrate(sc: Scenario, draws: list[Draw], policies: list[PolicySpec], lo: f
     import statistics
 
     from testbed.analysis.report import merge_runs
-    from testbed.policies.spec import parse_policy_list
 
     run = fixed_dilation(sc, draws[0].workload, opts.run)
     pair = parse_policy_list("same-dc,cross-dc")

@@ -18,30 +18,18 @@ list) is refused for N > 1: it is one sample, and repeating it measures only noi
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from testbed.analysis.confidence import mean_ci
 from testbed.errors import InputError
-from testbed.traces.generate import RECIPE_GENERATOR
+from testbed.experiments.load_sweep import Draw, SweepResult
+from testbed.traces import load_trace
+from testbed.traces.generate import RECIPE_GENERATOR, GenConfig, generate, write_jsonl
 from testbed.traces.workload import Workload
 
 if TYPE_CHECKING:
     import pandas as pd
-
-    from testbed.experiments.load_sweep import SweepResult
-
-
-@dataclass(frozen=True)
-class Draw:
-    """One repetition: the recipe's seed and the workload it gives (selected as the user asked)."""
-
-    seed: int
-    workload: Workload
-
-    @property
-    def tag(self) -> str:
-        return f"seed-{self.seed}"
 
 
 def recipe_of(wl: Workload) -> dict[str, object]:
@@ -55,7 +43,6 @@ def recipe_of(wl: Workload) -> dict[str, object]:
 
 def draw(wl: Workload, seed: int, out: Path) -> Path:
     """Write the draw of ``wl``'s recipe with ``seed`` to ``out/traces/seed-<seed>.jsonl``."""
-    from testbed.traces.generate import GenConfig, generate, write_jsonl
 
     recipe = recipe_of(wl)
     names = {f.name for f in dataclasses.fields(GenConfig)}
@@ -71,7 +58,6 @@ def draws(wl: Workload, n: int, out: Path, limit: int | None,
           window: tuple[float, float] | None) -> list[Draw]:
     """``n`` draws: ``wl`` itself, then its recipe with the next ``n - 1`` seeds, each loaded
     at ``wl``'s token scale and cut by the same ``limit`` / ``window``."""
-    from testbed.traces import load_trace
 
     if n < 1:
         raise InputError(f"--seeds: at least 1, got {n}")
@@ -90,7 +76,6 @@ def draws(wl: Workload, n: int, out: Path, limit: int | None,
 
 # ------------------------------------------------------------------ tables over the draws
 def _ci(values: list[float | None], scale: float = 1.0, fmt: str = "{:.2f}", unit: str = "") -> str:
-    from testbed.analysis.confidence import mean_ci
 
     ci = mean_ci([v for v in values if v is not None])
     if ci is None:
@@ -170,7 +155,6 @@ def seeded_bathtub(curves: list[tuple[int, pd.DataFrame]]) -> pd.DataFrame:
     """Per hit rate, each benefit's mean over the draws, its 95 % half-width and n."""
     import pandas as pd
 
-    from testbed.analysis.confidence import mean_ci
 
     pooled = pd.concat([c.assign(seed=s) for s, c in curves], ignore_index=True)
     rows = []

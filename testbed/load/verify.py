@@ -25,6 +25,7 @@ from testbed.load.trace_replay import TraceReplay
 from testbed.policies.spec import PolicySpec
 from testbed.scenario import Scenario
 from testbed.traces.workload import RequestSpec, synth_tokens
+from workers.model_dir import kv_bytes_per_token
 
 # Eager-token budgets given to the requests in turn: a relaying policy (pdd) hands each
 # request over after exactly this many relay tokens, so every handoff count is exercised
@@ -72,7 +73,7 @@ def run_verify(sc: Scenario, impairment: str, policies: list[PolicySpec], prompt
     every request of every policy equals it token for token, 1 otherwise. Workers are paced
     as the scenario's emulation says (token scale 1, this dilation): pacing only waits, so
     tokens must not change."""
-    from workers.model import ModelRunner, kv_bytes_per_token  # torch
+    from workers.model import ModelRunner  # torch
 
     if not 0.1 <= dilation <= 1000:
         raise InputError(f"--dilation: must be between 0.1 and 1000, got {dilation:g}")

@@ -29,6 +29,7 @@ from testbed.net.delayline_contract import (
     DirectionConfig,
     DirectionOverride,
 )
+from testbed.net.mininet_nodes import MininetNodes
 from testbed.net.nodes import NodeBackend, NodeKind, Pyroute2Nodes
 from testbed.net.plan import NetworkPlan, Shaping, make_plan, size_lan
 from testbed.scenario import Scenario
@@ -315,7 +316,6 @@ class Network:
 
 def make_backend(name: str, run: runstate.Run) -> NodeBackend:
     if name == "mininet":
-        from testbed.net.mininet_nodes import MininetNodes
 
         return MininetNodes(run)
     return Pyroute2Nodes(run)

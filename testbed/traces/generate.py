@@ -29,8 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from testbed.errors import InputError
+from testbed.traces import load_trace
 from testbed.traces.formats import MOONCAKE_BLOCK, SESSIONS_FORMAT, sessions_workload
-from testbed.traces.stats import trace_stats
+from testbed.traces.stats import format_stats, trace_stats
 from testbed.traces.workload import Workload, block_hashes
 
 RECIPE_GENERATOR = "testbed trace gen"  # a header with this generator holds a recipe to draw again
@@ -188,10 +190,6 @@ def mooncake_lines(wl: Workload) -> list[dict[str, Any]]:
 def generate_file(cfg: GenConfig, output: Path, as_format: str = "sessions") -> str:
     """``testbed trace gen``: write the sessions (or Mooncake records) and return what to
     print: where it went and the statistics of what was written."""
-    from testbed.errors import InputError
-    from testbed.traces import load_trace
-    from testbed.traces.formats import sessions_workload
-    from testbed.traces.stats import format_stats, trace_stats
 
     if not (0 <= cfg.above_95 <= 1 and 0 <= cfg.anomalous_share < 0.5 and cfg.sessions >= 1 and cfg.turns_max >= 3):
         raise InputError("trace gen: --above-95 must be in [0, 1], --anomalous in [0, 0.5), --sessions >= 1, "
