@@ -19,7 +19,7 @@ POLICIES ?= same-dc,cross-dc,pdd
 NETWORK ?=
 RUN_ARGS ?=
 
-.PHONY: reproduce soak bench-cache bench-client setup debs test lint run-trace run-cluster bench-net bench-handoff clean distclean
+.PHONY: reproduce soak bench-cache bench-client setup debs test test-fast lint run-trace run-cluster bench-net bench-handoff clean distclean
 
 MININET_LINK := $(VENV)/.mininet-linked
 
@@ -50,8 +50,13 @@ $(MININET_LINK): $(STAMP)
 	  site=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
 	  ln -sfn "$$src" "$$site/mininet" && $(PY) -c 'import mininet.topo' && touch $@
 
+# Every tier (unit, emulation, slow); `make test-fast` the unit tier alone: no root, no
+# namespaces, no worker processes.
 test: setup
 	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m unit
 
 # Replays the default agentic trace under each policy, prints the side-by-side table and
 # saves requests.csv/.parquet, summary.json, report.md and plots under runs/<timestamp>/ (`testbed report DIR` rebuilds them).
@@ -120,7 +125,7 @@ soak: setup
 	  --minutes $(SOAK_MINUTES) $(SOAK_ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check testbed workers tests
+	$(VENV)/bin/ruff check testbed workers protocol tests
 
 bench-net: setup
 	$(VENV)/bin/testbed bench net --scenario topologies/bench-net.yaml

@@ -62,7 +62,7 @@ class ModelCost(Contract):
 
 
 class Scales(Contract):
-    """``../shared/FIDELITY.md``: one replayed input (output) token stands for ``s_in``
+    """``docs/emulated-time.md``: one replayed input (output) token stands for ``s_in``
     (``s_out``) emulated tokens; real seconds = ``dilation`` x emulated seconds."""
 
     s_in: int = Field(default=1, ge=1)

@@ -1,4 +1,22 @@
-"""Exceptions with a user-facing meaning. The CLI maps each to an exit code."""
+"""Exceptions with a user-facing meaning, and the one meaning of each exit status.
+
+- 0: done: every request completed, every fidelity verdict passed (verify: tokens equal).
+- 1: finished, but requests failed, tokens differed (verify), a measurement missed its
+  configuration (net check), the soak found a hung or lost request, or calibrate did not
+  reach its target.
+- 2: bad input: scenario, trace, topology or command line (the message names file, line
+  and field).
+- 3: a fidelity verdict failed: the latencies measure this host, not the emulated system.
+- 4: this machine lacks something the configuration needs (netem, Mininet, root).
+- 5: the network or a process could not be built; what was built has been undone.
+- 130: interrupted (Ctrl-C, SIGTERM, SIGHUP); everything was torn down.
+"""
+
+# Exit statuses that are not an exception's (see the table above).
+EXIT_OK = 0
+EXIT_FAILED_REQUESTS = 1
+EXIT_INFIDELITY = 3
+EXIT_INTERRUPTED = 130
 
 
 class TestbedError(Exception):
@@ -16,7 +34,7 @@ class InputError(TestbedError):
 class BuildError(TestbedError):
     """The network (or a process) could not be built; what was built has been undone."""
 
-    exit_code = 3
+    exit_code = 5
 
 
 class CapabilityError(TestbedError):

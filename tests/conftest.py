@@ -20,7 +20,20 @@ from testbed.scenario import Scenario, deep_merge, load_scenario
 ROOT = Path(__file__).resolve().parent.parent
 TOPOLOGIES = ROOT / "topologies"
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces")
+ROOT_REASON = "needs root for network namespaces"
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason=ROOT_REASON)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tiers: a test that needs root (namespaces, processes) is ``emulation``, any other
+    ``unit`` (``make test-fast`` runs those alone); ``slow`` is set by hand on the tests that
+    run a whole command end to end, and implies ``emulation``."""
+    for item in items:
+        needs = any(m.kwargs.get("reason") == ROOT_REASON for m in item.iter_markers("skipif"))
+        if needs or item.get_closest_marker("slow") is not None:
+            item.add_marker(pytest.mark.emulation)
+        else:
+            item.add_marker(pytest.mark.unit)
 
 
 # Tests that are not about the WAN's rate run over a fast one, whatever the default scenario's

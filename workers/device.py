@@ -1,7 +1,7 @@
 """Device profiles: emulate an accelerator running the emulated model by pacing real work.
 
 A worker does the real computation with the small model, then waits until the *modeled*
-time of the *emulated* work has passed (``../shared/FIDELITY.md``):
+time of the *emulated* work has passed (``docs/emulated-time.md``):
 
 * a prefill of ``n`` new replayed tokens after ``c`` cached ones is priced as
   ``n x s_in`` new emulated tokens after ``c x s_in``, in passes of the device's

@@ -3,7 +3,7 @@
 A sender runs at most ``streams`` transfers to one receiver at once; the others wait their
 turn in arrival order, the way a transfer engine queues work per peer. Why not one TCP
 connection per transfer, all at once: on a line scaled down to tens of frames in flight
-(``../shared/FIDELITY.md``), twenty parallel flows hold a frame or two each, lose them in
+(``docs/emulated-time.md``), twenty parallel flows hold a frame or two each, lose them in
 bursts and stall in retransmission timeouts, so which transfer finishes first changes from
 run to run: noise the emulated line (thousands of frames in flight) would not have.
 

@@ -28,9 +28,9 @@ from workers.tokenizer import ensure_tokenizer
 
 DEFAULT_MODEL_NAME = "pdd-tiny-llama-v2"
 DEFAULT_CONFIG = {
-    # PLATFORM.md's measured model (KV 4096 B/token in fp32) with an 8192-token vocabulary
-    # instead of 32000: 6.8 M parameters instead of 19.3 M. The output projection reads every
-    # vocabulary row per forward pass (32 MB in fp32: 4 ms on this host, half of a small
+    # A 19 M-parameter Llama shape measured on this class of host (KV 4096 B/token in fp32),
+    # with an 8192-token vocabulary instead of 32000: 6.8 M parameters instead of 19.3 M. The
+    # output projection reads every vocabulary row per forward pass (32 MB in fp32: 4 ms on this host, half of a small
     # prefill or a one-token extend), and those fixed costs set the time dilation.
     "hidden_size": 256,
     "intermediate_size": 1024,

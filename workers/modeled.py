@@ -6,7 +6,7 @@ instances fit on a few host cores (cluster scale, issue #10). What it guarantees
 
 * **KV of the real size.** Prefill and extend return KV tensors of the real small model's
   shape (``ModelShape``: layers x 2 x KV heads x tokens x head dim), so every transfer puts
-  the bytes the scale mapping of ``../shared/FIDELITY.md`` gives on the emulated network,
+  the bytes the scale mapping of ``docs/emulated-time.md`` gives on the emulated network,
   and caches hold what they would. Their content is zeros: nothing reads it.
 * **Deterministic tokens.** The token after ``t`` at position ``p`` is a fixed function of
   ``(t, p)`` (``next_token``), so a relay's eager tokens and a main decoder's extend agree,

@@ -5,7 +5,7 @@ person reads from those two files alone, so ``testbed report RUN_DIR`` (``rebuil
 regenerates exactly what the run printed, without re-running anything:
 
 * ``report.md``: trace, scenario and emulation; the side-by-side tables; the report's
-  figures (``../shared/PDD.md``) beside this run's; every policy's fidelity verdict;
+  figures (``docs/design.md``) beside this run's; every policy's fidelity verdict;
 * the plots (``testbed/analysis/plots.py``): ``latency.png``, ``ttft_by_hit.png`` (TTFT per
   prefix-hit bucket: the tail is the low-hit one), ``timeline.png`` (KV on the WAN and
   per-worker decode load over time), ``hit_rates.png``.
@@ -85,7 +85,7 @@ def _get(s: Summary | None, key: str) -> float | None:
 
 
 def paper_comparison(summary: RunSummary) -> str:
-    """The report's figures (``../shared/PDD.md``) beside this run's, as a markdown table.
+    """The report's figures (``docs/design.md``) beside this run's, as a markdown table.
     Rows whose policies were not run show "-"."""
     same, cross, pdd = _first(summary, "same-dc"), _first(summary, "cross-dc"), _first(summary, "pdd")
     p50_gap = None

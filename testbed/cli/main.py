@@ -20,7 +20,7 @@ from testbed.cli.args import build_parser, scenario_from_args
 from testbed.cli.net_commands import require_root, wire_scenario
 from testbed.cli.replay_commands import replay_inputs
 from testbed.deploy.deployment import network_session
-from testbed.errors import InputError, Terminated, TestbedError
+from testbed.errors import EXIT_INTERRUPTED, InputError, Terminated, TestbedError
 from testbed.faults.timeline import parse_faults
 from testbed.load.verify import run_verify
 from testbed.policies.spec import parse_policy_list
@@ -162,4 +162,4 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except (KeyboardInterrupt, Terminated):
         print("interrupted; torn down", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED

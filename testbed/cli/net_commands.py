@@ -11,7 +11,7 @@ import sys
 from testbed.cli.args import scenario_from_args
 from testbed.deploy.deployment import network_session
 from testbed.deploy.emulation import EmulationPlan
-from testbed.errors import InputError, TestbedError
+from testbed.errors import CapabilityError, InputError
 from testbed.net import netns, runstate
 from testbed.net.check import check_report, passed, run_check
 from testbed.net.mininet_nodes import MininetNodes
@@ -21,7 +21,7 @@ from workers.model_dir import kv_bytes_per_token
 
 def require_root() -> None:
     if os.geteuid() != 0:
-        raise TestbedError("this command needs root (network namespaces, netlink, raw sockets)")
+        raise CapabilityError("this command needs root (network namespaces, netlink, raw sockets)")
 
 
 def wire_scenario(args: argparse.Namespace) -> Scenario:

@@ -1,4 +1,4 @@
-"""Emulated time: one rule maps every duration, rate and size (``../shared/FIDELITY.md``).
+"""Emulated time: one rule maps every duration, rate and size (``docs/emulated-time.md``).
 
 ``EmulationPlan`` is built once per run from the scenario's ``emulation`` (the emulated
 model card), the token scale ``s`` of the replay (``s_in = s_out = s``) and the time

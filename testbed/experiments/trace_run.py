@@ -23,6 +23,7 @@ from testbed.analysis.results import PolicySummary, RunSummary, TraceInfo
 from testbed.deploy.deployment import Deployment
 from testbed.deploy.dilation import emulation_plan
 from testbed.deploy.fidelity import format_verdict
+from testbed.errors import EXIT_INFIDELITY
 from testbed.faults.timeline import Fault
 from testbed.load.trace_replay import TraceReplay
 from testbed.policies.spec import PolicySpec
@@ -95,5 +96,5 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
     if not all(s.fidelity.passed for s in summaries.values()) and not opts.allow_infidelity:
         print("fidelity FAILED: these latencies measure this host, not the emulated system "
               "(raise --dilation, or pass --allow-infidelity to exit 0 anyway)", file=sys.stderr)
-        return 3
+        return EXIT_INFIDELITY
     return 0 if all(s.failed == 0 for s in summaries.values()) else 1

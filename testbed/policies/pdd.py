@@ -1,5 +1,5 @@
 """PDD: prefill (P) and relay decode (RLD) in the prefill's datacenter, main decode (MD) across
-the WAN (``../shared/PDD.md``).
+the WAN (``docs/design.md``).
 
 Routing, per request, from what the MD lacks and what the WAN is doing:
 

@@ -32,7 +32,7 @@ from testbed.deploy.dilation import emulation_plan
 from testbed.deploy.emulation import EmulationPlan
 from testbed.deploy.fidelity import format_verdict
 from testbed.deploy.run_record import ClientRecord
-from testbed.errors import InputError, Terminated, TestbedError
+from testbed.errors import EXIT_INFIDELITY, InputError, Terminated, TestbedError
 from testbed.net import netns
 from testbed.policies.spec import PddSpec, PolicySpec
 from testbed.scenario import Role, Scenario
@@ -200,5 +200,5 @@ def run_serve(sc: Scenario, opts: ServeOptions) -> int:
         paths = save_served(out, sc, plan, opts.policy, run, f"http://{HOST}:{port}/v1")
         print(f"saved: {', '.join(str(p) for p in paths)}")
     if not run.verdict.passed and not opts.allow_infidelity:
-        return 3
+        return EXIT_INFIDELITY
     return 0

@@ -14,7 +14,7 @@ Besides sessions, ``anomalous_share`` of all requests are "long input, low hit, 
 output" requests (a large fresh document, a few dozen output tokens), flagged
 ``short_output``: the traffic PDD's filter is for.
 
-The default target is the one reported for agentic traffic in ``../shared/PDD.md``: mean hit
+The default target is the one reported for agentic traffic in ``docs/design.md``: mean hit
 about 90 %, 70-80 % of requests above 95 %, 3-4 % anomalous requests. The generator solves
 how many follow-ups land above 95 % from the expected share of first turns and anomalies;
 ``testbed trace stats`` on the output shows what it achieved.
