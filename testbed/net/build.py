@@ -2,7 +2,9 @@
 
 ``Network`` is the running counterpart of a ``NetworkPlan``. ``Network.up`` builds
 everything or nothing: any failure undoes what was built and raises ``BuildError`` naming
-the step that failed. ``Network.down`` stops the delay line and deletes every namespace of
+the step that failed. The WAN's delay, jitter and loss come from a ``WanImpairment``
+(``testbed.net.impairment``: netem or the delay line). ``Network.down`` closes it and
+deletes every namespace of
 the run (deleting a namespace deletes its links and qdiscs). The run registry
 (``testbed.net.runstate``) records each object before it is created, so ``testbed clean``
 can finish the job after a crash.
@@ -11,30 +13,21 @@ can finish the job after a crash.
 from __future__ import annotations
 
 import contextlib
-import signal
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from testbed.errors import BuildError, CapabilityError
 from testbed.net import netns, runstate, shaping
-from testbed.net.delayline_contract import (
-    DelayLineConfig,
-    DelayLineControl,
-    DelayLineReport,
-    DirectionConfig,
-    DirectionOverride,
-)
+from testbed.net.delayline_contract import DelayLineReport, DirectionOverride
+from testbed.net.impairment import ImpairmentChoice, WanImpairment, choose
 from testbed.net.mininet_nodes import MininetNodes
 from testbed.net.nodes import NodeBackend, NodeKind, Pyroute2Nodes
-from testbed.net.plan import NetworkPlan, Shaping, make_plan, size_lan
+from testbed.net.plan import NetworkPlan, make_plan, size_lan
 from testbed.scenario import Scenario
-
-Impairment = Literal["auto", "netem", "delayline"]
 
 # Large TCP windows: a WAN of 1 Gbit/s x 40 ms needs 5 MB in flight, a 10G LAN more.
 TCP_MEM = "4096 33554432 134217728"
@@ -46,15 +39,13 @@ class Network:
     run: runstate.Run
     plan: NetworkPlan
     nodes: NodeBackend  # who creates namespaces, links and bridges (testbed/net/nodes.py)
-    impairment: str = "none"
-    impairment_reason: str = ""
-    delayline: subprocess.Popen[bytes] | None = None
+    wan: WanImpairment | None = None  # the WAN's delay, jitter and loss (testbed/net/impairment.py)
     timings: dict[str, float] = field(default_factory=dict)
     delayline_stats_final: DelayLineReport | None = None  # last statistics, read at teardown
 
     # ---------------------------------------------------------------- lifecycle
     @classmethod
-    def up(cls, scenario: Scenario, run: runstate.Run, impairment: Impairment = "auto") -> Network:
+    def up(cls, scenario: Scenario, run: runstate.Run, impairment: ImpairmentChoice = "auto") -> Network:
         t0 = time.monotonic()
         plan = make_plan(scenario, run.prefix)
         net = cls(scenario, run, plan, make_backend(plan.backend, run))
@@ -75,14 +66,8 @@ class Network:
 
     def down(self) -> None:
         t0 = time.monotonic()
-        if self.delayline and self.delayline.poll() is None:
-            self.delayline.send_signal(signal.SIGTERM)
-            try:
-                self.delayline.wait(timeout=3)
-            except subprocess.TimeoutExpired:
-                self.delayline.kill()
-                self.delayline.wait()
-        self.delayline_stats_final = self.delayline_stats()
+        if self.wan is not None:
+            self.delayline_stats_final = self.wan.close()
         self.nodes.close()
         runstate.destroy(self.run.run_id, self.run.namespaces, self.run.processes)
         self.run.namespaces.clear()
@@ -103,14 +88,15 @@ class Network:
         return self.plan.hosts[host].ip
 
     @property
-    def stats_path(self) -> Path:
-        return self.run.dir / "delayline-stats.json"
+    def impairment(self) -> str:
+        return self.wan.name if self.wan else "none"
+
+    @property
+    def impairment_reason(self) -> str:
+        return self.wan.reason if self.wan else ""
 
     def delayline_stats(self) -> DelayLineReport | None:
-        try:
-            return DelayLineReport.model_validate_json(self.stats_path.read_text())
-        except (OSError, ValueError):
-            return None
+        return self.wan.stats() if self.wan else None
 
     def describe(self) -> str:
         """The built network as a person reads it: datacenters, hosts, WAN shaping."""
@@ -143,28 +129,12 @@ class Network:
         return proc
 
     # ---------------------------------------------------------------- faults
-    @property
-    def control_path(self) -> Path:
-        return self.run.dir / "delayline-control.json"
-
     def impair_wan(self, overrides: dict[tuple[str, str], DirectionOverride]) -> None:
         """Set every WAN direction's fault state at once, in wire units (a direction not in
-        ``overrides`` goes back to its configuration). Delay line: a control file and SIGUSR1;
-        netem: its qdisc changed in place (down = 100 % loss)."""
-        if self.impairment == "netem":
-            with netns.iproute(self.plan.wan_ns) as ipr:
-                for (src, dst), s in self.plan.wan_shaping.items():
-                    o = overrides.get((src, dst), DirectionOverride())
-                    shaping.change_netem(ipr, self.plan.dcs[dst].wan_port, s, self.plan.wan_frame_mtu,
-                                         loss_pct=100.0 if o.down else o.loss_pct, extra_delay_ms=o.extra_delay_ms)
-            return
-        if self.delayline is None or self.delayline.poll() is not None:
-            raise BuildError("the delay line is not running")
-        control = DelayLineControl(directions={f"{src}->{dst}": o for (src, dst), o in overrides.items()})
-        tmp = self.control_path.with_suffix(".tmp")
-        tmp.write_text(control.model_dump_json())
-        tmp.replace(self.control_path)
-        self.delayline.send_signal(signal.SIGUSR1)
+        ``overrides`` goes back to its configuration)."""
+        if self.wan is None:
+            raise BuildError("the WAN is not built")
+        self.wan.impair(overrides)
 
     def set_wan_rate(self, src: str, dst: str, rate_bps: int | None) -> None:
         """The line's rate of one direction (wire bits/s); None: back to its configuration."""
@@ -182,7 +152,7 @@ class Network:
         self._step = name
         yield
 
-    def _build(self, impairment: Impairment) -> None:
+    def _build(self, impairment: ImpairmentChoice) -> None:
         p = self.plan
         nodes: list[tuple[str, str, NodeKind]] = [(h.ns, h.name, "host") for h in p.hosts.values()]
         nodes += [(dc.gw_ns, f"gw-{dc.name}", "gateway") for dc in p.dcs.values()] + [(p.wan_ns, "wan", "wan")]
@@ -192,7 +162,7 @@ class Network:
                 self.nodes.add_node(ns, label, kind)
                 self._init_namespace(ns)
         with self._stage("choose impairment backend"):
-            self._choose_impairment(impairment)
+            self.wan = choose(impairment, p, self.run.dir, int(self.run.run_id, 16), self.spawn)
         for h in p.hosts.values():
             with self._stage(f"host {h.name} link"):
                 self.nodes.add_link(h.ns, "eth0", p.dcs[h.dc].gw_ns, h.gw_port, p.mtu)
@@ -240,23 +210,6 @@ class Network:
         with netns.iproute(ns) as ipr:
             shaping.add_rate_limit(ipr, ifname, rate, s.burst_bytes, s.queue_bytes)
 
-    def _choose_impairment(self, requested: Impairment) -> None:
-        needs = any(s.delay_ms or s.jitter_ms or s.loss_pct for s in self.plan.wan_shaping.values())
-        if requested == "delayline":
-            self.impairment, self.impairment_reason = "delayline", "requested"
-            return
-        ok, why = shaping.netem_available(self.plan.wan_ns)
-        if requested == "netem":
-            if not ok:
-                raise CapabilityError(f"--impairment netem: {why}. Use --impairment delayline (or auto).")
-            self.impairment, self.impairment_reason = "netem", "requested"
-        elif ok:
-            self.impairment, self.impairment_reason = "netem", why
-        else:
-            self.impairment, self.impairment_reason = "delayline", why
-        if not needs and self.impairment == "delayline":
-            self.impairment_reason += "; no delay/jitter/loss configured, delay line forwards only"
-
     def _build_wan(self) -> None:
         p = self.plan
         a, b = p.wan_between
@@ -276,60 +229,12 @@ class Network:
             for dc in (p.dcs[a], p.dcs[b]):
                 shaping.disable_offloads(dc.gw_ns, "wan0")
                 shaping.disable_offloads(p.wan_ns, dc.wan_port)
-        netem = self.impairment == "netem"
-        with self._stage("WAN shaping"), netns.iproute(p.wan_ns) as ipr:
-            for (_src, dst), s in p.wan_shaping.items():
-                # Frames of src->dst leave the WAN namespace through the port facing dst.
-                shaping.add_wan_qdiscs(ipr, p.dcs[dst].wan_port, s, p.wan_frame_mtu, netem)
-            if netem:
-                ipr.link("add", ifname="br0", kind="bridge", mtu=p.wan_frame_mtu)
-                br = ipr.link_lookup(ifname="br0")[0]
-                for dc in (p.dcs[a], p.dcs[b]):
-                    ipr.link("set", index=ipr.link_lookup(ifname=dc.wan_port)[0], master=br)
-                ipr.link("set", index=br, state="up")
-        if not netem:
-            with self._stage("start delay line"):
-                self._start_delayline()
-
-    def _start_delayline(self) -> None:
-        p = self.plan
-        ready = self.run.dir / "delayline.ready"
-        cfg = DelayLineConfig(
-            ports={dc: p.dcs[dc].wan_port for dc in p.wan_between},
-            directions=[
-                DirectionConfig(src=src, dst=dst, delay_ms=s.delay_ms, jitter_ms=s.jitter_ms, loss_pct=s.loss_pct,
-                                max_backlog_bytes=_backlog_cap(s))
-                for (src, dst), s in p.wan_shaping.items()
-            ],
-            stats_path=str(self.stats_path), ready_path=str(ready), seed=int(self.run.run_id, 16),
-            control_path=str(self.control_path),
-        )  # fmt: skip
-        self.delayline = self.spawn(
-            p.wan_ns, [sys.executable, "-m", "testbed.net.delayline", cfg.model_dump_json()],
-            name="delayline", log=self.run.dir / "delayline.log",
-        )
-        _wait_for(lambda: ready.exists() or self.delayline.poll() is not None, 10, "delay line start")
-        if self.delayline.poll() is not None:
-            log = (self.run.dir / "delayline.log").read_text()[-2000:]
-            raise BuildError(f"delay line exited with {self.delayline.returncode}: {log}")
+        assert self.wan is not None
+        with self._stage(f"WAN shaping and impairment ({self.wan.name})"):
+            self.wan.build()
 
 
 def make_backend(name: str, run: runstate.Run) -> NodeBackend:
     if name == "mininet":
-
         return MininetNodes(run)
     return Pyroute2Nodes(run)
-
-
-def _backlog_cap(s: Shaping) -> int:
-    hold_s = (s.delay_ms + s.jitter_ms) / 1000 + 0.05
-    rate = s.rate_bps or 40e9  # unshaped: what the kernel could possibly push (40 Gbit/s)
-    return int(rate / 8 * hold_s) + s.queue_bytes
-
-
-def _wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise BuildError(f"timed out waiting for {what}")
-        time.sleep(0.005)
