@@ -34,6 +34,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from protocol.messages import RequestId
+from protocol.validation import first_error
 
 MAGIC = b"PDKV"
 VERSION = 1
@@ -111,9 +112,7 @@ def parse_frame(model: type[F], payload: bytes, what: str) -> F:
     try:
         return model.model_validate_json(payload)
     except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"]) or "frame"
-        raise KVTransferError(f"bad {what}: {where}: {err['msg']}") from None
+        raise KVTransferError(f"bad {what}: {first_error(e, 'frame')}") from None
 
 
 def send_frame(sock: socket.socket, ftype: int, payload: bytes) -> int:

@@ -29,6 +29,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, TypeAdapter, ValidationError, model_validator
 
+from protocol.validation import one_line
 from protocol.worker_config import Contract, WorkerRole
 
 QOS = 1
@@ -286,10 +287,6 @@ def parse_event(payload: bytes | bytearray | str) -> Event:
     return _EVENT.validate_json(payload)
 
 
-def event_from_python(data: object) -> Event:
-    return _EVENT.validate_python(data)
-
-
 # ------------------------------------------------------------------------- streams and status
 class Tokens(Contract):
     rid: str
@@ -329,7 +326,7 @@ def no_delay(client: Any) -> None:
 
 def why_invalid(error: ValidationError) -> str:
     """A validation error in one line: each failing field and what was wrong with it."""
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'message'}: {e['msg']}" for e in error.errors())
+    return one_line(error)
 
 
 def rid_of(payload: bytes | bytearray | str) -> str | None:

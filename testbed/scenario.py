@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import re
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -20,10 +19,12 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from protocol.validation import field_errors
 from protocol.worker_config import DeviceSpec
 from testbed.errors import InputError
 from testbed.faults.timeline import Fault, as_fault
 from testbed.traces.workload import VOCAB_HIGH
+from workers.model_dir import default_model_dir
 
 NAME_RE = r"^[a-z][a-z0-9]{0,11}(-[a-z0-9]{1,11})*$"
 HostName = Annotated[str, Field(pattern=NAME_RE, max_length=16)]
@@ -292,21 +293,15 @@ class Scenario(_Strict):
                           mem_gbps=dev.mem_gbps * n, step_overhead_ms=dev.step_overhead_ms,
                           prefill_chunk=dev.prefill_chunk)
 
-    def emulated_devices(self) -> int:
-        """Accelerators the scenario's workers stand for (native hosts count none)."""
-        return sum(h.devices for dc in self.datacenters.values() for h in dc.hosts.values()
-                   if h.device in self.devices)
-
     def hosts_with_role(self, role: Role) -> list[str]:
         return [h for dc in self.datacenters.values() for h, spec in dc.hosts.items() if spec.role == role]
 
     def model_dir(self) -> str:
-        """The small real model the workers run: ``workers.model``, or the default one
-        (created on first use)."""
-        from workers.model import ensure_default_model
-
+        """The small real model the workers run: ``workers.model`` (validated), or where the
+        default one lives (``testbed.deploy.model_files.ensure_model`` creates it before use; a
+        description builds nothing)."""
         if not self.workers.model:
-            return str(ensure_default_model())
+            return str(default_model_dir())
         path = self.workers.model
         where = f"{self.source}: " if self.source else ""
         if not (path / "config.json").is_file():
@@ -372,14 +367,8 @@ def load_scenario(path: str | Path, overrides: dict[str, Any] | None = None) -> 
     try:
         return Scenario.model_validate({**data, "source": path})
     except ValidationError as e:
-        msgs = []
-        for err in e.errors():
-            loc = tuple(err["loc"])
-            field = ".".join(str(p) for p in loc) or "(top level)"
-            line = _line_of(node, loc)
-            msg = re.sub(r"^Value error, ", "", err["msg"])
-            msgs.append(f"{path}:{line or '?'}: {field}: {msg}")
-        raise InputError("\n".join(msgs)) from e
+        raise InputError("\n".join(f"{path}:{_line_of(node, err.loc) or '?'}: {err.field or '(top level)'}: {err.msg}"
+                                   for err in field_errors(e))) from e
 
 
 def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

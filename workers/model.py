@@ -24,9 +24,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from protocol.kv_format import ModelShape  # the KV layout is the wire format's contract
+from workers.model_dir import default_model_dir
 from workers.tokenizer import ensure_tokenizer
 
-DEFAULT_MODEL_NAME = "pdd-tiny-llama-v2"
 DEFAULT_CONFIG = {
     # A 19 M-parameter Llama shape measured on this class of host (KV 4096 B/token in fp32),
     # with an 8192-token vocabulary instead of 32000: 6.8 M parameters instead of 19.3 M. The
@@ -47,11 +47,6 @@ DEFAULT_CONFIG = {
     "tie_word_embeddings": False,
 }
 DEFAULT_SEED = 20261129
-
-
-def default_model_dir() -> Path:
-    root = Path(os.environ.get("PDD_TESTBED_CACHE", Path(__file__).resolve().parent.parent / ".cache"))
-    return root / "models" / DEFAULT_MODEL_NAME
 
 
 def ensure_default_model(path: Path | None = None) -> Path:

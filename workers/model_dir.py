@@ -1,12 +1,20 @@
-"""What the orchestrator needs to know of a model directory without loading torch: its
-KV bytes per token, from ``config.json`` alone (the same arithmetic as ``ModelShape``)."""
+"""What the orchestrator needs to know of a model directory without loading torch: where
+the default model lives, and its KV bytes per token from ``config.json`` alone (the same
+arithmetic as ``ModelShape``)."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+DEFAULT_MODEL_NAME = "pdd-tiny-llama-v2"
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}
+
+
+def default_model_dir() -> Path:
+    root = Path(os.environ.get("PDD_TESTBED_CACHE", Path(__file__).resolve().parent.parent / ".cache"))
+    return root / "models" / DEFAULT_MODEL_NAME
 
 
 def kv_bytes_per_token(path: Path | str, dtype: str) -> int:

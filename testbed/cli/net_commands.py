@@ -11,6 +11,7 @@ import sys
 from testbed.cli.args import scenario_from_args
 from testbed.deploy.deployment import network_session
 from testbed.deploy.emulation import EmulationPlan
+from testbed.deploy.model_files import ensure_model
 from testbed.errors import CapabilityError, InputError
 from testbed.net import netns, runstate
 from testbed.net.check import check_report, passed, run_check
@@ -32,7 +33,7 @@ def wire_scenario(args: argparse.Namespace) -> Scenario:
         return sc
     if args.token_scale < 1 or not 0.1 <= args.dilation <= 1000:
         raise InputError("--token-scale must be >= 1 and --dilation between 0.1 and 1000")
-    model = sc.model_dir()
+    model = ensure_model(sc.model_dir())
     plan = EmulationPlan.make(sc, args.token_scale, args.dilation, kv_bytes_per_token(model, sc.workers.dtype))
     if not getattr(args, "json", False):
         print(plan.describe(sc))

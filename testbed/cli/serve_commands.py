@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from testbed.cli.args import scenario_from_args
+from testbed.deploy.model_files import ensure_model
 from testbed.errors import InputError
 from testbed.policies.spec import parse_policy
 
@@ -30,4 +31,4 @@ def cmd_bench_client(args: argparse.Namespace) -> int:
         raise InputError(f"--limit: must be >= 1, got {args.limit}")
     opts = ClientBenchOptions(args.aiperf, args.scenario, args.trace, args.policy, args.token_scale, args.dilation,
                               args.limit, args.out)
-    return run_client_bench(opts, Path(sc.model_dir()))
+    return run_client_bench(opts, Path(ensure_model(sc.model_dir())))

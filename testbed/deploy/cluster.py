@@ -22,6 +22,7 @@ from protocol.router_config import PolicyContext, PolicyReport, RequestRecord, R
 from protocol.worker_config import BrokerInfo, Scales, WorkerConfig, WorkerFaults, WorkerRole, WorkerStats
 from testbed.deploy.broker import BrokerAccess, launch_broker, start_broker
 from testbed.deploy.emulation import EmulationPlan
+from testbed.deploy.model_files import ensure_model
 from testbed.errors import InputError
 from testbed.net.build import Network
 from testbed.policies.spec import PolicySpec
@@ -101,7 +102,7 @@ class Cluster:
         broker, access = start_broker(net, routers[0], worker_roles(sc))
         cl = cls(net, policy, access, broker, routers[0])
         ws = sc.workers
-        model = sc.model_dir()
+        model = ensure_model(sc.model_dir())
         # Only the run's workers may hand a KV receiver a transfer: a per-run token in HELLO.
         cl.workers = worker_configs(sc, net, access.workers, model, dtype, faults, emulation,
                                     kv_token=secrets.token_urlsafe(16))

@@ -30,6 +30,7 @@ import numpy as np
 
 from protocol.worker_config import Scales
 from testbed.deploy.emulation import EmulationPlan, round_up
+from testbed.deploy.model_files import ensure_model
 from testbed.errors import InputError
 from testbed.scenario import Role, Scenario
 from testbed.traces.stats import hit_rates
@@ -198,7 +199,7 @@ def emulation_plan(sc: Scenario, wl: Workload, specs: list[RequestSpec], dilatio
     """The run's emulation: the scenario's model card at the trace's token scale, and the
     dilation given, the scenario's, or (``auto``) calibrated on this host."""
 
-    model = sc.model_dir()
+    model = ensure_model(sc.model_dir())
     dtype = dtype or sc.workers.dtype
     b_r = kv_bytes_per_token(model, dtype)
     wanted = dilation if dilation is not None else (sc.emulation.time_dilation if sc.emulation else 1.0)

@@ -34,6 +34,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from protocol.validation import first_error
 from testbed.errors import InputError
 
 FaultKind = Literal["wan-down", "loss", "delay", "rate", "partition", "kill", "broker-restart"]
@@ -159,9 +160,7 @@ def _parse(text: str) -> Fault:
     try:
         return Fault.model_validate(fields)
     except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "spec"
-        raise ValueError(f"{field}: {err['msg'].removeprefix('Value error, ')}") from None
+        raise ValueError(first_error(e, "spec")) from None
 
 
 def parse_fault(text: str, where: str = "--fault") -> Fault:
@@ -190,8 +189,3 @@ def as_fault(value: object) -> object:
     """Scenario ``faults:`` entries may be spec strings: parsed here (pydantic reports errors
     with the entry's position); mappings are validated as ``Fault``."""
     return _parse(value) if isinstance(value, str) else value
-
-
-def fault_timeline(faults: list[Fault]) -> list[Fault]:
-    """The faults in the order they start (stable for equal starts)."""
-    return sorted(faults, key=lambda f: f.at_s)

@@ -19,6 +19,7 @@ from typing import Any
 from protocol.messages import Extended, RequestHints
 from testbed.deploy.deployment import Deployment
 from testbed.deploy.emulation import EmulationPlan
+from testbed.deploy.model_files import ensure_model
 from testbed.deploy.run_record import ClientRecord
 from testbed.errors import InputError
 from testbed.load.trace_replay import TraceReplay
@@ -83,7 +84,7 @@ def run_verify(sc: Scenario, impairment: str, policies: list[PolicySpec], prompt
         raise InputError(f"scenario {sc.name}{where}: verify needs real compute, but {', '.join(modeled)} "
                          "run compute: modeled (their tokens come from no model)")
     specs = verification_prompts(prompts, seed)
-    model = sc.model_dir()
+    model = ensure_model(sc.model_dir())
     plan = EmulationPlan.make(sc, 1, dilation, kv_bytes_per_token(model, dtype))
     for s in specs:
         s.at *= plan.dilation

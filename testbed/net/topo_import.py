@@ -30,6 +30,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from protocol.validation import first_error
 from testbed.errors import InputError
 from testbed.scenario import Host, Scenario
 
@@ -146,9 +147,7 @@ def scenario_from_topo(topo: Any, base: Scenario, where: str) -> Scenario:
     try:
         sc = Scenario.model_validate(raw)
     except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"])
-        raise InputError(f"{where}: {field}: {err['msg'].removeprefix('Value error, ')}") from None
+        raise InputError(f"{where}: {first_error(e, '(topology)')}") from None
     return sc.model_copy(update={"source": base.source})
 
 

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from protocol.validation import field_errors
 from testbed.errors import InputError
 
 
@@ -108,9 +109,9 @@ def parse_policy(text: str) -> PolicySpec:
     try:
         return PddSpec(options=PddOptions.model_validate(options))
     except ValidationError as e:
-        err = e.errors()[0]
-        key = str(err["loc"][0]) if err["loc"] else "?"
-        raise PolicyError(f"{name}: option {key}={options.get(key)!r}: {err['msg']}") from e
+        err = field_errors(e)[0]
+        key = str(err.loc[0]) if err.loc else "?"
+        raise PolicyError(f"{name}: option {key}={options.get(key)!r}: {err.msg}") from e
 
 
 def parse_policy_list(text: str, option: str = "--policies") -> list[PolicySpec]:

@@ -22,6 +22,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from protocol.validation import field_errors
 from testbed.serve.gateway import Gateway, NotReady, RequestFailed
 from testbed.serve.openai_api import (
     DEFAULT_MAX_TOKENS,
@@ -64,10 +65,9 @@ def _json(model: BaseModel, status: int = 200) -> web.Response:
 
 
 def _invalid(e: ValidationError) -> ApiError:
-    err = e.errors()[0]
-    where = ".".join(str(p) for p in err["loc"] if not isinstance(p, int) or len(err["loc"]) > 1)
-    msg = err["msg"].removeprefix("Value error, ")
-    return ApiError(400, f"{where}: {msg}" if where else msg, param=where or None)
+    err = field_errors(e)[0]
+    where = ".".join(str(p) for p in err.loc if not isinstance(p, int) or len(err.loc) > 1)
+    return ApiError(400, f"{where}: {err.msg}" if where else err.msg, param=where or None)
 
 
 class Detokenizer:

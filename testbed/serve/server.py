@@ -31,6 +31,7 @@ from testbed.deploy.deployment import Deployment
 from testbed.deploy.dilation import emulation_plan
 from testbed.deploy.emulation import EmulationPlan
 from testbed.deploy.fidelity import format_verdict
+from testbed.deploy.model_files import ensure_model
 from testbed.deploy.run_record import ClientRecord
 from testbed.errors import EXIT_INFIDELITY, InputError, Terminated, TestbedError
 from testbed.net import netns
@@ -176,7 +177,7 @@ def run_serve(sc: Scenario, opts: ServeOptions) -> int:
     verdict failed (unless ``allow_infidelity``)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    model_dir = Path(sc.model_dir())
+    model_dir = Path(ensure_model(sc.model_dir()))
     if not (model_dir / "tokenizer_config.json").exists():
         raise InputError(f"{sc.source}: workers.model: {model_dir} has no tokenizer (tokenizer_config.json); "
                          "testbed serve needs one to turn text into tokens")

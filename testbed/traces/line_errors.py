@@ -6,6 +6,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from protocol.validation import first_error
 from testbed.errors import InputError
 
 
@@ -14,12 +15,7 @@ def line_error(path: Path, line: int, field: str, msg: str) -> InputError:
 
 
 def from_validation(path: Path, line: int, e: ValidationError) -> InputError:
-    err = e.errors()[0]
-    field = ".".join(str(x) for x in err["loc"]) or "(line)"
-    msg = err["msg"].removeprefix("Value error, ")
-    if err["type"] == "missing":
-        msg = "missing field"
-    return line_error(path, line, field, msg)
+    return InputError(f"{path}:{line}: {first_error(e, '(line)')}")
 
 
 def read_lines(path: Path) -> list[str]:

@@ -143,10 +143,6 @@ class Workload:
                                    hints=hints, after=r.after, delay=r.delay / speed))
         return out
 
-    def describe(self) -> dict[str, Any]:
-        return {"trace": str(self.source), "format": self.format, "requests": len(self.requests),
-                "token_scale": self.token_scale, "block_size": self.block_size, **self.meta}
-
 
 def scale_len(n: int, scale: int) -> int:
     """A length divided by the token scale, never below 1 token."""

@@ -1,0 +1,18 @@
+"""The model directory a deployment runs, ready before anything reads it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from workers.model_dir import default_model_dir
+
+
+def ensure_model(path: str | Path) -> str:
+    """``path`` ready to load: the default model is created there on first use (torch), a
+    user's directory is taken as it is (the scenario validated it)."""
+    path = Path(path)
+    if path == default_model_dir():
+        from workers.model import ensure_default_model  # torch
+
+        ensure_default_model(path)
+    return str(path)
