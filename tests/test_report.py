@@ -18,6 +18,7 @@ from testbed.analysis.confidence import mean_ci, t975
 from testbed.analysis.cost import HardwareCost, cost_per_million_tokens, hardware_cost
 from testbed.analysis.metrics import Slo, summarize
 from testbed.analysis.results import PolicySummary, RunSummary, TraceInfo, load_run
+from testbed.analysis.tables import markdown_table, table_head
 from testbed.deploy.emulation import EmulationPlan
 from testbed.deploy.fidelity import Verdict
 from testbed.errors import InputError
@@ -215,3 +216,11 @@ def test_repetitions_table_over_saved_runs(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "testbed", "report", str(dirs[0]), str(other), "--out",
                           str(tmp_path / "rep2")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and f"{other}: not a repetition of {dirs[0]}: policies" in res.stderr
+
+
+def test_markdown_tables_have_one_shape() -> None:
+    assert markdown_table(["policy", "TTFT"], [["pdd", 1.5]], "lr") == ["| policy | TTFT |", "|---|---:|",
+                                                                        "| pdd | 1.5 |"]
+    assert table_head(["a", "b", "c"], "r") == ["| a | b | c |", "|---:|---|---|"]
+    with pytest.raises(ValueError, match="does not fit 2 columns"):
+        table_head(["a", "b"], "lrr")

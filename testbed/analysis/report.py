@@ -25,6 +25,7 @@ from testbed.analysis import plots
 from testbed.analysis.confidence import mean_ci
 from testbed.analysis.metrics import Summary
 from testbed.analysis.results import REQUESTS_FILE, SUMMARY_FILE, RunSummary, load_run
+from testbed.analysis.tables import markdown_table, table_head, table_row
 from testbed.deploy.fidelity import format_verdict
 from testbed.errors import InputError
 from testbed.traces.generate import same_recipe
@@ -111,8 +112,7 @@ def paper_comparison(summary: RunSummary) -> str:
             rows.append((f"PDD TTFT {shown} vs {base_name}", said, _change(_get(pdd, key), _get(base, key))))
     rld = _get(pdd, "rld_share")
     rows.append(("RLD share of output tokens (PDD)", "6.2 %", "-" if rld is None else f"{100 * rld:.1f} %"))
-    lines = ["| figure | report | this run |", "|---|---:|---:|"]
-    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    lines = markdown_table(["figure", "report", "this run"], rows, "lrr")
     return "\n".join(lines)
 
 
@@ -125,8 +125,8 @@ def cost_table(summary: RunSummary) -> str | None:
     base = _first(summary, "same-dc")
     base_cost = base.cost.total if base is not None and base.cost is not None else None
     unit = next(iter(priced.values())).cost.unit  # type: ignore[union-attr]
-    lines = [f"| policy | deploys | price ({unit}) | vs same-dc | per 1M output tokens | goodput rps per price |",
-             "|---|---|---:|---:|---:|---:|"]
+    lines = table_head(["policy", "deploys", f"price ({unit})", "vs same-dc", "per 1M output tokens",
+                        "goodput rps per price"], "llrrrr")
     for name, s in priced.items():
         c = s.cost
         assert c is not None
@@ -147,7 +147,7 @@ def cost_table(summary: RunSummary) -> str | None:
 def fault_table(summary: RunSummary) -> str | None:
     """The fault timeline of each policy's run as applied (emulated seconds), and how many
     requests failed while each fault was in effect; None without faults."""
-    lines = ["| policy | fault | applied s | cleared s | what was done | failed during |", "|---|---|---|---|---|---|"]
+    lines = table_head(["policy", "fault", "applied s", "cleared s", "what was done", "failed during"])
     for name, s in summary.policies.items():
         for f in s.faults:
             during = sum(f.fault in (why or "") for why in s.failures.values())
@@ -292,7 +292,7 @@ def repetitions_markdown(runs: list[tuple[Path, RunSummary]]) -> str:
              f"Runs: {', '.join(str(d) for d, _ in runs)}; dilations "
              f"{', '.join(f'{s.emulation.dilation:g}' for _, s in runs)}; times in {first.units}.",
              "Cells: mean ± half-width of the 95 % confidence interval (Student's t, n - 1 degrees of freedom).",
-             "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+             "", *table_head(header)]
     for policy in first.policies:
         cells = [policy]
         for key, _, scale, fmt in REPEAT_COLUMNS:
@@ -300,11 +300,11 @@ def repetitions_markdown(runs: list[tuple[Path, RunSummary]]) -> str:
                           is not None])
             cells.append("-" if ci is None else ci.format(scale, fmt) + ("" if ci.n == n else f" (n={ci.n})"))
         cells.append(f"{sum(s.policies[policy].fidelity.passed for _, s in runs)}/{n}")
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(table_row(cells))
     rows = _paper_rows_over(runs)
     if rows:
-        lines += ["", "The report's figures beside these runs':", "", "| figure | report | these runs |",
-                  "|---|---:|---:|", *(f"| {a} | {b} | {c} |" for a, b, c in rows)]
+        lines += ["", "The report's figures beside these runs':", "",
+                  *markdown_table(["figure", "report", "these runs"], rows, "lrr")]
     return "\n".join(lines) + "\n"
 
 

@@ -26,6 +26,7 @@ import pandas as pd
 from pydantic import BaseModel, ConfigDict
 
 from testbed.analysis.results import load_run
+from testbed.analysis.tables import table_head
 from testbed.experiments.load_sweep import SweepOptions, fixed_dilation
 from testbed.policies.spec import PolicySpec
 from testbed.scenario import Scenario
@@ -129,7 +130,7 @@ def save_bathtub(points: list[HitPoint], curve: pd.DataFrame, out: Path, base: s
     curve.to_csv(out / "bathtub.csv", index=False)
     plots.plot_bathtub(curve, out / "bathtub.png", base, pdd)
     lines = [f"# {pdd} against {base} across prefix-hit rates", "",
-             "| hit rate | measured hit | mean TTFT | P50 TTFT | SLO met (points) |", "|---:|---:|---:|---:|---:|"]
+             *table_head(["hit rate", "measured hit", "mean TTFT", "P50 TTFT", "SLO met (points)"], "rrrrr")]
 
     def pct(v: float | None, sign: str = "+") -> str:
         return "-" if v is None or pd.isna(v) else f"{100 * v:{sign}.1f} %"

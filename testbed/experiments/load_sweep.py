@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict
 
 from testbed.analysis.cost import hardware_cost
 from testbed.analysis.results import PolicySummary, load_run
+from testbed.analysis.tables import table_head
 from testbed.deploy.dilation import emulation_plan
 from testbed.errors import InputError
 from testbed.experiments.trace_run import RunOptions, run_trace
@@ -239,16 +240,15 @@ def _fmt(v: float | None, spec: str = ".2f", unit: str = "") -> str:
 def sweep_markdown(r: SweepResult) -> str:
     lines = [f"# Load sweep (D = {r.dilation:g}; SLO: TTFT <= {r.slo_ttft_s:g} s and TPOT <= {r.slo_tpot_s:g} s "
              f"for {100 * r.share:.0f} % of requests)", "",
-             "| load | policy | completed | failed | rps | SLO met | TTFT P50 | P90 | P99 | fidelity |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             *table_head(["load", "policy", "completed", "failed", "rps", "SLO met", "TTFT P50", "P90", "P99",
+                          "fidelity"], "rlrrrrrrrl")]
     for p in sorted(r.points, key=lambda p: (p.load, p.policy)):
         met = _fmt(None if p.slo_attainment is None else 100 * p.slo_attainment, ".0f", " %")
         lines.append(f"| {p.load:g} | {p.policy} | {p.completed}/{p.requests} | {p.failed} | "
                      f"{_fmt(p.rps, '.3f')} | {met} | {_fmt(p.ttft_p50_s)} | {_fmt(p.ttft_p90_s)} | "
                      f"{_fmt(p.ttft_p99_s)} | {'ok' if p.fidelity_passed else 'FAILED'} |")
     lines += ["", "## SLA throughput", "",
-              "| policy | highest load meeting the SLO | rps | price | BCR (rps per price) |",
-              "|---|---:|---:|---:|---:|"]
+              *table_head(["policy", "highest load meeting the SLO", "rps", "price", "BCR (rps per price)"], "lrrrr")]
     for t in r.sla:
         lines.append(f"| {t.policy} | {_fmt(t.load, 'g')} | {_fmt(t.rps, '.3f')} | {_fmt(t.cost)} | "
                      f"{_fmt(t.bcr, '.5f')} |")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from testbed.analysis.confidence import mean_ci
+from testbed.analysis.tables import table_head
 from testbed.errors import InputError
 from testbed.experiments.load_sweep import Draw, SweepResult
 from testbed.traces import load_trace
@@ -99,16 +100,15 @@ def seeded_sweep_markdown(results: list[tuple[int, SweepResult]]) -> str:
              f"{first.slo_ttft_s:g} s and TPOT <= {first.slo_tpot_s:g} s for {100 * first.share:.0f} % of requests)",
              "", "Cells: mean ± half-width of the 95 % confidence interval over the draws (Student's t); n = "
              f"{n} unless said. Each draw's own table: `seed-<s>/sweep.md`.", "",
-             "| load | policy | SLO met % | TTFT P50 s | TTFT P99 s | fidelity passed |",
-             "|---:|---|---:|---:|---:|---:|"]
+             *table_head(["load", "policy", "SLO met %", "TTFT P50 s", "TTFT P99 s", "fidelity passed"], "rlrrrr")]
     keys = sorted({(p.load, p.policy) for _, r in results for p in r.points})
     for load, policy in keys:
         pts = [p for _, r in results for p in r.points if p.load == load and p.policy == policy]
         lines.append(f"| {load:g} | {policy} | {_ci([p.slo_attainment for p in pts], 100, '{:.0f}')} | "
                      f"{_ci([p.ttft_p50_s for p in pts])} | {_ci([p.ttft_p99_s for p in pts])} | "
                      f"{sum(p.fidelity_passed for p in pts)}/{len(pts)} |")
-    lines += ["", "## SLA throughput", "", "| policy | highest load meeting the SLO | rps | BCR (rps per price) |",
-              "|---|---:|---:|---:|"]
+    lines += ["", "## SLA throughput", "",
+              *table_head(["policy", "highest load meeting the SLO", "rps", "BCR (rps per price)"], "lrrr")]
     for policy in [t.policy for t in first.sla]:
         ts = [next(t for t in r.sla if t.policy == policy) for _, r in results]
         lines.append(f"| {policy} | {_ci([t.load for t in ts], 1, '{:.2f}')} | {_ci([t.rps for t in ts], 1, '{:.3f}')}"
@@ -190,8 +190,7 @@ def write_seeded_bathtub(curves: list[tuple[int, pd.DataFrame]], out: Path, base
     lines = [f"# {pdd} against {base} across prefix-hit rates, over {len(curves)} draws (seeds {seeds})", "",
              "Cells: mean ± half-width of the 95 % confidence interval over the draws; TTFT changes in % "
              "(negative: PDD faster), SLO attainment in points. Each draw's own table: `seed-<s>/bathtub.md`.", "",
-             "| hit rate | measured hit | mean TTFT | P50 TTFT | SLO met (points) | n |",
-             "|---:|---:|---:|---:|---:|---:|"]
+             *table_head(["hit rate", "measured hit", "mean TTFT", "P50 TTFT", "SLO met (points)", "n"], "rrrrrr")]
     for _, r in agg.iterrows():
         hit = "-" if pd.isna(r.hit_measured) else f"{100 * r.hit_measured:.1f} %"
         lines.append(f"| {r.hit_target:g} | {hit} | {cell(r, 'ttft_mean_change', 100, '{:+.1f}')} | "

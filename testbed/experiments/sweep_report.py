@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from testbed.analysis.confidence import mean_ci
 from testbed.analysis.report import paper_comparison, repetitions_markdown
 from testbed.analysis.results import load_run
+from testbed.analysis.tables import table_head
 from testbed.experiments.hit_rate_sweep import HitPoint, benefit, compared, save_bathtub
 from testbed.experiments.load_sweep import REPORT_P50_GAP_S, SWEEP_FILE, SweepResult, save_sweep
 from testbed.experiments.repetitions import write_seeded_bathtub, write_seeded_sweep
@@ -48,8 +49,8 @@ def calibration_markdown(c: Calibration) -> str:
     what = f"the mean over {len(c.seeds)} draws of the trace (seeds {', '.join(map(str, c.seeds))}) of " if many else ""
     lines = ["# Load calibration", "", f"Bisection of the offered load (x the trace's rate) for {what}cross-dc minus "
              f"same-dc P50 TTFT = +{REPORT_P50_GAP_S:g} s (tolerance {c.tolerance_s:g} s):", "",
-             "| load | gap | 95 % interval; per draw |" if many else "| load | gap |",
-             "|---:|---:|---|" if many else "|---:|---:|"]
+             *(table_head(["load", "gap", "95 % interval; per draw"], "rrl") if many
+               else table_head(["load", "gap"], "rr"))]
     for load, gap in c.steps:
         if many:
             gaps = c.gaps[f"{load:g}"]

@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from testbed.analysis.results import load_run
+from testbed.analysis.tables import table_head
 from testbed.errors import InputError
 
 MATCH_S = 1.0  # a client's request start and the server's receipt of it, at most this far apart
@@ -95,8 +96,7 @@ def comparison(client: ClientRecords, server: pd.DataFrame, d: float, s: int) ->
         f"(dilation {d:g}, token scale {s}: real ms = emulated ms x {d:g}; per real token = per emulated "
         f"token x {d * s:g})",
         "",
-        f"| metric (real ms) | {client.tool} | server | difference | matched requests: median difference |",
-        "|---|---|---|---|---|",
+        *table_head(["metric (real ms)", client.tool, "server", "difference", "matched requests: median difference"]),
     ]
     for col, name in (("ttft_s", "TTFT"), ("itl_s", "TPOT / inter-token latency")):
         diff = (pairs[f"{col}_client"] - pairs[f"{col}_server"]).median() * 1000 if len(pairs) else np.nan
