@@ -135,6 +135,7 @@ def test_a_dead_relay_after_handoff_affects_nothing(spread_prompts) -> None:
     assert all(router[s.rid].pipeline == "P-MD" for s in specs if s.at > 3.0)
 
 
+@pytest.mark.slow
 def test_run_with_faults_accounts_for_every_request_and_saves_the_timeline(tmp_path: Path) -> None:
     """The command of issue #11: faults from the command line, every request accounted for."""
     trace = tmp_path / "t.jsonl"

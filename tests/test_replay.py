@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from protocol.worker_config import WorkerFaults
 from testbed.analysis.results import load_run
 from testbed.deploy.deployment import Deployment
@@ -58,6 +60,7 @@ def test_bad_trace_exits_2_naming_line_and_field_and_starts_nothing(tmp_path: Pa
         assert res.returncode == 2 and f"error: --policies: pdd: {says}" in res.stderr, res.stderr
 
 
+@pytest.mark.slow
 def test_closed_loop_sessions_replay_and_results_are_saved(tmp_path: Path) -> None:
     trace = _sessions(tmp_path / "s.jsonl", n=3, turns=3)
     out = tmp_path / "out"

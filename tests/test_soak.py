@@ -58,6 +58,7 @@ def test_a_soak_fails_when_nothing_completes_after_the_faults() -> None:
     assert not SoakReport(**{**base, "hung": 1}).passed
 
 
+@pytest.mark.slow
 @needs_root
 def test_a_short_soak_ends_every_request_and_samples_memory(tmp_path: Path) -> None:
     out = tmp_path / "soak"

@@ -144,6 +144,7 @@ def test_the_bathtub_benefit_is_pdd_against_the_baseline_per_rate() -> None:
     assert list(curve.slo_points) == pytest.approx([30.0, -10.0])
 
 
+@pytest.mark.slow
 @needs_root
 def test_a_small_load_sweep_end_to_end(tmp_path: Path) -> None:
     sessions = [{"session": f"w{i}", "start_s": 1.0 * i, "shared_prefix": {"id": "sys", "tokens": 96},
