@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 from .conftest import ROOT
@@ -202,3 +204,13 @@ def test_a_late_import_of_a_light_module_is_found(tmp_path: Path) -> None:
     p = tmp_path / "m.py"
     p.write_text("import os\n\ndef f():\n    from testbed.errors import InputError\n    import json\n    return 1\n")
     assert _late_imports(p) == [(4, "testbed.errors.InputError")]
+
+
+def test_the_cli_starts_without_heavy_libraries() -> None:
+    """`testbed clean`, `net up` and every parse error answer in well under a second: the
+    command line imports no torch, transformers, pandas, matplotlib or mininet until a
+    command needs them."""
+    code = f"import sys, testbed.cli.main; print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

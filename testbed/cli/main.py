@@ -38,7 +38,6 @@ def _raise_terminated(signum: int, _frame: object) -> None:
 
 
 def cmd_bench_net(args: argparse.Namespace) -> int:
-
     result = run_bench(scenario_from_args(args), args.impairment, repeats=args.repeats, seconds=args.seconds)
     print(json.dumps(result, indent=2) if args.json else result["text"])
     return 0
@@ -71,14 +70,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_trace_stats(args: argparse.Namespace) -> int:
-
     st = trace_stats(load_trace(args.file, args.format, args.token_scale), args.block)
     print(st.model_dump_json(indent=2) if args.json else format_stats(st))
     return 0
 
 
 def cmd_trace_gen(args: argparse.Namespace) -> int:
-
     if min(args.first_output_median, args.output_median) < 1:
         raise InputError("--first-output-median and --output-median must be at least 1 token")
     cfg = GenConfig(sessions=args.sessions, seed=args.seed, duration_s=args.duration, above_95=args.above_95,
@@ -90,7 +87,6 @@ def cmd_trace_gen(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-
     sc = scenario_from_args(args)
     policies = parse_policy_list(args.policies)
     return run_verify(sc, args.impairment, policies, args.prompts, args.seed, args.dtype, args.json, args.dilation)

@@ -41,7 +41,6 @@ def wire_scenario(args: argparse.Namespace) -> Scenario:
 
 
 def cmd_net_up(args: argparse.Namespace) -> int:
-
     sc = wire_scenario(args)
     if args.cli and sc.network.backend != "mininet":
         raise InputError("net up --cli opens Mininet's CLI: it needs the Mininet backend (--network mininet)")
@@ -68,7 +67,6 @@ def cmd_net_down(args: argparse.Namespace) -> int:
 
 
 def cmd_net_check(args: argparse.Namespace) -> int:
-
     with network_session(wire_scenario(args), args.impairment) as net:
         if not args.json:
             print(net.describe(), flush=True)

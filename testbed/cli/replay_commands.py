@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 from testbed.cli.args import scenario_from_args
 from testbed.errors import InputError
-from testbed.experiments.repetitions import draws, write_seeded_bathtub, write_seeded_sweep
 from testbed.policies.spec import PolicySpec, parse_policy_list
 from testbed.scenario import Scenario
 from testbed.traces import load_trace
@@ -62,6 +61,7 @@ def _out(args: argparse.Namespace, kind: str) -> Path:
 
 
 def _draws(args: argparse.Namespace, wl: Workload, out: Path) -> list[Draw]:
+    from testbed.experiments.repetitions import draws  # pandas
 
     ds = draws(wl, args.seeds, out, args.limit, _window(args.window))
     if len(ds) > 1:
@@ -73,7 +73,8 @@ def _draws(args: argparse.Namespace, wl: Workload, out: Path) -> list[Draw]:
 def cmd_sweep(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from testbed.experiments.load_sweep import SweepOptions, fixed_dilation, load_sweep, parse_range
+    from testbed.experiments.load_sweep import SweepOptions, fixed_dilation, load_sweep, parse_range  # pandas
+    from testbed.experiments.repetitions import write_seeded_bathtub, write_seeded_sweep
 
     hit_rates = parse_range(args.hit_rate, "--hit-rate") if args.hit_rate else None
     if hit_rates and hit_rates[-1] > 1:

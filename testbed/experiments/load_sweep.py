@@ -199,7 +199,6 @@ def run_point(sc: Scenario, wl: Workload, policies: list[PolicySpec], load: floa
 
 def load_sweep(sc: Scenario, wl: Workload, policies: list[PolicySpec], loads: list[float],
                opts: SweepOptions) -> SweepResult:
-
     run = fixed_dilation(sc, wl, opts.run)
     points: list[LoadPoint] = []
     for load in loads:

@@ -77,7 +77,6 @@ def draws(wl: Workload, n: int, out: Path, limit: int | None,
 
 # ------------------------------------------------------------------ tables over the draws
 def _ci(values: list[float | None], scale: float = 1.0, fmt: str = "{:.2f}", unit: str = "") -> str:
-
     ci = mean_ci([v for v in values if v is not None])
     if ci is None:
         return "-"
