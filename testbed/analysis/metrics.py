@@ -15,7 +15,7 @@ tokens (``x s_out``; ``output_tokens`` stays the replayed count).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -45,63 +45,114 @@ def _kept_off(e: KvSent, planned_delta: int | None) -> int:
     return max(0, e.planned_payload - min(e.payload, e.bytes))
 
 
+NAN = float("nan")
+
+
+@dataclass
+class RequestRow:
+    """One request of one policy's run: a row of ``requests.csv`` (durations in emulated
+    seconds, NaN where nothing was measured; token counts as the column names say)."""
+
+    rid: str
+    ok: bool
+    error: str | None
+    pipeline: str | None
+    prefill_worker: str | None
+    decode_worker: str | None
+    prompt_tokens: int
+    output_tokens: int  # replayed tokens
+    max_new: int
+    session: str | None
+    turn: int
+    short_output: bool
+    output_tokens_emulated: int
+    sent: float  # the client's clock
+    sent_offset_s: float
+    ttft_s: float
+    tpot_s: float
+    e2e_s: float
+    prefill_hit_tokens: int | None
+    prefill_computed: int | None
+    kv_bytes: int
+    kv_tokens_sent: int
+    wan_kv_bytes: int
+    wan_kv_cancelled_bytes: int
+    wan_cut_off: bool
+    kv_transfer_s: float
+    wan_transfer_s: float
+    # When KV was on the WAN and when the main decoder took over (emulated seconds into the
+    # run): the report's throughput and load over time are rebuilt from these.
+    wan_start_s: float
+    wan_end_s: float
+    handoff_at_s: float
+    kv_queued_s: float
+    relay: str | None
+    eager_tokens: int  # emulated
+    rld_share: float
+    handoffs: int
+    handoff_sizes: str  # emulated tokens per handoff, "+"-joined
+    md_kv_to_handoff_s: float
+    handoff_mismatches: int
+    md_failed: str | None
+    plan: dict[str, Any] = field(default_factory=dict)  # the router's routing inputs: plan_* columns
+
+    def columns(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "plan"}
+        return out | {f"plan_{k}": v for k, v in self.plan.items()}
+
+
+def request_row(r: ClientRecord, rr: RequestRecord, h: RequestHints, sc: Scales, t0: float) -> RequestRow:
+    """The row of one request from the client's record and the router's."""
+    d, per_token = sc.dilation, sc.dilation * sc.s_out
+    kv_sent = [e for e in rr.events if isinstance(e, KvSent)]
+    prefill = next((e for e in rr.events if isinstance(e, PrefillDone)), None)
+    cross = rr.prefill_dc is not None and rr.prefill_dc != rr.decode_dc
+    # KV to the (main) decoder crosses the WAN when it sits in the other datacenter; KV to
+    # a relay never does.
+    wan = [e for e in kv_sent if cross and e.to == rr.decode]
+    handoffs = [e for e in rr.events if isinstance(e, HandoffSent)]
+    final_extend = next((e for e in rr.events if isinstance(e, Extended) and e.final), None)
+    relay = rr.relay or (rr.decode if rr.pipeline == "P-RLD" else None)
+    eager = r.by_worker.get(relay, 0) if relay else 0
+    done = r.ok and bool(r.token_times)
+    return RequestRow(
+        rid=r.rid, ok=r.ok, error=r.error, pipeline=rr.pipeline, prefill_worker=rr.prefill, decode_worker=rr.decode,
+        prompt_tokens=r.prompt_len, output_tokens=len(r.tokens), max_new=r.max_new,
+        session=h.session, turn=h.turn, short_output=h.short_output,
+        output_tokens_emulated=len(r.tokens) * sc.s_out,
+        sent=r.sent, sent_offset_s=(r.sent - t0) / d if r.sent else NAN,
+        ttft_s=(r.token_times[0] - r.sent) / d if done else NAN,
+        tpot_s=((r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) / per_token
+                if done and len(r.token_times) > 1 else NAN),
+        e2e_s=(r.token_times[-1] - r.sent) / d if done else NAN,
+        prefill_hit_tokens=prefill.hit_tokens if prefill else None,
+        prefill_computed=prefill.computed if prefill else None,
+        kv_bytes=sum(e.bytes for e in kv_sent), kv_tokens_sent=sum(e.tokens for e in kv_sent),
+        wan_kv_bytes=sum(e.bytes for e in wan),
+        wan_kv_cancelled_bytes=sum(_kept_off(e, rr.plan_info.delta_bytes) for e in wan if e.cancelled),
+        wan_cut_off=any(e.cancelled for e in wan),
+        kv_transfer_s=max(e.end - e.start for e in kv_sent) / d if kv_sent else NAN,
+        wan_transfer_s=max(e.end - e.start for e in wan) / d if wan else NAN,
+        wan_start_s=(min(e.start for e in wan) - t0) / d if wan else NAN,
+        wan_end_s=(max(e.end for e in wan) - t0) / d if wan else NAN,
+        handoff_at_s=(final_extend.t - t0) / d if final_extend else NAN,
+        kv_queued_s=max(e.queued_s for e in kv_sent) / d if kv_sent else NAN,
+        relay=relay, eager_tokens=eager * sc.s_out, rld_share=eager / len(r.tokens) if r.tokens else NAN,
+        handoffs=len(handoffs), handoff_sizes="+".join(str(e.tokens * sc.s_out) for e in handoffs),
+        md_kv_to_handoff_s=final_extend.since_kv_s / d if final_extend else NAN,
+        handoff_mismatches=final_extend.mismatches if final_extend else 0, md_failed=rr.md_failed,
+        plan=rr.plan_info.model_dump(exclude_none=True),
+    )  # fmt: skip
+
+
 def request_rows(recs: dict[str, ClientRecord], router: dict[str, RequestRecord],
                  specs: list[RequestSpec] | None = None, scales: Scales | None = None) -> pd.DataFrame:
+    """Every request's ``RequestRow`` as the run's DataFrame (``requests.csv``/``.parquet``)."""
     sc = scales or Scales()
-    d, per_token = sc.dilation, sc.dilation * sc.s_out
     hints = {s.rid: s.hints for s in specs or []}
     t0 = min((r.sent for r in recs.values() if r.sent), default=0.0)
-    rows = []
-    for rid, r in recs.items():
-        rr = router.get(rid) or RequestRecord(rid=rid)
-        h = hints.get(rid) or RequestHints()
-        kv_sent = [e for e in rr.events if isinstance(e, KvSent)]
-        prefill = next((e for e in rr.events if isinstance(e, PrefillDone)), None)
-        cross = rr.prefill_dc is not None and rr.prefill_dc != rr.decode_dc
-        # KV to the (main) decoder crosses the WAN when it sits in the other datacenter; KV to
-        # a relay never does.
-        wan = [e for e in kv_sent if cross and e.to == rr.decode]
-        handoffs = [e for e in rr.events if isinstance(e, HandoffSent)]
-        final_extend = next((e for e in rr.events if isinstance(e, Extended) and e.final), None)
-        relay = rr.relay or (rr.decode if rr.pipeline == "P-RLD" else None)
-        eager = r.by_worker.get(relay, 0) if relay else 0
-        row: dict[str, Any] = {
-            "rid": rid, "ok": r.ok, "error": r.error, "pipeline": rr.pipeline,
-            "prefill_worker": rr.prefill, "decode_worker": rr.decode,
-            "prompt_tokens": r.prompt_len, "output_tokens": len(r.tokens), "max_new": r.max_new,
-            "session": h.session, "turn": h.turn, "short_output": h.short_output,
-            "output_tokens_emulated": len(r.tokens) * sc.s_out,
-            "sent": r.sent, "sent_offset_s": (r.sent - t0) / d if r.sent else np.nan,
-            "ttft_s": np.nan, "tpot_s": np.nan, "e2e_s": np.nan,
-            "prefill_hit_tokens": prefill.hit_tokens if prefill else None,
-            "prefill_computed": prefill.computed if prefill else None,
-            "kv_bytes": sum(e.bytes for e in kv_sent),
-            "kv_tokens_sent": sum(e.tokens for e in kv_sent),
-            "wan_kv_bytes": sum(e.bytes for e in wan),
-            "wan_kv_cancelled_bytes": sum(_kept_off(e, rr.plan_info.delta_bytes) for e in wan if e.cancelled),
-            "wan_cut_off": any(e.cancelled for e in wan),
-            "kv_transfer_s": max(e.end - e.start for e in kv_sent) / d if kv_sent else np.nan,
-            "wan_transfer_s": max(e.end - e.start for e in wan) / d if wan else np.nan,
-            # When KV was on the WAN and when the main decoder took over (emulated seconds into
-            # the run): the report's throughput and load over time are rebuilt from these.
-            "wan_start_s": (min(e.start for e in wan) - t0) / d if wan else np.nan,
-            "wan_end_s": (max(e.end for e in wan) - t0) / d if wan else np.nan,
-            "handoff_at_s": (final_extend.t - t0) / d if final_extend else np.nan,
-            "kv_queued_s": max(e.queued_s for e in kv_sent) / d if kv_sent else np.nan,
-            "relay": relay, "eager_tokens": eager * sc.s_out,
-            "rld_share": eager / len(r.tokens) if r.tokens else np.nan,
-            "handoffs": len(handoffs), "handoff_sizes": "+".join(str(e.tokens * sc.s_out) for e in handoffs),
-            "md_kv_to_handoff_s": final_extend.since_kv_s / d if final_extend else np.nan,
-            "handoff_mismatches": final_extend.mismatches if final_extend else 0, "md_failed": rr.md_failed,
-            **{f"plan_{k}": v for k, v in rr.plan_info.model_dump(exclude_none=True).items()},
-        }  # fmt: skip
-        if r.ok and r.token_times:
-            row["ttft_s"] = (r.token_times[0] - r.sent) / d
-            row["e2e_s"] = (r.token_times[-1] - r.sent) / d
-            if len(r.token_times) > 1:
-                row["tpot_s"] = (r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) / per_token
-        rows.append(row)
-    return pd.DataFrame(rows)
+    return pd.DataFrame([request_row(r, router.get(rid) or RequestRecord(rid=rid), hints.get(rid) or RequestHints(),
+                                     sc, t0).columns() for rid, r in recs.items()])
 
 
 def itls(recs: dict[str, ClientRecord], scales: Scales | None = None) -> list[float]:
