@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from protocol.messages import Topics
 from protocol.worker_config import BrokerInfo, WorkerFaults
@@ -112,21 +112,15 @@ class Deployment:
     # ------------------------------------------------------------------ what drivers and tests use
     @property
     def net(self) -> Network:
-        if self._net is None:
-            raise RuntimeError("the deployment is not started (use it as a context manager)")
-        return self._net
+        return _started(self._net)
 
     @property
     def cluster(self) -> Cluster:
-        if self._cluster is None:
-            raise RuntimeError("the deployment is not started (use it as a context manager)")
-        return self._cluster
+        return _started(self._cluster)
 
     @property
     def injector(self) -> FaultInjector:
-        if self._injector is None:
-            raise RuntimeError("the deployment is not started (use it as a context manager)")
-        return self._injector
+        return _started(self._injector)
 
     @property
     def dilation(self) -> float:
@@ -196,3 +190,12 @@ class Deployment:
             tail = self.cluster.log_tail(name if name == "router" else f"worker-{name}", 1500)
             if tail:
                 print(f"--- {name} log ---\n{tail}", file=sys.stderr)
+
+
+T = TypeVar("T")
+
+
+def _started(part: T | None) -> T:
+    if part is None:
+        raise RuntimeError("the deployment is not started (use it as a context manager)")
+    return part

@@ -131,9 +131,9 @@ class HttpFrontDoor:
     samples_memory = False
 
     def __init__(self, sc: Scenario, opts: ServeOptions, plan: EmulationPlan, sock: socket.socket, served: Served,
-                 tokenizer: object) -> None:
+                 tokenizer: object, out: Path) -> None:
         self.sc, self.opts, self.plan, self.sock, self.served, self.tokenizer = sc, opts, plan, sock, served, tokenizer
-        self.label = opts.policy.label
+        self.label, self.out = opts.policy.label, out
 
     def drive(self, dep: Deployment, begin: Callable[[float], None]) -> tuple[list[RequestSpec],
                                                                             dict[str, ClientRecord]]:
@@ -157,7 +157,7 @@ class HttpFrontDoor:
             if serving.error is not None:
                 raise TestbedError(f"the front end did not start: {serving.error}")
             print(f"serving {self.served.model} with policy {self.served.policy} on http://{HOST}:{port}/v1 "
-                  f"(run {dep.net.run.run_id}, client host {dep.client_host}); Ctrl-C stops and saves",
+                  f"(run {dep.net.run.run_id}, client host {dep.client_host}); Ctrl-C stops and saves to {self.out}",
                   flush=True)
             while serving.thread.is_alive():
                 serving.thread.join(0.5)
@@ -193,7 +193,7 @@ def run_serve(sc: Scenario, opts: ServeOptions) -> int:
     if not sc.hosts_with_role(Role.CLIENT):
         raise InputError(f"{sc.source}: scenario has no host with role client (the front end's host)")
     with Deployment(sc, opts.policy, emulation=plan, impairment=opts.impairment, dtype=opts.dtype) as dep:
-        run = dep.run(HttpFrontDoor(sc, opts, plan, sock, served, tokenizer))
+        run = dep.run(HttpFrontDoor(sc, opts, plan, sock, served, tokenizer, out))
     print(format_verdict(opts.policy.label, run.verdict))
     if not run.recs:
         print("no request was served: nothing saved")
