@@ -62,8 +62,16 @@ def test_a_soak_fails_when_nothing_completes_after_the_faults() -> None:
 @needs_root
 def test_a_short_soak_ends_every_request_and_samples_memory(tmp_path: Path) -> None:
     out = tmp_path / "soak"
+    # Short two-turn sessions: the soak ends soon after its last fault, every request drained
+    # (the shipped trace's long sessions kept it draining for 100 s after 24 s of faults).
+    trace = tmp_path / "short-sessions.jsonl"
+    trace.write_text("".join(json.dumps({
+        "session": f"s{i}", "start_s": 1.2 * i, "shared_prefix": {"id": f"tools-{i % 2}", "tokens": 1500},
+        "turns": [{"new_tokens": 300, "output_tokens": 48},
+                  {"new_tokens": 100, "output_tokens": 48, "delay_s": 0.5}]}) + "\n" for i in range(10)))
     namespaces = set(netns.list_namespaces())
-    res = subprocess.run([sys.executable, "-m", "testbed", "soak", "--minutes", "0.4", "--fault-every", "5",
+    res = subprocess.run([sys.executable, "-m", "testbed", "soak", "--trace", str(trace), "--minutes", "0.4",
+                          "--fault-every", "5",
                           "--token-scale", "16", "--dilation", "1.5", "--seed", "3", "--out", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
