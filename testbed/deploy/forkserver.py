@@ -71,6 +71,13 @@ class ForkServer:
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
 
+    def prestart(self) -> None:
+        """Start the server now, if it is not running, without waiting for it: its imports
+        then overlap whatever the orchestrator does before its first worker."""
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._start()
+
     def launch(self, ns: str, config: Path, log: Path, name: str) -> int:
         """Start the worker configured in ``config`` inside ``ns``; returns its PID."""
         req = LaunchRequest(ns=ns, config=str(config), log=str(log), name=name)
@@ -133,6 +140,11 @@ class ForkServer:
 
 _SERVER = ForkServer()
 atexit.register(_SERVER.close)
+
+
+def prestart() -> None:
+    """Have the fork server importing while the orchestrator builds the rest."""
+    _SERVER.prestart()
 
 
 def launch_worker(ns: str, config: Path, log: Path, name: str) -> int:

@@ -11,7 +11,8 @@ def ensure_model(path: str | Path) -> str:
     """``path`` ready to load: the default model is created there on first use (torch), a
     user's directory is taken as it is (the scenario validated it)."""
     path = Path(path)
-    if path == default_model_dir():
+    made = all((path / f).exists() for f in ("config.json", "tokenizer_config.json"))
+    if path == default_model_dir() and not made:  # torch only to create it (~5 s of imports)
         from workers.model import ensure_default_model  # torch
 
         ensure_default_model(path)
