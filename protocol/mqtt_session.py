@@ -31,6 +31,7 @@ import paho.mqtt.client as paho
 from protocol.messages import QOS, no_delay
 
 RETRY_S = 0.2
+STOP_GRACE_S = 2.0  # real seconds a stopping component waits to say goodbye to the broker
 KEEPALIVE_S = 5.0  # emulated seconds: a worker silent for 1.5x this is announced dead (its will)
 
 
@@ -117,8 +118,10 @@ class Session:
                     if stop.is_set():
                         reader.cancel()
                         if on_stop is not None:
-                            with contextlib.suppress(aiomqtt.MqttError):
-                                await on_stop()
+                            # Bounded: a broker that went with the orchestrator would hold a
+                            # stopping worker for paho's whole timeout (~10 s).
+                            with contextlib.suppress(aiomqtt.MqttError, TimeoutError):
+                                await asyncio.wait_for(on_stop(), STOP_GRACE_S)
                         return
                     reader.result()  # raises the connection's error
             except aiomqtt.MqttError as e:

@@ -16,6 +16,7 @@ import pytest
 from testbed.errors import InputError
 from testbed.faults.inject import FaultInjector, annotate_failures
 from testbed.faults.timeline import AppliedFault, parse_fault
+from testbed.net import netns
 from testbed.net.delayline_contract import DirectionOverride
 
 from .conftest import ROOT, TOPOLOGIES, scenario_with
@@ -81,6 +82,7 @@ class _Plan:
 class _Proc:
     pid: int
     name: str
+    starttime: int | None
 
 
 @dataclass
@@ -135,8 +137,16 @@ def test_injector_applies_and_clears_on_schedule_and_combines_faults() -> None:
 
 def test_kill_sends_sigkill_to_the_recorded_worker_and_late_faults_are_reported() -> None:
     victim = subprocess.Popen(["sleep", "30"])
+    bystander = subprocess.Popen(["sleep", "30"])
     try:
-        net = FakeNetwork(processes=[_Proc(victim.pid, "worker-relay")])
+        # A record whose start time is not the process's names a PID that was reused.
+        reused = _Proc(bystander.pid, "worker-prefill", (netns.proc_starttime(bystander.pid) or 0) + 1)
+        inj = FaultInjector(FakeNetwork(processes=[reused]), [parse_fault("kill@0:host=prefill")])  # type: ignore[arg-type]
+        inj.start()
+        time.sleep(0.1)
+        assert "already ended: nothing killed" in inj.stop()[0].detail
+        assert bystander.poll() is None
+        net = FakeNetwork(processes=[_Proc(victim.pid, "worker-relay", netns.proc_starttime(victim.pid))])
         inj = FaultInjector(net, [parse_fault("kill@0.01:host=relay"), parse_fault("kill@100:host=relay"),  # type: ignore[arg-type]
                                   parse_fault("broker-restart@0.02")])
         inj.start()
@@ -145,6 +155,8 @@ def test_kill_sends_sigkill_to_the_recorded_worker_and_late_faults_are_reported(
         log = inj.stop()
     finally:
         victim.kill()
+        bystander.kill()
+        bystander.wait()
     assert [e.fault for e in log] == ["kill@0.01:host=relay", "broker-restart@0.02", "kill@100:host=relay"]
     assert log[0].applied_s is not None and f"pid {victim.pid}" in log[0].detail
     assert log[1].error == "RuntimeError: no broker in this run"  # reported, never silently skipped

@@ -94,7 +94,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
 
 
 def cmd_clean(args: argparse.Namespace) -> int:
-    if not runstate.STATE_ROOT.exists() and not any(runstate.PREFIX_RE.match(n) for n in netns.list_namespaces()):
+    if not runstate.check_state_root() and not any(runstate.PREFIX_RE.match(n) for n in netns.list_namespaces()):
         print("nothing to clean")
         return 0
     require_root()

@@ -26,6 +26,7 @@ from testbed.deploy.emulation import EmulationPlan
 from testbed.deploy.forkserver import launch_worker
 from testbed.deploy.model_files import ensure_model
 from testbed.errors import InputError
+from testbed.net import runstate
 from testbed.net.build import Network
 from testbed.policies.spec import PolicySpec
 from testbed.scenario import Role, Scenario
@@ -111,8 +112,7 @@ class Cluster:
         d = emulation.dilation if emulation else 1.0
         for host, cfg in cl.workers.items():
             path = net.run.dir / f"worker-{host}.cfg.json"
-            path.write_text(cfg.model_dump_json())
-            path.chmod(0o600)  # holds the broker credential
+            runstate.write_private(path, cfg.model_dump_json())  # holds the broker credential
             cl._start_worker(host)
         fwd = sc.wan.forward
         context = PolicyContext(
@@ -126,8 +126,7 @@ class Cluster:
                             request_timeout_s=ws.request_timeout_s * d, records_path=str(cl.records_path),
                             context=context)
         rpath = net.run.dir / "router.cfg.json"
-        rpath.write_text(rcfg.model_dump_json())
-        rpath.chmod(0o600)
+        runstate.write_private(rpath, rcfg.model_dump_json())
         cl.router = net.spawn(routers[0], [sys.executable, "-m", "testbed.deploy.router", str(rpath)], name="router",
                               log=net.run.dir / "router.log")
         return cl

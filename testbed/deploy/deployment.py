@@ -55,7 +55,7 @@ def network_session(scenario: Scenario, impairment: str) -> Iterator[Network]:
         if net is not None:
             net.down()
         else:
-            runstate.destroy(run.run_id, run.namespaces, run.processes)
+            run.destroy()
 
 
 class LoadDriver(Protocol):

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from testbed.faults.timeline import NETWORK_KINDS, AppliedFault, Fault
+from testbed.net import netns
 from testbed.net.build import Network
 from testbed.net.delayline_contract import DirectionOverride
 
@@ -177,7 +178,9 @@ class FaultInjector:
         procs = [p for p in self.net.run.processes if p.name == name]
         if not procs:
             raise LookupError(f"no process {name} in this run")
-        pid = procs[-1].pid
+        pid, start = procs[-1].pid, procs[-1].starttime
+        if start is None or not netns.is_alive(pid, start):  # ended: the PID may be another's now
+            return f"{name} (pid {pid}) had already ended: nothing killed"
         os.kill(pid, signal.SIGKILL)
         return f"SIGKILL to {name} (pid {pid})"
 

@@ -69,9 +69,7 @@ class Network:
         if self.wan is not None:
             self.delayline_stats_final = self.wan.close()
         self.nodes.close()
-        runstate.destroy(self.run.run_id, self.run.namespaces, self.run.processes)
-        self.run.namespaces.clear()
-        self.run.processes.clear()
+        self.run.destroy()
         self.timings["down_s"] = time.monotonic() - t0
 
     def __enter__(self) -> Network:
@@ -160,6 +158,7 @@ class Network:
             for ns, label, kind in nodes:
                 self.run.add_namespace(ns)  # recorded before it exists
                 self.nodes.add_node(ns, label, kind)
+                self.run.hold(ns)
                 self._init_namespace(ns)
         with self._stage("choose impairment backend"):
             self.wan = choose(impairment, p, self.run.dir, int(self.run.run_id, 16), self.spawn)

@@ -6,22 +6,32 @@ is created and updated as processes start, so a crash at any point leaves enough
 ``clean_stale`` to undo it: a run whose owner process is gone is stale. Processes are only
 ever ended by PID (checked against their start time) or because they live inside one of
 the run's own namespaces.
+
+Nothing found on disk is trusted: the state root must belong to this user and be writable
+by no one else (else every command refuses it, exit 2), manifests are read and written
+without following symbolic links, and a run id, namespace name or PID from a manifest is
+checked against the testbed's own patterns (and the PID against its start time) before
+anything is killed, unmounted or deleted. A live run holds a shared ``flock`` on each of its
+namespaces, so a clean from another state root never removes them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
 import secrets
 import shutil
 import signal
+import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from testbed.errors import InputError
 from testbed.net import netns
 
 
@@ -48,6 +58,58 @@ def _state_root() -> Path:
 
 STATE_ROOT = _state_root()
 PREFIX_RE = re.compile(r"^pdd[0-9a-f]{6}-")
+RUN_ID_RE = re.compile(r"^[0-9a-f]{6}$")
+NS_RE = re.compile(r"^pdd[0-9a-f]{6}-[A-Za-z0-9][A-Za-z0-9._-]{0,40}$")
+# Others may traverse (not list, not create): mosquitto, running as its own user, reads its
+# configuration from its folder inside the run's.
+ROOT_MODE = 0o711
+
+
+def check_state_root(create: bool = False) -> bool:
+    """Whether the state root exists (creating it if ``create``); raises ``InputError`` for
+    one that is not a real directory owned by this user and closed to writes by others:
+    whoever made it could otherwise decide what the next clean kills and deletes."""
+    if create:
+        STATE_ROOT.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(STATE_ROOT, ROOT_MODE)
+            os.chmod(STATE_ROOT, ROOT_MODE)  # whatever the umask
+    try:
+        st = os.lstat(STATE_ROOT)
+    except FileNotFoundError:
+        return False
+    problem = None
+    if not stat.S_ISDIR(st.st_mode):
+        problem = "is not a directory (a symbolic link?)"
+    elif st.st_uid != os.geteuid():
+        problem = f"belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
+    elif st.st_mode & 0o022:
+        problem = f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    if problem:
+        raise InputError(f"state folder {STATE_ROOT} {problem}: refusing to use it. Remove it if it is not "
+                         f"yours, or set PDD_TESTBED_STATE to a folder of your own")
+    return True
+
+
+def _read_nofollow(path: Path) -> str:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd) as f:
+        return f.read()
+
+
+def write_private(path: Path, text: str) -> None:
+    """Replace ``path`` atomically with ``text`` (mode 0600): a fresh temporary file, created
+    exclusively and without following links, renamed over it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 @dataclass
@@ -78,32 +140,82 @@ class Run:
     def dir(self) -> Path:
         return STATE_ROOT / self.run_id
 
+    def __post_init__(self) -> None:
+        self._held: dict[str, int] = {}  # namespace -> fd with a shared flock (not saved)
+
     @classmethod
     def new(cls) -> Run:
+        check_state_root(create=True)
         pid = os.getpid()
         run = cls(secrets.token_hex(3), pid, netns.proc_starttime(pid), time.time())
-        run.dir.mkdir(parents=True, exist_ok=False)
+        os.mkdir(run.dir, ROOT_MODE)
+        os.chmod(run.dir, ROOT_MODE)
         run.save()
         return run
 
     def add_namespace(self, name: str) -> None:
+        if not name.startswith(f"{self.prefix}-") or not NS_RE.match(name):
+            raise ValueError(f"namespace name {name!r} is not of run {self.run_id}")
         self.namespaces.append(name)
         self.save()
+
+    def hold(self, ns: str) -> None:
+        """Hold a shared lock on a namespace of this run while the run lives."""
+        if ns in self._held:
+            return
+        fd = os.open(netns.NETNS_DIR / ns, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        self._held[ns] = fd
+
+    def release(self) -> None:
+        for fd in self._held.values():
+            os.close(fd)
+        self._held.clear()
+
+    def destroy(self) -> list[str]:
+        """Release this run's locks, end its processes, remove its namespaces and folder."""
+        self.release()
+        removed = destroy(self.run_id, self.namespaces, self.processes)
+        self.namespaces.clear()
+        self.processes.clear()
+        return removed
 
     def add_process(self, pid: int, name: str, ns: str) -> None:
         self.processes.append(ProcRecord(pid, netns.proc_starttime(pid), name, ns))
         self.save()
 
     def save(self) -> None:
-        tmp = self.dir / "manifest.json.tmp"
-        tmp.write_text(json.dumps(asdict(self), indent=1, default=str))
-        os.replace(tmp, self.dir / "manifest.json")
+        write_private(self.dir / "manifest.json", json.dumps(asdict(self), indent=1, default=str))
 
     @classmethod
     def load(cls, path: Path) -> Run:
-        data = json.loads(path.read_text())
-        data["processes"] = [ProcRecord(**p) for p in data.get("processes", [])]
-        return cls(**data)
+        """A manifest, checked: the folder's run id, namespaces of that run, PIDs with start
+        times. Raises ``ValueError`` (or ``OSError``) for anything else."""
+        data = json.loads(_read_nofollow(path))
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: not a manifest")
+        run_id = data.get("run_id")
+        if not isinstance(run_id, str) or not RUN_ID_RE.match(run_id) or run_id != path.parent.name:
+            raise ValueError(f"{path}: run_id {run_id!r} is not this folder's")
+        spaces = data.get("namespaces", [])
+        if not isinstance(spaces, list) or not all(isinstance(n, str) and n.startswith(f"pdd{run_id}-")
+                                                    and NS_RE.match(n) for n in spaces):
+            raise ValueError(f"{path}: namespaces: not all of run {run_id}")
+        procs = []
+        for p in data.get("processes", []):
+            if not (isinstance(p, dict) and set(p) == {"pid", "starttime", "name", "ns"}
+                    and type(p["pid"]) is int and p["pid"] > 1
+                    and (p["starttime"] is None or type(p["starttime"]) is int)
+                    and isinstance(p["name"], str) and isinstance(p["ns"], str)):
+                raise ValueError(f"{path}: processes: bad record {p!r}")
+            procs.append(ProcRecord(**p))
+        owner, since = data.get("owner_pid"), data.get("owner_starttime")
+        if type(owner) is not int or owner <= 1 or not (since is None or type(since) is int):
+            raise ValueError(f"{path}: owner_pid/owner_starttime: bad values")
+        created, info = data.get("created"), data.get("info", {})
+        if not isinstance(created, (int, float)) or not isinstance(info, dict):
+            raise ValueError(f"{path}: created/info: bad values")
+        return cls(run_id, owner, since, float(created), list(spaces), procs, info)
 
     def owner_alive(self) -> bool:
         return netns.is_alive(self.owner_pid, self.owner_starttime)
@@ -111,10 +223,14 @@ class Run:
 
 def destroy(run_id: str, namespaces: list[str], processes: list[ProcRecord]) -> list[str]:
     """Stop the run's processes and delete its namespaces. Returns what was removed."""
+    if not RUN_ID_RE.match(run_id):
+        raise ValueError(f"not a run id: {run_id!r}")
     removed: list[str] = []
     prefix = f"pdd{run_id}-"
-    all_ns = sorted(set(namespaces) | {n for n in netns.list_namespaces() if n.startswith(prefix)})
-    victims = [p.pid for p in processes if netns.is_alive(p.pid, p.starttime)]
+    all_ns = sorted(n for n in set(namespaces) | set(netns.list_namespaces())
+                    if n.startswith(prefix) and NS_RE.match(n))
+    # Only a PID whose start time was recorded: a bare PID may name another process by now.
+    victims = [p.pid for p in processes if p.pid > 1 and p.starttime is not None and netns.is_alive(p.pid, p.starttime)]
     for ns in all_ns:
         victims += netns.pids_in_namespace(ns)
     victims = sorted(set(victims) - {os.getpid()})
@@ -139,8 +255,10 @@ def clean_stale(include_live: bool = False) -> list[str]:
     """
     removed: list[str] = []
     known: set[str] = set()
-    if STATE_ROOT.exists():
+    if check_state_root():
         for d in sorted(STATE_ROOT.iterdir()):
+            if not RUN_ID_RE.match(d.name) or d.is_symlink():
+                continue  # not a run's folder: not ours to judge
             mf = d / "manifest.json"
             try:
                 run = Run.load(mf)
@@ -155,14 +273,29 @@ def clean_stale(include_live: bool = False) -> list[str]:
             if include_live or not run.owner_alive():
                 removed += destroy(run.run_id, run.namespaces, run.processes)
     for ns in netns.list_namespaces():
-        if PREFIX_RE.match(ns) and ns[3:9] not in known:
+        if NS_RE.match(ns) and ns[3:9] not in known and not _held(ns):
             removed += destroy(ns[3:9], [ns], [])
     return removed
 
 
+def _held(ns: str) -> bool:
+    """Whether a live run (of any state root) holds namespace ``ns``."""
+    try:
+        fd = os.open(netns.NETNS_DIR / ns, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 def live_runs() -> list[Run]:
     runs = []
-    if STATE_ROOT.exists():
+    if check_state_root():
         for d in sorted(STATE_ROOT.iterdir()):
             with contextlib.suppress(OSError, ValueError, TypeError):
                 run = Run.load(d / "manifest.json")
