@@ -106,7 +106,7 @@ def test_modeled_cluster_replays_with_balanced_instances_and_a_passing_verdict(t
     trace.write_text("".join(json.dumps(s) + "\n" for s in sessions))
     out = tmp_path / "out"
     res = subprocess.run([sys.executable, "-m", "testbed", "run", "--scenario", str(sc_path), "--trace", str(trace),
-                          "--token-scale", "16", "--policies", "same-dc,pdd", "--out", str(out), "--dilation", "8"],
+                          "--token-scale", "16", "--policies", "same-dc,pdd", "--out", str(out), "--dilation", "10"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "requests by instance: " in res.stdout
