@@ -218,6 +218,22 @@ def test_verdict_fails_past_one_percent_overruns_or_one_ms_lateness() -> None:
     assert math.isinf(late_percentile([0] * len(LATE_EDGES_US) + [3], 99))
 
 
+def test_lateness_is_judged_from_the_loads_start() -> None:
+    # Two frames 2 ms late before the load started (workers starting up), then 98 on time
+    # and one 500 us late: judged on what came after, the line kept up.
+    start = _link(2000)
+    late, d0 = start.directions["a->b"], start.directions["a->b"].late_hist
+    later = [n + (98 if i == 0 else 0) + (1 if i == LATE_EDGES_US.index(500) else 0) for i, n in enumerate(d0)]
+    end = DelayLineReport(pid=1, uptime_s=9, final=True, directions={"a->b": late.model_copy(update={
+        "frames_out": 201, "late_hist": later, "late_p99_us": late_percentile(later, 99)})})
+    assert not judge({}, end, {}, 10.0).passed  # the whole run: the startup's frames decide
+    window = end.since(start).directions["a->b"]
+    assert window.frames_out == 101 and sum(window.late_hist) == 99 and window.late_p99_us == 500
+    assert window.late_max_us == 500  # bounded by the highest bucket that grew
+    assert judge({}, end.since(start), {}, 10.0).passed
+    assert end.since(None) is end
+
+
 # ------------------------------------------------------------------------- live cluster (root)
 def _emulated(overrides: dict[str, Any] | None = None) -> Any:
     return scenario_with(deep_merge({"datacenters": {"a": {"lan": {"rate_mbit": 400000}},

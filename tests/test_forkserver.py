@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed.deploy.forkserver import launch_worker
+from testbed.deploy.forkserver import ForkServer, launch_worker
 from testbed.errors import BuildError
 from testbed.net import netns
 
@@ -47,3 +47,10 @@ def test_a_forked_worker_runs_in_its_namespace_logs_and_is_reaped(tmp_path: Path
 def test_a_namespace_that_does_not_exist_is_a_build_error(tmp_path: Path) -> None:
     with pytest.raises(BuildError, match="namespace pdd-no-such-ns does not exist"):
         launch_worker("pdd-no-such-ns", tmp_path / "c.json", tmp_path / "l.log", "worker-x")
+
+
+def test_a_server_that_cannot_start_is_a_build_error_with_its_words(tmp_path: Path) -> None:
+    server = ForkServer(module="testbed.no_such_module")
+    with pytest.raises(BuildError, match=r"fork server .*\(status 1: .*No module named testbed.no_such_module"):
+        server.launch("any", tmp_path / "c.json", tmp_path / "l.log", "worker-x")
+    server.close()

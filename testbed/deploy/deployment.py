@@ -37,6 +37,7 @@ from testbed.faults.inject import FaultInjector, annotate_failures
 from testbed.faults.timeline import Fault
 from testbed.net import runstate
 from testbed.net.build import Network
+from testbed.net.delayline_contract import DelayLineReport
 from testbed.policies.spec import PolicySpec
 from testbed.scenario import Role, Scenario
 from testbed.traces.workload import RequestSpec
@@ -157,7 +158,12 @@ class Deployment:
         net, cl, injector = self.net, self.cluster, self.injector
         sampler = RssSampler(self.processes) if load.samples_memory else None
 
+        before_load: list[DelayLineReport | None] = [None]
+
         def begin(t0: float) -> None:
+            # The verdict judges the delay line from here: frames late while workers start up
+            # (8 of them forked at once on 2 cores) carry no measured request.
+            before_load[0] = net.delayline_stats()
             injector.start(t0)
             if sampler is not None:
                 sampler.start()
@@ -181,7 +187,8 @@ class Deployment:
         cpu = cpu_by_name(self.processes())
         router, workers, policy_report = cl.router_records(), cl.worker_stats(), cl.policy_stats()
         self.close()  # the delay line's final statistics come with the network's teardown
-        verdict = judge(workers, net.delayline_stats_final, cpu, wall)
+        final = net.delayline_stats_final
+        verdict = judge(workers, final.since(before_load[0]) if final else None, cpu, wall)
         return PolicyRun(specs=specs, recs=recs, router=router, workers=workers, policy=policy_report,
                          verdict=verdict, impairment=f"{net.impairment} ({net.impairment_reason})",
                          faults=applied, wall_s=wall, memory=memory, rss=sampler.series if sampler else [],

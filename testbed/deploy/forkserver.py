@@ -22,6 +22,7 @@ The contract, client and server both stated here:
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import ctypes
 import fcntl
@@ -45,6 +46,7 @@ from testbed.net import netns
 
 START_TIMEOUT_S = 180.0  # the first request waits for the server's imports on a busy host
 MAX_DATAGRAM = 65536
+ERROR_LINES = 20
 PR_SET_NAME = 15
 
 
@@ -66,10 +68,13 @@ class LaunchReply(BaseModel):
 class ForkServer:
     """The orchestrator's handle on its fork server (one per process, started on first use)."""
 
-    def __init__(self) -> None:
+    def __init__(self, module: str = "testbed.deploy.forkserver") -> None:
+        self.module = module  # what runs as the server (``python -m``)
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
+        self._said: collections.deque[str] = collections.deque(maxlen=ERROR_LINES)
+        self._drain: threading.Thread | None = None
 
     def prestart(self) -> None:
         """Start the server now, if it is not running, without waiting for it: its imports
@@ -88,9 +93,9 @@ class ForkServer:
             try:
                 self._sock.send(req.model_dump_json().encode())
                 data = self._sock.recv(MAX_DATAGRAM)
-            except OSError as e:  # timeout included
-                self._stop()
-                raise BuildError(f"starting {name}: the worker fork server did not answer ({e})") from e
+            except OSError as e:  # timeout and a server that died first included
+                why = self._stop()
+                raise BuildError(f"starting {name}: the worker fork server did not answer ({e}){why}") from e
             if not data:
                 why = self._stop()
                 raise BuildError(f"starting {name}: the worker fork server exited{why}")
@@ -107,11 +112,19 @@ class ForkServer:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ours.settimeout(START_TIMEOUT_S)
         try:
-            self._proc = netns.spawn(None, [sys.executable, "-m", "testbed.deploy.forkserver", str(theirs.fileno())],
+            self._proc = netns.spawn(None, [sys.executable, "-m", self.module, str(theirs.fileno())],
                                      pass_fds=(theirs.fileno(),), stderr=subprocess.PIPE)
         finally:
             theirs.close()
         self._sock = ours
+        # Read what the server writes as it writes it (a full pipe would stop it), keeping
+        # the last lines for an error message.
+        self._said.clear()
+        out = self._proc.stderr
+        assert out is not None
+        self._drain = threading.Thread(target=lambda: self._said.extend(
+            line.decode(errors="replace").rstrip() for line in out), name="forkserver-stderr", daemon=True)
+        self._drain.start()
 
     def _stop(self) -> str:
         """Close the socket (the server ends on it) and reap the server; returns the tail of
@@ -127,10 +140,9 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        err = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
-        if proc.stderr:
-            proc.stderr.close()
-        tail = " | ".join(err.splitlines()[-3:])
+        if self._drain is not None:
+            self._drain.join(timeout=2)
+        tail = " | ".join(line for line in list(self._said)[-3:] if line)
         return f" (status {proc.returncode}{': ' + tail if tail else ''})"
 
     def close(self) -> None:

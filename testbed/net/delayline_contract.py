@@ -79,12 +79,37 @@ class DirectionReport(_Contract):
     late_p50_us: float = 0.0
     late_p99_us: float = 0.0
 
+    def since(self, earlier: DirectionReport) -> DirectionReport:
+        """What happened after ``earlier`` (a report of the same direction): counters and the
+        lateness histogram as differences, percentiles from that histogram. The largest
+        lateness is bounded by the highest bucket that grew (the report keeps no maximum
+        per window); backlog figures stay as they are now."""
+        hist = [n - m for n, m in zip(self.late_hist, earlier.late_hist, strict=False)] or self.late_hist
+        top = max((i for i, n in enumerate(hist) if n > 0), default=None)
+        edge = float("inf") if top is None or top >= len(LATE_EDGES_US) else float(LATE_EDGES_US[top])
+        counters = ("frames_in", "bytes_in", "frames_out", "bytes_out", "drop_loss", "drop_queue_full",
+                    "drop_overflow", "drop_error", "drop_fault", "late_over_1ms")
+        return self.model_copy(update={
+            **{k: getattr(self, k) - getattr(earlier, k) for k in counters},
+            "delay_sum_ms": self.delay_sum_ms - earlier.delay_sum_ms,
+            "late_hist": hist, "late_max_us": 0.0 if top is None else min(self.late_max_us, edge),
+            "late_p50_us": late_percentile(hist, 50), "late_p99_us": late_percentile(hist, 99),
+        })
+
 
 class DelayLineReport(_Contract):
     pid: int
     uptime_s: float
     final: bool
     directions: dict[str, DirectionReport]  # "a->b" -> statistics
+
+    def since(self, earlier: DelayLineReport | None) -> DelayLineReport:
+        """This report over the time after ``earlier`` (see ``DirectionReport.since``)."""
+        if earlier is None:
+            return self
+        return self.model_copy(update={"directions": {
+            name: d.since(earlier.directions[name]) if name in earlier.directions else d
+            for name, d in self.directions.items()}})
 
     def summary(self) -> list[str]:
         """One line per direction: frames, drops by cause, lateness."""
