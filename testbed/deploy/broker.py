@@ -9,9 +9,8 @@ command topic and writes its status, events and token streams (decoders also wri
 command topics of the other decoders: PDD's relay and main decoder hand over directly);
 the router reads requests, events and statuses and writes commands, rejections and its
 status; the client writes requests and reads tokens and the router's status. ``admin``
-(the orchestrator: tests, diagnostics) may use every topic of the run. mosquitto runs as
-its own user from the start (not dropping root itself: the kernel would then forget that it
-must end with the orchestrator); its files are that user's, mode 0600.
+(the orchestrator: tests, diagnostics) may use every topic of the run. mosquitto drops
+root for its own user once its listener is bound; its files are that user's, mode 0600.
 """
 
 from __future__ import annotations
@@ -134,10 +133,8 @@ def launch_broker(net: Network, router_host: str) -> subprocess.Popen[bytes]:
     until it listens; also how a ``broker-restart`` fault brings it back."""
     d = net.run.dir / "broker"
     ip = net.ip_of(router_host)
-    owner = d.stat()  # the broker's folder belongs to the user it runs as (start_broker)
-    user = (owner.st_uid, owner.st_gid) if owner.st_uid != os.getuid() else None
     proc = net.spawn(router_host, [MOSQUITTO, "-c", str(d / "mosquitto.conf")], name="mosquitto",
-                     log=d / "stdout.log", user=user)
+                     log=d / "stdout.log")
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -237,21 +237,17 @@ def spawn(
     pass_fds: Sequence[int] = (),
     stdout: int | None = None,
     stderr: int | None = None,
-    user: tuple[int, int] | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start ``argv`` inside namespace ``ns`` (None: this process's own); stdout+stderr go
-    to ``log_path`` if given; with ``user`` (uid, gid), as that user, with no extra groups.
+    to ``log_path`` if given.
 
     The child gets SIGTERM when this process ends (``PR_SET_PDEATHSIG``). That signal fires
     when the *thread* that forked the child ends, not the process: a worker restarted from
     the fault injector's thread was terminated as soon as the fault timeline ended (a soak
     lost all four workers at its last fault). So only the main thread forks directly; any
     other thread hands the fork to one spawner thread that lives as long as the process.
-    The kernel clears that setting when a process changes its user, so a process started as
-    another user takes its user here, before the setting, rather than dropping root itself
-    (mosquitto did, and outlived a ``kill -9`` of the orchestrator).
     """
-    args = (ns, list(argv), log_path, env, tuple(pass_fds), stdout, stderr, user)
+    args = (ns, list(argv), log_path, env, tuple(pass_fds), stdout, stderr)
     if threading.current_thread() is threading.main_thread():
         return _spawn(*args)
     return _spawner().submit(_spawn, *args).result()
@@ -269,8 +265,7 @@ def _spawner() -> ThreadPoolExecutor:
 
 
 def _spawn(ns: str | None, argv: list[str], log_path: Path | None, env: dict[str, str] | None,
-           pass_fds: tuple[int, ...], stdout: int | None, stderr: int | None,
-           user: tuple[int, int] | None) -> subprocess.Popen[bytes]:
+           pass_fds: tuple[int, ...], stdout: int | None, stderr: int | None) -> subprocess.Popen[bytes]:
     ns_path = str(NETNS_DIR / ns) if ns else None
     if ns_path and not os.path.exists(ns_path):
         raise FileNotFoundError(f"namespace {ns} does not exist")
@@ -280,10 +275,6 @@ def _spawn(ns: str | None, argv: list[str], log_path: Path | None, env: dict[str
             fd = os.open(ns_path, os.O_RDONLY)
             _setns_fd(fd)
             os.close(fd)
-        if user is not None:  # after setns, which needs root
-            os.setgroups([])
-            os.setgid(user[1])
-            os.setuid(user[0])
         die_with_parent()
 
     out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - handed to the child
