@@ -3,8 +3,9 @@
 ``Cluster`` turns the scenario's hosts into processes: mosquitto and the router on the
 ``router`` host, a prefill worker on each ``prefill`` host, a decode worker on each
 ``decode`` and each ``relay-decode`` host (the same worker; a relay's part in PDD is set
-per request by the router). Every process is started inside its namespace and recorded in
-the run, so teardown (and ``testbed clean`` after a crash) ends them by PID.
+per request by the router). Workers are forked from the fork server (``forkserver.py``), which
+has imported torch once for all of them. Every process is started inside its namespace and
+recorded in the run, so teardown (and ``testbed clean`` after a crash) ends them by PID.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from protocol.router_config import PolicyContext, PolicyReport, RequestRecord, R
 from protocol.worker_config import BrokerInfo, Scales, WorkerConfig, WorkerFaults, WorkerRole, WorkerStats
 from testbed.deploy.broker import BrokerAccess, launch_broker, start_broker
 from testbed.deploy.emulation import EmulationPlan
+from testbed.deploy.forkserver import launch_worker
 from testbed.deploy.model_files import ensure_model
 from testbed.errors import InputError
 from testbed.net import runstate
@@ -137,11 +139,11 @@ class Cluster:
         return f"worker-{host} started again (pid {self._start_worker(host)})"
 
     def _start_worker(self, host: str) -> int:
-        """Start the worker of ``host`` from its saved configuration (recorded in the run)."""
-        d = self.net.run.dir
-        proc = self.net.spawn(host, [sys.executable, "-m", "workers", str(d / f"worker-{host}.cfg.json")],
-                              name=f"worker-{host}", log=d / f"worker-{host}.log")
-        return proc.pid
+        """Fork the worker of ``host`` from its saved configuration and record it in the run."""
+        name, ns, d = f"worker-{host}", self.net.plan.hosts[host].ns, self.net.run.dir
+        pid = launch_worker(ns, d / f"worker-{host}.cfg.json", d / f"{name}.log", name)
+        self.net.run.add_process(pid, name, ns)
+        return pid
 
     def restart_broker(self, downtime_s: float) -> str:
         """Stop mosquitto (it saves its sessions), wait ``downtime_s``, start it again; every

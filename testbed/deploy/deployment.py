@@ -26,6 +26,7 @@ from typing import Protocol, TypeVar
 
 from protocol.messages import Topics
 from protocol.worker_config import BrokerInfo, WorkerFaults
+from testbed.deploy import forkserver
 from testbed.deploy.cluster import Cluster
 from testbed.deploy.emulation import EmulationPlan
 from testbed.deploy.fidelity import judge
@@ -90,6 +91,7 @@ class Deployment:
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Deployment:
+        forkserver.prestart()  # its imports overlap the network build
         try:
             wire = self.emulation.wire_scenario(self.scenario) if self.emulation else self.scenario
             self._net = self._stack.enter_context(network_session(wire, self.impairment))

@@ -20,6 +20,7 @@ from testbed.analysis import report
 from testbed.analysis.metrics import Slo, format_summary
 from testbed.analysis.policy_summary import measure
 from testbed.analysis.results import PolicySummary, RunSummary, TraceInfo
+from testbed.deploy import forkserver
 from testbed.deploy.deployment import Deployment
 from testbed.deploy.dilation import emulation_plan
 from testbed.deploy.fidelity import format_verdict
@@ -51,6 +52,7 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
     """Replay ``wl`` under each policy on a fresh network; print, save and plot. Exit code:
     0 when every request of every policy completed with a passing fidelity verdict; 3 when
     a verdict failed (unless ``allow_infidelity``); 1 when requests failed."""
+    forkserver.prestart()  # importing torch for the workers while the run is prepared
     plan = emulation_plan(sc, wl, wl.specs(opts.speed), opts.dilation)
     d = plan.dilation
     specs = wl.specs(opts.speed / d)  # arrivals and think times stretched by the dilation

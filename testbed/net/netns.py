@@ -133,6 +133,11 @@ def join(ns: str) -> None:
         os.close(fd)
 
 
+def die_with_parent() -> None:
+    """This process gets SIGTERM when the thread that forked it ends."""
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def exec_in(ns: str, argv: Sequence[str]) -> None:
     """Replace this process with ``argv`` running inside ``ns`` (stdin, stdout, stderr and
     the exit status are the command's own). Only from a process's main thread with no
@@ -224,15 +229,17 @@ def _exists(pid: int) -> bool:
 
 
 def spawn(
-    ns: str,
+    ns: str | None,
     argv: Sequence[str],
     *,
     log_path: Path | None = None,
     env: dict[str, str] | None = None,
     pass_fds: Sequence[int] = (),
     stdout: int | None = None,
+    stderr: int | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start ``argv`` inside namespace ``ns``; stdout+stderr go to ``log_path`` if given.
+    """Start ``argv`` inside namespace ``ns`` (None: this process's own); stdout+stderr go
+    to ``log_path`` if given.
 
     The child gets SIGTERM when this process ends (``PR_SET_PDEATHSIG``). That signal fires
     when the *thread* that forked the child ends, not the process: a worker restarted from
@@ -240,7 +247,7 @@ def spawn(
     lost all four workers at its last fault). So only the main thread forks directly; any
     other thread hands the fork to one spawner thread that lives as long as the process.
     """
-    args = (ns, list(argv), log_path, env, tuple(pass_fds), stdout)
+    args = (ns, list(argv), log_path, env, tuple(pass_fds), stdout, stderr)
     if threading.current_thread() is threading.main_thread():
         return _spawn(*args)
     return _spawner().submit(_spawn, *args).result()
@@ -257,17 +264,18 @@ def _spawner() -> ThreadPoolExecutor:
         return _SPAWNER[0]
 
 
-def _spawn(ns: str, argv: list[str], log_path: Path | None, env: dict[str, str] | None, pass_fds: tuple[int, ...],
-           stdout: int | None) -> subprocess.Popen[bytes]:
-    ns_path = str(NETNS_DIR / ns)
-    if not os.path.exists(ns_path):
+def _spawn(ns: str | None, argv: list[str], log_path: Path | None, env: dict[str, str] | None,
+           pass_fds: tuple[int, ...], stdout: int | None, stderr: int | None) -> subprocess.Popen[bytes]:
+    ns_path = str(NETNS_DIR / ns) if ns else None
+    if ns_path and not os.path.exists(ns_path):
         raise FileNotFoundError(f"namespace {ns} does not exist")
 
     def _in_child() -> None:
-        fd = os.open(ns_path, os.O_RDONLY)
-        _setns_fd(fd)
-        os.close(fd)
-        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if ns_path:
+            fd = os.open(ns_path, os.O_RDONLY)
+            _setns_fd(fd)
+            os.close(fd)
+        die_with_parent()
 
     out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - handed to the child
     try:
@@ -277,7 +285,7 @@ def _spawn(ns: str, argv: list[str], log_path: Path | None, env: dict[str, str] 
             start_new_session=True,
             stdin=subprocess.DEVNULL,
             stdout=stdout if stdout is not None else (out or subprocess.DEVNULL),
-            stderr=out or subprocess.DEVNULL,
+            stderr=stderr if stderr is not None else (out or subprocess.DEVNULL),
             env=env,
             pass_fds=pass_fds,
         )
