@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ from testbed.deploy.cluster import worker_configs
 from testbed.deploy.deployment import Deployment
 from testbed.deploy.dilation import DELAYLINE_CPUS, MARGIN, Probe, choose_dilation
 from testbed.deploy.emulation import EmulationPlan, round_up
-from testbed.deploy.fidelity import judge
+from testbed.deploy.fidelity import format_verdict, host_steal_s, judge
 from testbed.deploy.run_record import ClientRecord
 from testbed.load.trace_replay import TraceReplay
 from testbed.load.verify import compare
@@ -243,6 +244,16 @@ def test_one_percent_is_counted_rounded_up_to_a_whole_frame_or_step() -> None:
     assert not judge({"p": _stats("p", 6, 2)}, None, {}, 10.0).passed
     assert judge({"d": _stats("d", 250, 3)}, None, {}, 10.0).passed
     assert not judge({"d": _stats("d", 250, 4)}, None, {}, 10.0).passed
+
+
+def test_the_verdict_says_what_the_hypervisor_took() -> None:
+    quiet = judge({"d": _stats("d", 100, 0)}, None, {}, 10.0)
+    assert quiet.host_steal_s == 0 and "hypervisor" not in format_verdict("x", quiet)
+    taken = judge({"d": _stats("d", 100, 5)}, None, {}, 10.0, steal_s=1.2)
+    assert taken.host_steal_s == 1.2 and taken.host_steal_share == pytest.approx(1.2 / (10 * os.cpu_count()), abs=1e-4)
+    text = format_verdict("x", taken)
+    assert "hypervisor took 1.2 CPU-s" in text and ("a rerun on a quieter host" in text) == (os.cpu_count() <= 6)
+    assert host_steal_s() >= 0
 
 
 def test_lateness_is_judged_from_the_loads_start() -> None:

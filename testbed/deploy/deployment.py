@@ -29,7 +29,7 @@ from protocol.worker_config import BrokerInfo, WorkerFaults
 from testbed.deploy import forkserver
 from testbed.deploy.cluster import Cluster
 from testbed.deploy.emulation import EmulationPlan
-from testbed.deploy.fidelity import judge
+from testbed.deploy.fidelity import host_steal_s, judge
 from testbed.deploy.process_sampling import RssSampler, cpu_by_name
 from testbed.deploy.run_record import ClientRecord, PolicyRun
 from testbed.errors import InputError
@@ -159,6 +159,7 @@ class Deployment:
         sampler = RssSampler(self.processes) if load.samples_memory else None
 
         before_load: list[DelayLineReport | None] = [None]
+        steal0 = host_steal_s()
 
         def begin(t0: float) -> None:
             # The verdict judges the delay line from here: frames late while workers start up
@@ -185,10 +186,11 @@ class Deployment:
             for rid, why in annotate_failures(failed, applied).items():
                 recs[rid].error = why
         cpu = cpu_by_name(self.processes())
+        steal = host_steal_s() - steal0
         router, workers, policy_report = cl.router_records(), cl.worker_stats(), cl.policy_stats()
         self.close()  # the delay line's final statistics come with the network's teardown
         final = net.delayline_stats_final
-        verdict = judge(workers, final.since(before_load[0]) if final else None, cpu, wall)
+        verdict = judge(workers, final.since(before_load[0]) if final else None, cpu, wall, steal)
         return PolicyRun(specs=specs, recs=recs, router=router, workers=workers, policy=policy_report,
                          verdict=verdict, impairment=f"{net.impairment} ({net.impairment_reason})",
                          faults=applied, wall_s=wall, memory=memory, rss=sampler.series if sampler else [],

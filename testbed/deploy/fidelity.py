@@ -27,6 +27,19 @@ MAX_LATE_US = 1000.0
 # Frames later than MAX_LATE_US: the histogram's buckets above that edge.
 _LATE_BUCKETS = LATE_EDGES_US.index(int(MAX_LATE_US)) + 1
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+STEAL_NOTE_SHARE = 0.02  # a failed verdict names the hypervisor above this share of CPU time
+
+
+def host_steal_s() -> float:
+    """CPU seconds this machine's hypervisor has taken from it since boot (all CPUs; 0 where
+    the kernel accounts none): a virtual machine whose CPUs were handed to another guest
+    ran late however idle it looked from inside."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / CLK_TCK if fields[0] == "cpu" and len(fields) > 8 else 0.0
+    except (OSError, ValueError):
+        return 0.0
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -84,6 +97,8 @@ class Verdict(_Record):
     workers: dict[str, WorkerFidelity] = {}
     links: dict[str, LinkFidelity] = {}
     cpu: dict[str, CpuShare] = {}
+    host_steal_s: float = 0.0  # CPU seconds the hypervisor took from this machine during the run
+    host_steal_share: float = 0.0  # of all its CPUs' time over the run
 
 
 def allowed(n: int) -> int:
@@ -92,8 +107,9 @@ def allowed(n: int) -> int:
 
 
 def judge(workers: dict[str, WorkerStats], delayline: DelayLineReport | None, cpu: dict[str, float],
-          wall_s: float) -> Verdict:
-    v = Verdict()
+          wall_s: float, steal_s: float = 0.0) -> Verdict:
+    v = Verdict(host_steal_s=round(steal_s, 2),
+                host_steal_share=round(steal_s / (wall_s * (os.cpu_count() or 1)), 4) if wall_s > 0 else 0.0)
     for name, st in sorted(workers.items()):
         d = st.device
         v.workers[name] = WorkerFidelity(
@@ -138,4 +154,10 @@ def format_verdict(label: str, v: Verdict) -> str:
                      f"max {d.late_max_us / 1000:.2f} ms")
     if v.cpu:
         lines.append("  CPU: " + ", ".join(f"{n} {c.cpu_s:.0f} s ({100 * c.share:.0f}%)" for n, c in v.cpu.items()))
+    if v.host_steal_s > 0:
+        lines.append(f"  host: its hypervisor took {v.host_steal_s:.1f} CPU-s from this machine during the run "
+                     f"(steal, {100 * v.host_steal_share:.1f}% of its CPU time)")
+        if not v.passed and v.host_steal_share >= STEAL_NOTE_SHARE:
+            lines.append("  host: CPUs taken away from this virtual machine delay every process alike; "
+                         "a rerun on a quieter host may pass where a higher dilation would only slow it")
     return "\n".join(lines)
