@@ -93,6 +93,11 @@ def test_paper_comparison_puts_our_figures_beside_the_report(tmp_path: Path) -> 
     assert rows["cross-dc WAN KV transfer time (min-max)"][1].startswith("0.50-10.00 s")
     assert rows["PDD TTFT P50 vs cross-dc"][1] == f"{100 * (2.45 - 6.75) / 6.75:+.1f} % |"
     assert rows["RLD share of output tokens (PDD)"] == ["6.2 %", "10.0 % |"]
+    brief = report.paper_comparison(_saved_run(tmp_path / "again"), headline=True)
+    names = [line.split(" | ")[0].strip("| ") for line in brief.splitlines()[2:]]
+    assert names[:6] == list(rows)[:6] and len(names) == 9
+    assert {"PDD TTFT P99 vs cross-dc", "PDD TTFT mean vs same-dc"} <= set(names)
+    assert "PDD TTFT P50 vs cross-dc" not in names
 
 
 def test_report_is_rebuilt_from_the_saved_files_alone(tmp_path: Path) -> None:

@@ -85,9 +85,10 @@ def _get(s: Summary | None, key: str) -> float | None:
     return None if s is None else getattr(s, key)
 
 
-def paper_comparison(summary: RunSummary) -> str:
+def paper_comparison(summary: RunSummary, headline: bool = False) -> str:
     """The report's figures (``docs/design.md``) beside this run's, as a markdown table.
-    Rows whose policies were not run show "-"."""
+    Rows whose policies were not run show "-". ``headline``: only the rows a terminal run
+    prints (the latency gap and tail, PDD's P99 and mean, the relay's share)."""
     same, cross, pdd = _first(summary, "same-dc"), _first(summary, "cross-dc"), _first(summary, "pdd")
     p50_gap = None
     if same is not None and cross is not None and same.ttft_p50_s is not None and cross.ttft_p50_s is not None:
@@ -109,6 +110,8 @@ def paper_comparison(summary: RunSummary) -> str:
         # The report states -51.5 % over its same-datacenter baseline, without a percentile.
         for base_name, base, said in (("same-dc", same, "-51.5 % (percentile not stated)"),
                                       ("cross-dc", cross, "not stated")):
+            if headline and (q, base_name) not in (("mean", "same-dc"), ("p99", "cross-dc")):
+                continue
             rows.append((f"PDD TTFT {shown} vs {base_name}", said, _change(_get(pdd, key), _get(base, key))))
     rld = _get(pdd, "rld_share")
     rows.append(("RLD share of output tokens (PDD)", "6.2 %", "-" if rld is None else f"{100 * rld:.1f} %"))

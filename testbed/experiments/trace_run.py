@@ -92,6 +92,11 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
     print()
     print(report.comparison_table(dict(summaries), report.PDD_COLUMNS))
     print()
+    if len(summaries) > 1:
+        print("the PDD report's figures beside this run's (its deployment and load at scale: make reproduce;\n"
+              "docs/results.md says where and why they differ)")
+        print(report.paper_comparison(summary, headline=True))
+        print()
     for name, s in summaries.items():
         print(format_verdict(name, s.fidelity))
     print(f"\nsaved: {', '.join(str(p) for p in paths)}")
