@@ -27,5 +27,6 @@ class TwoDcTopo(Topo):
         }.items():
             self.addLink(self.addHost(name, **params), a, **RDMA_LAN)
         self.addLink(self.addHost("decode-b", role="decode", device="h20"), b, **RDMA_LAN)
-        # 10 Gbit/s, 15 ms each way (30 ms RTT), 0.5 ms jitter: a city-to-city line.
-        self.addLink(a, b, bw=10_000, delay="15ms", jitter="0.5ms", loss=0)
+        # 3.6 Gbit/s (why: two-dc.yaml), 15 ms each way (30 ms RTT), 0.5 ms jitter: a
+        # city-to-city line.
+        self.addLink(a, b, bw=3_600, delay="15ms", jitter="0.5ms", loss=0)
