@@ -10,7 +10,7 @@ DEB_PACKAGES := iproute2 mosquitto mininet bridge-utils iputils-ping
 SCENARIO ?= topologies/two-dc.yaml
 # The default trace is written at production lengths; TOKEN_SCALE shrinks it for a CPU model.
 # agentic-quick: 117 requests in 36 short sessions (<= 4 turns), so that the three policies
-# fit in ~15 minutes at the dilation this 2-core host needs (agentic-default: 353 requests
+# fit in 15-20 minutes at the dilation this 2-core host needs (agentic-default: 353 requests
 # in sessions of up to 14 turns, about three times as long).
 TRACE ?= traces/agentic-quick.jsonl
 TOKEN_SCALE ?= 16
