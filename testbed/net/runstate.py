@@ -61,7 +61,8 @@ PREFIX_RE = re.compile(r"^pdd[0-9a-f]{6}-")
 RUN_ID_RE = re.compile(r"^[0-9a-f]{6}$")
 NS_RE = re.compile(r"^pdd[0-9a-f]{6}-[A-Za-z0-9][A-Za-z0-9._-]{0,40}$")
 # Others may traverse (not list, not create): mosquitto, once it has dropped root for its own
-# user, still opens its password, ACL and log files in its folder inside the run's.
+# user, may still open its password, ACL and log files in its folder inside the run's (a reload
+# reads them again).
 ROOT_MODE = 0o711
 
 
