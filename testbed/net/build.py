@@ -66,6 +66,7 @@ class Network:
 
     def down(self) -> None:
         t0 = time.monotonic()
+        self.run.stop_applications()
         if self.wan is not None:
             self.delayline_stats_final = self.wan.close()
         self.nodes.close()

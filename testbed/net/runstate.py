@@ -181,6 +181,14 @@ class Run:
         self.processes.clear()
         return removed
 
+    def stop_applications(self) -> None:
+        """End the run's processes other than its infrastructure (broker, delay line, Mininet
+        shells), which stay up meanwhile: a worker in the far datacenter says goodbye to the
+        broker across the WAN as it stops, and without the line it waits out its grace."""
+        apps = sorted({p.pid for p in _alive(self.processes) if p.name not in INFRASTRUCTURE} - {os.getpid()})
+        if apps:
+            netns.terminate(apps)
+
     def add_process(self, pid: int, name: str, ns: str) -> None:
         self.processes.append(ProcRecord(pid, netns.proc_starttime(pid), name, ns))
         self.save()
@@ -222,6 +230,10 @@ class Run:
         return netns.is_alive(self.owner_pid, self.owner_starttime)
 
 
+# What the run's other processes talk to or run in: stopped after them (``stop_applications``).
+INFRASTRUCTURE = {"mosquitto", "delayline", "mininet shell"}
+
+
 def destroy(run_id: str, namespaces: list[str], processes: list[ProcRecord]) -> list[str]:
     """Stop the run's processes and delete its namespaces. Returns what was removed."""
     if not RUN_ID_RE.match(run_id):
@@ -230,8 +242,7 @@ def destroy(run_id: str, namespaces: list[str], processes: list[ProcRecord]) -> 
     prefix = f"pdd{run_id}-"
     all_ns = sorted(n for n in set(namespaces) | set(netns.list_namespaces())
                     if n.startswith(prefix) and NS_RE.match(n))
-    # Only a PID whose start time was recorded: a bare PID may name another process by now.
-    victims = [p.pid for p in processes if p.pid > 1 and p.starttime is not None and netns.is_alive(p.pid, p.starttime)]
+    victims = [p.pid for p in _alive(processes)]
     for ns in all_ns:
         victims += netns.pids_in_namespace(ns)
     victims = sorted(set(victims) - {os.getpid()})
@@ -246,6 +257,11 @@ def destroy(run_id: str, namespaces: list[str], processes: list[ProcRecord]) -> 
             removed.append(f"namespace {ns}")
     shutil.rmtree(STATE_ROOT / run_id, ignore_errors=True)
     return removed
+
+
+def _alive(processes: list[ProcRecord]) -> list[ProcRecord]:
+    # Only a PID whose start time was recorded: a bare PID may name another process by now.
+    return [p for p in processes if p.pid > 1 and p.starttime is not None and netns.is_alive(p.pid, p.starttime)]
 
 
 def clean_stale(include_live: bool = False) -> list[str]:
