@@ -61,10 +61,12 @@ def ensure_default_model(path: Path | None = None) -> Path:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     ensure_tokenizer(tmp)
-    if path.exists():  # another process won the race; both wrote the same model
-        shutil.rmtree(tmp)
-    else:
+    try:
         tmp.replace(path)
+    except OSError:
+        if not (path / "config.json").exists():
+            raise
+        shutil.rmtree(tmp)  # another process won the race; both wrote the same model
     return path
 
 
