@@ -307,9 +307,9 @@ def test_paced_and_dilated_pdd_produces_the_reference_tokens() -> None:
     assert run.policy.counts.get("P-RLD-MD", 0) == sum(1 for r in run.router.values() if r.relay)
 
 
-def _tpot(sc: Any, policy: str, dilation: float) -> tuple[float, float]:
-    # 0.8 s apart: each request (TTFT <= 0.4 s, 30 steps of ~7 ms) ends before the next.
-    specs = [RequestSpec(f"t{i}", synth_tokens(f"tpot-{i}", 200), 30, at=0.8 * i) for i in range(5)]
+def _tpot(sc: Any, policy: str, dilation: float, n: int = 5) -> tuple[float, float]:
+    # 0.7 s apart: each request (TTFT <= 0.4 s, 30 steps of ~7 ms) ends before the next.
+    specs = [RequestSpec(f"t{i}", synth_tokens(f"tpot-{i}", 200), 30, at=0.7 * i) for i in range(n)]
     plan = _plan(sc, dilation, "float32")
     with Deployment(sc, parse_policy(policy), emulation=plan, dtype="float32") as dep:
         run = dep.run(TraceReplay([RequestSpec(s.rid, s.prompt, s.max_new, at=s.at * dilation) for s in specs],
@@ -328,8 +328,8 @@ def test_no_wan_round_trip_on_the_decode_path_and_reports_do_not_depend_on_dilat
     sc = _emulated({"wan": {"forward": {"rate_mbit": 10000, "delay_ms": 60.0, "jitter_ms": 0.0},
                             "reverse": {"rate_mbit": 10000, "delay_ms": 60.0, "jitter_ms": 0.0}},
                     "datacenters": {"b": {"hosts": {"decode-b": {"device": "h100"}}}}})
-    same, _ = _tpot(sc, "same-dc", 4.0)
-    cross, cross_ttft = _tpot(sc, "cross-dc", 4.0)
+    same, _ = _tpot(sc, "same-dc", 3.0)
+    cross, cross_ttft = _tpot(sc, "cross-dc", 3.0)
     assert cross == pytest.approx(same, rel=0.10), (same, cross)
     # The emulated step: 7.6 B bf16 weights + KV at ~200 tokens from 3.35 TB/s, plus 2 ms.
     assert same == pytest.approx(0.002 + 15.22e9 / 3.35e12, rel=0.15)
@@ -338,9 +338,10 @@ def test_no_wan_round_trip_on_the_decode_path_and_reports_do_not_depend_on_dilat
     # start for one request of five. Fresh connections per transfer made this 1.6-3.0 s, and
     # dependent on the dilation (the kernel's TCP timers are not dilated).
     assert cross_ttft < 0.4, cross_ttft
-    # Same work at another dilation reports the same emulated times (beyond noise).
-    cross8, cross8_ttft = _tpot(sc, "cross-dc", 8.0)
-    assert cross8 == pytest.approx(cross, rel=0.10) and cross8_ttft == pytest.approx(cross_ttft, rel=0.15)
+    # Same work at another dilation reports the same emulated times (beyond noise); three
+    # requests: their medians leave out the first one's fresh connection as five do.
+    cross6, cross6_ttft = _tpot(sc, "cross-dc", 6.0, n=3)
+    assert cross6 == pytest.approx(cross, rel=0.10) and cross6_ttft == pytest.approx(cross_ttft, rel=0.15)
 
 
 @needs_root

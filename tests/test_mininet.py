@@ -90,13 +90,15 @@ def test_cli_needs_the_mininet_backend() -> None:
     assert out.returncode == 2 and "--network mininet" in out.stderr
 
 
-def test_verify_on_mininet_is_exact_for_every_policy() -> None:
+def test_verify_on_mininet_is_exact_for_pdd() -> None:
+    # PDD's requests take every path (prefill to relay in a, KV and commands across the WAN to
+    # the main decoder in b); the other policies' tokens are checked on pyroute2's network
+    # (tests/test_pipelines.py), which differs from Mininet's only below the sockets.
     out = subprocess.run([sys.executable, "-m", "testbed", "verify", "--network", "mininet", "--prompts", "4",
-                          "--policies", "same-dc,cross-dc,pdd"],
+                          "--policies", "pdd"],
                          capture_output=True, text=True, cwd=ROOT, timeout=400)
     assert out.returncode == 0, out.stdout + out.stderr
-    for policy in ("same-dc", "cross-dc", "pdd"):
-        assert re.search(rf"^{policy}: 4 requests, .*identical to the reference$", out.stdout, re.M), out.stdout
+    assert re.search(r"^pdd: 4 requests, .*identical to the reference$", out.stdout, re.M), out.stdout
 
 
 def test_a_datacenter_name_too_long_for_mininets_port_names_is_refused() -> None:

@@ -70,9 +70,9 @@ def test_a_short_soak_ends_every_request_and_samples_memory(tmp_path: Path) -> N
         "turns": [{"new_tokens": 300, "output_tokens": 48},
                   {"new_tokens": 100, "output_tokens": 48, "delay_s": 0.5}]}) + "\n" for i in range(10)))
     namespaces = set(netns.list_namespaces())
-    # Seed 6: two broker restarts, a rate and a loss fault. Not a WAN outage: one that TCP's
+    # Seed 6: a broker restart, a rate and a loss fault. Not a WAN outage: one that TCP's
     # backoff stretches past the broker keepalive still marks a live worker dead (open).
-    res = subprocess.run([sys.executable, "-m", "testbed", "soak", "--trace", str(trace), "--minutes", "0.4",
+    res = subprocess.run([sys.executable, "-m", "testbed", "soak", "--trace", str(trace), "--minutes", "0.3",
                           "--fault-every", "5",
                           "--token-scale", "16", "--dilation", "1.5", "--seed", "6", "--out", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=900)

@@ -147,7 +147,7 @@ def test_the_bathtub_benefit_is_pdd_against_the_baseline_per_rate() -> None:
 @pytest.mark.slow
 @needs_root
 def test_a_small_load_sweep_end_to_end(tmp_path: Path) -> None:
-    sessions = [{"session": f"w{i}", "start_s": 1.0 * i, "shared_prefix": {"id": "sys", "tokens": 96},
+    sessions = [{"session": f"w{i}", "start_s": 0.5 * i, "shared_prefix": {"id": "sys", "tokens": 96},
                  "turns": [{"new_tokens": 40, "output_tokens": 6},
                            {"new_tokens": 12, "output_tokens": 6, "delay_s": 0.3}]} for i in range(3)]
     trace = tmp_path / "t.jsonl"

@@ -213,13 +213,18 @@ def report_markdown(summary: RunSummary) -> str:
 
 def save(out: Path, frames: dict[str, pd.DataFrame], summary: RunSummary) -> list[Path]:
     """Write the request rows and the summary, then render the report from those files."""
+    return [*save_data(out, frames, summary), *rebuild(out)]
+
+
+def save_data(out: Path, frames: dict[str, pd.DataFrame], summary: RunSummary) -> list[Path]:
+    """The request rows and the summary alone: what ``rebuild`` renders a report from."""
     out.mkdir(parents=True, exist_ok=True)
     df = pd.concat([f.assign(policy=name) for name, f in frames.items()], ignore_index=True)
     df = df[["policy"] + [c for c in df.columns if c != "policy"]]
     df.to_csv(out / "requests.csv", index=False)
     df.to_parquet(out / REQUESTS_FILE, index=False)
     (out / SUMMARY_FILE).write_text(summary.model_dump_json(indent=2))
-    return [out / "requests.csv", out / REQUESTS_FILE, out / SUMMARY_FILE, *rebuild(out)]
+    return [out / "requests.csv", out / REQUESTS_FILE, out / SUMMARY_FILE]
 
 
 def merge_runs(run_dirs: list[Path], out: Path) -> list[Path]:

@@ -68,12 +68,13 @@ def warmup_for(rtt_s: float) -> float:
     return max(0.5, 15 * rtt_s)
 
 
-def run_check(net: Network, rtt_samples: int = 40, goodput_s: float = 3.0) -> list[Row]:
+def run_check(net: Network, rtt_samples: int = 40, goodput_s: float = 3.0, wan_only: bool = False) -> list[Row]:
+    """Measure every path (``wan_only``: the WAN's alone) against its configuration."""
     sc, p = net.scenario, net.plan
     a, b = p.wan_between
     fwd, rev = sc.wan.forward, sc.wan.reverse
     rows: list[Row] = []
-    pairs = _endpoints(net)
+    pairs = {k: v for k, v in _endpoints(net).items() if not wan_only or k.startswith("wan")}
     for path, (src, dst) in pairs.items():
         is_wan = path.startswith("wan")
         if is_wan and path != f"wan {a}->{b}":
