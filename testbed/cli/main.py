@@ -19,6 +19,7 @@ from testbed.cli import net_commands, replay_commands, serve_commands
 from testbed.cli.args import build_parser, scenario_from_args
 from testbed.cli.net_commands import require_root, wire_scenario
 from testbed.cli.replay_commands import replay_inputs
+from testbed.deploy import forkserver
 from testbed.deploy.deployment import network_session
 from testbed.errors import EXIT_INTERRUPTED, InputError, Terminated, TestbedError
 from testbed.faults.timeline import parse_faults
@@ -137,6 +138,9 @@ COMMANDS = {
 # Commands that build namespaces need root (``clean`` decides for itself: nothing to clean needs none).
 NEEDS_ROOT = {"exec", "net up", "net down", "net check", "run", "verify", "bench net", "bench handoff", "soak", "sweep",
               "calibrate", "serve", "bench client"}
+# Commands that start workers: their fork server (torch's imports, seconds) starts at once,
+# beside this process's own imports and input checks instead of after them.
+STARTS_WORKERS = {"run", "verify", "soak", "sweep", "calibrate", "serve", "bench client"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in NEEDS_ROOT:
             require_root()
+        if args.command in STARTS_WORKERS:
+            forkserver.prestart()
         return int(COMMANDS[args.command](args))
     except TestbedError as e:
         print(f"error: {e}", file=sys.stderr)

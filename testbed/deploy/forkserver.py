@@ -146,7 +146,11 @@ class ForkServer:
         return f" (status {proc.returncode}{': ' + tail if tail else ''})"
 
     def close(self) -> None:
+        """At exit: the workers are gone by now, and a server still importing (a command that
+        stopped at its input checks) would otherwise be waited for until it reads its socket."""
         with self._lock:
+            if self._proc is not None and self._proc.poll() is None:
+                self._proc.terminate()
             self._stop()
 
 
