@@ -84,8 +84,8 @@ def steal_since(t0: float) -> tuple[float, float]:
 
 def _host_was_taken(error: BaseException | None = None) -> bool:
     """Rerun when the hypervisor took the CPUs during the attempt; first wait (a minute at
-    most) for two quiet seconds in a row, or the rerun lands in the same burst (CI once saw
-    one last through a test's three attempts)."""
+    most) for two quiet seconds in a row, or the rerun lands in the same burst (a clean-clone
+    suite once saw one last through a test's three attempts)."""
     if steal_since(_attempt_started[0])[1] <= STEAL_RERUN_S:
         return False
     quiet, deadline = 0, time.monotonic() + QUIET_WAIT_S
