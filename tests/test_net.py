@@ -245,7 +245,7 @@ def test_net_check_cli_json(network: str) -> None:
     """The same check, with the same tolerances, on either backend."""
     out = subprocess.run(
         [sys.executable, "-m", "testbed", "net", "check", "--scenario", str(TOPOLOGIES / "two-dc-10g.yaml"),
-         "--json", "--samples", "20", "--seconds", "2", "--token-scale", "16", "--dilation", "2",
+         "--json", "--samples", "20", "--seconds", "1", "--token-scale", "16", "--dilation", "2",
          "--network", network],
         capture_output=True, text=True, cwd=ROOT, timeout=120,
     )
