@@ -45,7 +45,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --no-compile -e '.[dev]'
-	$(PY) -m compileall -q -j 0 -x '/tests/' $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') > /dev/null || true
+	$(PY) -m compileall -q -j 0 -x 'site-packages/.*/tests/' $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') > /dev/null || true
 	@touch $(STAMP)
 
 # Debian installs Mininet's module for the system python3 only: the venv gets a link to that
