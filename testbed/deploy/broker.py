@@ -27,7 +27,7 @@ from pathlib import Path
 from protocol.messages import Topics
 from protocol.worker_config import BrokerInfo
 from testbed.errors import BuildError
-from testbed.net import netns
+from testbed.net import netns, runstate
 from testbed.net.build import Network
 
 MOSQUITTO = "/usr/sbin/mosquitto"
@@ -133,7 +133,7 @@ def launch_broker(net: Network, router_host: str) -> subprocess.Popen[bytes]:
     until it listens; also how a ``broker-restart`` fault brings it back."""
     d = net.run.dir / "broker"
     ip = net.ip_of(router_host)
-    proc = net.spawn(router_host, [MOSQUITTO, "-c", str(d / "mosquitto.conf")], name="mosquitto",
+    proc = net.spawn(router_host, [MOSQUITTO, "-c", str(d / "mosquitto.conf")], name=runstate.BROKER,
                      log=d / "stdout.log")
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Literal
 
 from testbed.errors import BuildError, CapabilityError
-from testbed.net import netns, shaping
+from testbed.net import netns, runstate, shaping
 from testbed.net.delayline_contract import (
     DelayLineConfig,
     DelayLineControl,
@@ -125,7 +125,7 @@ class DelayLine(WanImpairment):
         )  # fmt: skip
         proc = self.proc = self.spawn(p.wan_ns, [sys.executable, "-m", "testbed.net.delayline",
                                                  cfg.model_dump_json()],
-                                      name="delayline", log=self.run_dir / "delayline.log")
+                                      name=runstate.DELAY_LINE, log=self.run_dir / "delayline.log")
         wait_for(lambda: ready.exists() or proc.poll() is not None, 10, "delay line start")
         if proc.poll() is not None:
             log = (self.run_dir / "delayline.log").read_text()[-2000:]

@@ -158,7 +158,7 @@ class MininetNodes:
                 self.net.nameToNode[label] = node
                 self.net.switches.append(node)
             self.by_ns[ns] = node
-            self.run.add_process(node.pid, "mininet shell", ns)  # the node is its namespace
+            self.run.add_process(node.pid, runstate.MININET_SHELL, ns)  # the node is its namespace
             netns.attach_namespace(ns, node.pid)
             if netns.ns_inode(ns) == os.stat("/proc/self/ns/net").st_ino:
                 raise BuildError(f"Mininet's node {label} shares the orchestrator's namespace")

@@ -230,8 +230,10 @@ class Run:
         return netns.is_alive(self.owner_pid, self.owner_starttime)
 
 
-# What the run's other processes talk to or run in: stopped after them (``stop_applications``).
-INFRASTRUCTURE = {"mosquitto", "delayline", "mininet shell"}
+# The names of what the run's other processes talk to or run in, recorded by those who start
+# them: stopped after the rest (``stop_applications``).
+BROKER, DELAY_LINE, MININET_SHELL = "mosquitto", "delayline", "mininet shell"
+INFRASTRUCTURE = {BROKER, DELAY_LINE, MININET_SHELL}
 
 
 def destroy(run_id: str, namespaces: list[str], processes: list[ProcRecord]) -> list[str]:
