@@ -27,7 +27,7 @@ from testbed.policies.classic import CrossDc, SameDc
 from testbed.policies.pdd import Pdd
 from testbed.scenario import load_scenario
 
-from .conftest import ROOT, TOPOLOGIES, scenario_with
+from .conftest import ROOT, TOPOLOGIES, run_cli, scenario_with
 
 
 def _rows(ttfts: list[float], wan_s: float | None = None, relay: bool = False) -> pd.DataFrame:
@@ -133,15 +133,14 @@ def test_runs_of_the_same_trace_and_emulation_merge_into_one_folder(tmp_path: Pa
         report.merge_runs([tmp_path / "base", tmp_path / "other"], tmp_path / "bad")
 
 
-def test_report_of_a_folder_that_is_no_run_is_a_clear_error(tmp_path: Path) -> None:
-    res = subprocess.run([sys.executable, "-m", "testbed", "report", str(tmp_path)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)
-    assert res.returncode == 2 and f"{tmp_path}: not a run directory (summary.json missing)" in res.stderr
+def test_report_of_a_folder_that_is_no_run_is_a_clear_error(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run_cli(["report", str(tmp_path)], capsys)
+    assert code == 2 and f"{tmp_path}: not a run directory (summary.json missing)" in err
     (tmp_path / "summary.json").write_text('{"trace": 1}')
     pd.DataFrame({"a": [1]}).to_parquet(tmp_path / "requests.parquet")
-    res = subprocess.run([sys.executable, "-m", "testbed", "report", str(tmp_path)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)
-    assert res.returncode == 2 and "summary.json: not a summary this version can read" in res.stderr
+    code, err = run_cli(["report", str(tmp_path)], capsys)
+    assert code == 2 and "summary.json: not a summary this version can read" in err
 
 
 def test_hardware_cost_of_the_reports_deployment() -> None:
@@ -200,13 +199,12 @@ def test_mean_and_confidence_interval() -> None:
     assert t975(45) == 2.021 and t975(500) == 1.960  # between rows: the wider interval
 
 
-def test_repetitions_table_over_saved_runs(tmp_path: Path) -> None:
+def test_repetitions_table_over_saved_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     dirs = [tmp_path / f"run{i}" for i in range(3)]
     for i, d in enumerate(dirs):
         _saved_run(d, shift=0.1 * i)
-    res = subprocess.run([sys.executable, "-m", "testbed", "report", *map(str, dirs), "--out", str(tmp_path / "rep")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr
+    code, err = run_cli(["report", *map(str, dirs), "--out", str(tmp_path / "rep")], capsys)
+    assert code == 0, err
     text = (tmp_path / "rep" / "repetitions.md").read_text()
     assert "(n = 3)" in text
     same = next(line for line in text.splitlines() if line.startswith("| same-dc |"))
@@ -219,9 +217,8 @@ def test_repetitions_table_over_saved_runs(tmp_path: Path) -> None:
     s, _ = load_run(other)
     (other / "summary.json").write_text(s.model_copy(update={"speed": 2.0, "policies": {
         "same-dc": s.policies["same-dc"]}}).model_dump_json())
-    res = subprocess.run([sys.executable, "-m", "testbed", "report", str(dirs[0]), str(other), "--out",
-                          str(tmp_path / "rep2")], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 2 and f"{other}: not a repetition of {dirs[0]}: policies" in res.stderr
+    code, err = run_cli(["report", str(dirs[0]), str(other), "--out", str(tmp_path / "rep2")], capsys)
+    assert code == 2 and f"{other}: not a repetition of {dirs[0]}: policies" in err
 
 
 def test_markdown_tables_have_one_shape() -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,7 @@ from testbed.experiments.load_sweep import save_sweep
 from testbed.experiments.repetitions import write_seeded_sweep
 from testbed.experiments.sweep_report import Calibration, rebuild_folder, save_calibration
 
-from .conftest import ROOT
+from .conftest import ROOT, run_cli
 from .test_seeds import _result
 
 
@@ -27,16 +25,16 @@ def _wipe(d: Path) -> None:
         p.unlink()
 
 
-def test_a_sweep_over_draws_is_rebuilt_byte_for_byte_by_testbed_report(tmp_path: Path) -> None:
+def test_a_sweep_over_draws_is_rebuilt_byte_for_byte_by_testbed_report(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     results = [(2, _result(1.0, 1.2, 0.95)), (3, _result(1.0, 1.4, 1.05))]
     for s, r in results:
         save_sweep(r, tmp_path / f"seed-{s}")
     write_seeded_sweep(results, tmp_path)
     before = _tables(tmp_path)
     _wipe(tmp_path)
-    res = subprocess.run([sys.executable, "-m", "testbed", "report", str(tmp_path)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
-    assert res.returncode == 0, res.stderr
+    code, err = run_cli(["report", str(tmp_path)], capsys)
+    assert code == 0, err
     assert _tables(tmp_path) == before and set(before) == {"sweep.md", "seed-2/sweep.md", "seed-3/sweep.md"}
     assert (tmp_path / "sweep.png").exists() and (tmp_path / "seed-3" / "sweep.png").exists()
 
@@ -78,12 +76,11 @@ def test_a_calibration_is_rebuilt_from_its_saved_bisection(tmp_path: Path, monke
     assert (tmp_path / "calibration.md").read_text() == before
 
 
-def test_a_folder_with_nothing_saved_is_not_rebuilt(tmp_path: Path) -> None:
+def test_a_folder_with_nothing_saved_is_not_rebuilt(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "seed-x").mkdir()
     assert rebuild_folder(tmp_path) is None
-    res = subprocess.run([sys.executable, "-m", "testbed", "report", str(tmp_path)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
-    assert res.returncode == 2 and str(tmp_path) in res.stderr
+    code, err = run_cli(["report", str(tmp_path)], capsys)
+    assert code == 2 and str(tmp_path) in err
 
 
 def test_calibrate_saves_what_it_found_and_says_when_not_reached(tmp_path: Path,
