@@ -114,6 +114,10 @@ class DecodeWorker(HandoffMixin, Worker):
             self.admission_wait_max_s = max(self.admission_wait_max_s, time.time() - since)
             await self._start(seq)
 
+    def activity(self) -> tuple[int, ...]:
+        return (*super().activity(), self.tokens_out, self.batch_builds, self.handoffs_sent, self.extends_done,
+                self.extend_mismatches, self.admission_waits, self.admission_queue_max)
+
     def stats(self) -> WorkerStats:
         by_batch: dict[int, list[float]] = {}
         for b, s in self.step_log:

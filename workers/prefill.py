@@ -56,6 +56,9 @@ class PrefillWorker(Worker):
     def queued(self) -> int:
         return self.queue.qsize()
 
+    def activity(self) -> tuple[int, ...]:
+        return (*super().activity(), self.computed_tokens, self.reused_tokens, self.transfers.count)
+
     def stats(self) -> WorkerStats:
         counters = PrefillCounters(computed_tokens=self.computed_tokens, reused_tokens=self.reused_tokens,
                                    transfers=self.transfers)
