@@ -113,6 +113,11 @@ class WorstOverrun(Contract):
     detail: str = ""  # e.g. a decode step's batch size and whether the batch was rebuilt
 
 
+# A paced step that ends later than this share of its modeled time after its modeled end
+# counts against the fidelity verdict as an overrun does.
+LATE_WAKE = 0.05
+
+
 class DeviceReport(Contract):
     """Pacing totals (real seconds): steps, how many overran their modeled time and by how
     much; per kind of step (prefill, decode, extend) the same counts."""
@@ -124,6 +129,9 @@ class DeviceReport(Contract):
     overrun_s: float = 0.0
     modeled_s: float = 0.0
     real_s: float = 0.0
+    late_wakes: int = 0  # steps whose work fit but whose end came late (workers/device.py)
+    late_s: float = 0.0
+    late_max_s: float = 0.0
     by_kind: dict[str, tuple[int, int]] = {}  # kind -> (steps, overruns)
     worst: list[WorstOverrun] = []  # the largest overruns, largest first
 

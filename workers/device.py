@@ -26,7 +26,7 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
-from protocol.worker_config import DeviceReport, DeviceSpec, ModelCost, Scales, WorstOverrun
+from protocol.worker_config import LATE_WAKE, DeviceReport, DeviceSpec, ModelCost, Scales, WorstOverrun
 
 WORST_KEPT = 5
 
@@ -46,6 +46,11 @@ class Pacer:
     modeled_s: float = 0.0
     real_s: float = 0.0
     by_kind: dict[str, list[int]] = field(default_factory=dict)
+    # Steps that ended late although their work fit: the wait for the modeled end woke more
+    # than LATE_WAKE of the step's modeled time after it (a busy event loop, a slow timer).
+    late_wakes: int = 0
+    late_s: float = 0.0
+    late_max_s: float = 0.0
     # the largest overruns: (over, kind, real, modeled, t, detail)
     worst: list[tuple[float, str, float, float, float, str]] = field(default_factory=list)
 
@@ -126,10 +131,22 @@ class Pacer:
             return 0.0
         return modeled_s - real_s
 
+    def woke(self, modeled_s: float, late_s: float) -> None:
+        """The wait that ended a step of ``modeled_s`` real seconds woke ``late_s`` after
+        the step's modeled end. Every step's end is a little late (the timer, the loop); what
+        the run's figures feel is the sum, and a step late by more than LATE_WAKE of itself."""
+        late_s = max(0.0, late_s)
+        self.late_s += late_s
+        self.late_max_s = max(self.late_max_s, late_s)
+        if late_s > LATE_WAKE * modeled_s:
+            self.late_wakes += 1
+
     def report(self) -> DeviceReport:
         return DeviceReport(device=self.name, native=self.native, steps=self.steps, overruns=self.overruns,
                             overrun_s=round(self.overrun_s, 4), modeled_s=round(self.modeled_s, 4),
-                            real_s=round(self.real_s, 4), by_kind={k: (v[0], v[1]) for k, v in self.by_kind.items()},
+                            real_s=round(self.real_s, 4), late_wakes=self.late_wakes, late_s=round(self.late_s, 4),
+                            late_max_s=round(self.late_max_s, 5),
+                            by_kind={k: (v[0], v[1]) for k, v in self.by_kind.items()},
                             worst=[WorstOverrun(kind=k, real_s=round(r, 4), modeled_s=round(m, 4), t=t, detail=d)
                                    for _, k, r, m, t, d in sorted(self.worst, reverse=True)])
 

@@ -100,7 +100,9 @@ class Worker:
     async def pace(self, kind: str, real_s: float, modeled_s: float | None, detail: str = "") -> None:
         wait = self.pacer.account(kind, real_s, modeled_s, detail)
         if wait > 0:
+            t0 = time.perf_counter()
             await asyncio.sleep(wait)
+            self.pacer.woke(modeled_s or 0.0, time.perf_counter() - t0 - wait)
 
     async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
         assert self.session is not None

@@ -19,7 +19,7 @@ import os
 
 from pydantic import BaseModel, ConfigDict
 
-from protocol.worker_config import WorkerStats, WorstOverrun
+from protocol.worker_config import LATE_WAKE, WorkerStats, WorstOverrun
 from testbed.net.delayline_contract import LATE_EDGES_US, DelayLineReport
 
 MAX_SHARE_PCT = 1  # of a worker's steps that may overrun, of a direction's frames that may be late
@@ -68,6 +68,9 @@ class WorkerFidelity(_Record):
     overrun_s: float
     by_kind: dict[str, tuple[int, int]] = {}  # kind -> (steps, overruns)
     worst: list[WorstOverrun] = []
+    late_wakes: int = 0  # steps whose work fit but which ended late (``workers/device.py``)
+    late_s: float = 0.0
+    late_max_s: float = 0.0
 
 
 class LinkFidelity(_Record):
@@ -114,12 +117,19 @@ def judge(workers: dict[str, WorkerStats], delayline: DelayLineReport | None, cp
         d = st.device
         v.workers[name] = WorkerFidelity(
             device=d.device, native=d.native, compute=st.compute, steps=d.steps, overruns=d.overruns,
-            overrun_fraction=d.overrun_fraction, overrun_s=d.overrun_s, by_kind=d.by_kind, worst=d.worst)
-        if not d.native and d.overruns > allowed(d.steps):
+            overrun_fraction=d.overrun_fraction, overrun_s=d.overrun_s, by_kind=d.by_kind, worst=d.worst,
+            late_wakes=d.late_wakes, late_s=d.late_s, late_max_s=d.late_max_s)
+        # A step whose work fit but whose end came late lasted longer than modeled all the same.
+        if not d.native and d.overruns + d.late_wakes > allowed(d.steps):
             v.passed = False
-            kinds = ", ".join(f"{k} {o}/{n}" for k, (n, o) in d.by_kind.items() if o)
-            v.reasons.append(f"{name} overran {100 * d.overrun_fraction:.1f}% of its steps "
-                             f"({d.overruns}/{d.steps}: {kinds}; {d.overrun_s:.2f} s in all)")
+            if d.overruns:
+                kinds = ", ".join(f"{k} {o}/{n}" for k, (n, o) in d.by_kind.items() if o)
+                v.reasons.append(f"{name} overran {100 * d.overrun_fraction:.1f}% of its steps "
+                                 f"({d.overruns}/{d.steps}: {kinds}; {d.overrun_s:.2f} s in all)")
+            if d.late_wakes:
+                v.reasons.append(f"{name}: {d.late_wakes} of {d.steps} steps ended more than "
+                                 f"{100 * LATE_WAKE:g}% of their modeled time late (the wait for their end woke late; "
+                                 f"up to {1000 * d.late_max_s:.1f} ms)")
     if delayline is not None:
         for name, d in delayline.directions.items():
             v.links[name] = LinkFidelity(**{f: getattr(d, f) for f in LinkFidelity.model_fields})
@@ -142,7 +152,8 @@ def format_verdict(label: str, v: Verdict) -> str:
             lines.append(f"  {name:10} host CPU, not an emulated device ({w.steps} steps)")
         else:
             lines.append(f"  {name:10} {w.device:8} {w.compute:7} {w.steps:6} steps, overruns {w.overruns} "
-                         f"({100 * w.overrun_fraction:.2f}%), {w.overrun_s:.2f} s over")
+                         f"({100 * w.overrun_fraction:.2f}%), {w.overrun_s:.2f} s over, ended late "
+                         f"{w.late_wakes} (max {1000 * w.late_max_s:.1f} ms)")
             for o in w.worst[:3]:
                 lines.append(f"      {o.kind} {1000 * (o.real_s - o.modeled_s):.0f} ms over "
                              f"({1000 * o.real_s:.0f} vs {1000 * o.modeled_s:.0f} ms; {o.detail})")
