@@ -24,6 +24,7 @@ payload model and size cap lives here; nothing from a peer is used before it is 
 
 from __future__ import annotations
 
+import functools
 import socket
 import struct
 import zlib
@@ -153,6 +154,25 @@ def encode_block(idx: int, start: int, part: torch.Tensor, corrupt: bool = False
     if corrupt:
         data = bytes([data[0] ^ 0xFF]) + data[1:]
     layers, _, heads, n, head_dim = part.shape
+    hdr = BLOCK_HDR.pack(idx, start, n, 0, layers, heads, head_dim, DTYPE_CODES[part.dtype], crc)
+    return hdr + data, len(data)
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_payload(layers: int, heads: int, n: int, head_dim: int, dtype: torch.dtype) -> tuple[bytes, int]:
+    data = bytes(layers * 2 * heads * n * head_dim * torch.finfo(dtype).bits // 8)
+    return data, zlib.crc32(data)
+
+
+def encode_zero_block(idx: int, start: int, part: torch.Tensor, corrupt: bool = False) -> tuple[bytes, int]:
+    """``encode_block`` for KV known to be all zeros (a modeled worker's, ``workers/modeled.py``):
+    the same frame, with the payload and checksum of each shape computed once. A modeled
+    prefill ships its KV at emulated rates: copying and checksumming megabytes of zeros per
+    request cost that worker more than its steps."""
+    layers, _, heads, n, head_dim = part.shape
+    data, crc = _zero_payload(layers, heads, n, head_dim, part.dtype)
+    if corrupt:
+        data = b"\xff" + data[1:]
     hdr = BLOCK_HDR.pack(idx, start, n, 0, layers, heads, head_dim, DTYPE_CODES[part.dtype], crc)
     return hdr + data, len(data)
 

@@ -142,6 +142,14 @@ def test_a_block_lying_about_its_token_count_is_refused() -> None:
     assert "checksum" not in str(got["fail"]) and "bytes for 17 tokens" in str(got["fail"])
 
 
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_a_modeled_workers_cached_zero_frames_are_the_frames_of_its_kv(corrupt: bool) -> None:
+    kv = torch.zeros(2, 2, 2, 32, 4, dtype=torch.float64)
+    for start in (0, 16):
+        part = kv[:, :, :, start : start + 16]
+        assert kv_wire.encode_zero_block(1, start, part, corrupt) == kv_wire.encode_block(1, start, part, corrupt)
+
+
 def _mutate(rng: random.Random, data: bytes) -> bytes:
     b = bytearray(data)
     for _ in range(rng.randint(1, 4)):

@@ -63,6 +63,7 @@ from protocol.kv_format import (  # noqa: F401 - the format's names are part of 
     Offer,
     decode_block,
     encode_block,
+    encode_zero_block,
     parse_frame,
     recv_frame,
     send_frame,
@@ -140,15 +141,16 @@ async def send_kv(
     host: str, port: int, request_id: str, tokens: list[int], kv: torch.Tensor, first_token: int,
     block_size: int, cancel: asyncio.Event | None = None, corrupt_block: int | None = None,
     on_progress: Callable[[TransferStats], None] | None = None, frame_tokens: int = 0, token: str = "",
-    pool: Connections | None = None,
+    pool: Connections | None = None, zeros: bool = False,
 ) -> TransferStats:
     """Send the part of ``kv`` (for ``tokens``) the receiver lacks, in frames of whole blocks
     (``frame_tokens``, default ``FRAME_TOKENS``), over a connection from ``pool`` if it has
-    one (and back into it afterwards). Raises KVTransferError."""
+    one (and back into it afterwards). ``zeros``: the KV is a modeled worker's, all zeros
+    (its frames are built from cached payloads). Raises KVTransferError."""
     if pool is not None and (conn := pool.take(host, port)) is not None:
         try:
             return await _send(conn, host, port, request_id, tokens, kv, first_token, block_size, cancel,
-                               corrupt_block, on_progress, frame_tokens, token, pool, reused=True)
+                               corrupt_block, on_progress, frame_tokens, token, pool, zeros, reused=True)
         except _StaleConnection:
             pass  # the receiver closed it while idle: one fresh connection
     try:
@@ -157,7 +159,7 @@ async def send_kv(
         raise KVTransferError(f"connect to {host}:{port}: {e}") from e
     try:
         return await _send(conn, host, port, request_id, tokens, kv, first_token, block_size, cancel, corrupt_block,
-                           on_progress, frame_tokens, token, pool, reused=False)
+                           on_progress, frame_tokens, token, pool, zeros, reused=False)
     except _StaleConnection as e:  # not reused: a plain broken transfer
         raise KVTransferError(f"transfer to {host}:{port} broke: {e}") from e
 
@@ -166,7 +168,7 @@ async def _send(
     conn: Conn, host: str, port: int, request_id: str, tokens: list[int], kv: torch.Tensor, first_token: int,
     block_size: int, cancel: asyncio.Event | None, corrupt_block: int | None,
     on_progress: Callable[[TransferStats], None] | None, frame_tokens: int, token: str, pool: Connections | None,
-    reused: bool,
+    zeros: bool, reused: bool,
 ) -> TransferStats:
     # The sender's event loop runs beside a compute thread that needs the GIL after every
     # torch op: Python work per frame is time taken from a paced step (see FRAME_TOKENS).
@@ -212,12 +214,13 @@ async def _send(
             part = kv[:, :, :, start : start + per_frame]
             # Fault injection names a block; its frame is the one corrupted.
             hit = corrupt_block is not None and start <= corrupt_block * block_size < start + per_frame
-            frame, nbytes = encode_block(idx, start, part, corrupt=hit)
+            frame, nbytes = (encode_zero_block if zeros else encode_block)(idx, start, part, corrupt=hit)
             st.bytes_sent += await _write(writer, BLOCK, frame)
             st.payload_bytes += nbytes
             st.tokens_sent += part.shape[3]
             if on_progress:
                 on_progress(st)
+            await asyncio.sleep(0)  # drain() returns at once below the buffer's mark: yield (see the receiver)
         if not st.cancelled:
             st.bytes_sent += await _write(writer, END, End(first_token=first_token, n=n).model_dump_json().encode())
             ftype, payload = await _read(reader)
@@ -343,6 +346,9 @@ async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                 raise KVTransferError(f"block at token {blk.first}: expected token {pos}")
             kv[:, :, :, pos - have : pos - have + count] = blk.kv
             pos += count
+            # Frames already buffered are read without waiting: yield after each, or a
+            # transfer holds the loop (and the paced steps' timers) for its whole length.
+            await asyncio.sleep(0)
     except Exception as e:  # noqa: BLE001 - a bad peer fails its transfer, never the server
         msg = f"KV transfer for {rid or '?'} failed: {e or type(e).__name__}"
         with contextlib.suppress(Exception):
