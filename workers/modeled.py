@@ -7,7 +7,8 @@ instances fit on a few host cores (cluster scale, issue #10). What it guarantees
 * **KV of the real size.** Prefill and extend return KV tensors of the real small model's
   shape (``ModelShape``: layers x 2 x KV heads x tokens x head dim), so every transfer puts
   the bytes the scale mapping of ``docs/emulated-time.md`` gives on the emulated network,
-  and caches hold what they would. Their content is zeros: nothing reads it.
+  and caches hold what they would. Their content is zeros: nothing reads it, and they are
+  views of one preallocated zero tensor (a sender ships them from cached zero frames).
 * **Deterministic tokens.** The token after ``t`` at position ``p`` is a fixed function of
   ``(t, p)`` (``next_token``), so a relay's eager tokens and a main decoder's extend agree,
   as greedy decoding of one model would, and two runs produce the same streams. Never the
@@ -37,6 +38,8 @@ class ModeledRunner:
         self.shape = ModelShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, DTYPES[dtype])
         self.vocab = int(cfg.vocab_size)
         self.eos_token_id: int | None = None  # outputs run to their length
+        s = self.shape
+        self._zeros = torch.zeros((s.layers, 2, s.kv_heads, 4096, s.head_dim), dtype=s.dtype)
 
     def next_token(self, token: int, pos: int) -> int:
         """The token that follows ``token`` at position ``pos`` (a multiplicative hash)."""
@@ -44,8 +47,14 @@ class ModeledRunner:
         return FIRST_ID + h % (self.vocab - FIRST_ID)
 
     def kv(self, n: int) -> torch.Tensor:
-        s = self.shape
-        return torch.zeros((s.layers, 2, s.kv_heads, n, s.head_dim), dtype=s.dtype)
+        """KV of ``n`` tokens: a view of one zero tensor, grown by doubling, never written
+        (the radix cache clones the blocks it keeps; receivers build their own). Allocating
+        megabytes per prefill cost a modeled step up to 20 ms in page faults under load."""
+        if n > self._zeros.shape[3]:
+            s = self.shape
+            self._zeros = torch.zeros((s.layers, 2, s.kv_heads, max(n, 2 * self._zeros.shape[3]), s.head_dim),
+                                      dtype=s.dtype)
+        return self._zeros[:, :, :, :n]
 
     def prefill(self, tokens: list[int], cached: object, chunk: int) -> tuple[torch.Tensor, int]:
         """KV of the whole prompt (what a real prefill returns) and the first output token."""

@@ -51,6 +51,7 @@ from workers.radix_cache import RadixCache
 T = TypeVar("T")
 
 STATUS_PERIOD_S = 0.5
+WAKE_LEAD_MAX_S = 0.002
 REMEMBERED_STARTS = 100_000  # request ids whose start command a worker remembers, to drop repeats
 
 
@@ -63,6 +64,7 @@ class Worker:
             else ModelRunner(cfg.model_path, cfg.dtype, cfg.threads))
         # Steps are priced as the emulated model's; without one, as the real model's own work.
         self.pacer: Pacer = make_pacer(cfg.device, cfg.cost or self._own_cost(), cfg.scales)
+        self.wake_lead = 0.0  # how early a paced wait is set to wake (see ``pace``)
         self.cache: RadixCache | None = None  # a role with a prefix cache sets it
         self.compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torch")
         # The emulated device runs one forward pass at a time: a step holds it for its real
@@ -92,9 +94,8 @@ class Worker:
     # ----------------------------------------------------------------- helpers for roles
     async def run_compute(self, fn: Callable[..., T], *args: Any) -> tuple[T, float]:
         """Run torch work on the compute thread; returns (result, real seconds). A modeled
-        worker's step (lengths and zeros, ~0.2 ms) runs here on the loop: on the thread it
-        waited for the GIL behind the loop's KV frames (Python's 5 ms switch interval), so a
-        modeled 5 ms prefill took 7-14 ms."""
+        worker's step (lengths and zeros, ~0.2 ms) runs here on the loop: handing it to the
+        thread and back costs two wake-ups, more than the step."""
         t0 = time.perf_counter()
         if self.cfg.compute == "modeled":
             res = fn(*args)
@@ -105,8 +106,13 @@ class Worker:
     async def pace(self, kind: str, real_s: float, modeled_s: float | None, detail: str = "") -> None:
         wait = self.pacer.account(kind, real_s, modeled_s, detail)
         if wait > 0:
+            # A timer wakes a little after it is due (the loop, the kernel's timer slack, the
+            # scheduler): ~0.3 ms here. Waking that much early, learnt from the last wake-ups,
+            # ends the typical step on time; what is left is judged (``Pacer.woke``).
             t0 = time.perf_counter()
-            await asyncio.sleep(wait)
+            await asyncio.sleep(max(0.0, wait - self.wake_lead))
+            overshoot = time.perf_counter() - t0 - max(0.0, wait - self.wake_lead)
+            self.wake_lead = min(WAKE_LEAD_MAX_S, 0.9 * self.wake_lead + 0.1 * max(0.0, overshoot))
             self.pacer.woke(modeled_s or 0.0, time.perf_counter() - t0 - wait)
 
     async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
