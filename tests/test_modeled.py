@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from testbed.analysis.results import load_run
-from testbed.deploy.dilation import MARGIN, MODELED_STEP_S, Probe, choose_dilation, concurrent_workers
+from testbed.deploy.dilation import MARGIN, MODELED_STEP_S, Probe, _all_modeled, choose_dilation, concurrent_workers
+from testbed.deploy.dilation_probe import _first, probe_policy
 from testbed.deploy.emulation import round_up
 from testbed.deploy.fidelity import allowed
 from testbed.errors import InputError
@@ -19,6 +20,7 @@ from testbed.load.verify import run_verify
 from testbed.policies.base import ClusterView, WorkerView
 from testbed.policies.spec import parse_policy
 from testbed.scenario import load_scenario
+from testbed.traces.workload import RequestSpec
 from workers.model import ModelRunner, ensure_default_model
 from workers.modeled import ModeledRunner
 
@@ -76,6 +78,17 @@ def test_modeled_steps_leave_room_for_the_host_floor_without_the_contention_fact
     d, why = choose_dilation([tiny, Probe("decode", 0.001, 0.01)], workers=12, cpus=2)
     assert d == round_up(5 * MARGIN) and "measured under load" in why
     assert choose_dilation([Probe("prefill", 0.004, 0.003)], workers=12, cpus=2)[0] > d  # real: contended
+
+
+def test_a_modeled_deployment_is_probed_on_the_traces_start_under_its_heaviest_policy() -> None:
+    sc = load_scenario(CLUSTER)
+    assert _all_modeled(sc) and not _all_modeled(load_scenario(TOPOLOGIES / "two-dc.yaml"))
+    assert probe_policy(sc) == "pdd"
+    assert probe_policy(load_scenario(TOPOLOGIES / "bench-net.yaml")) == "cross-dc"  # no relay host
+    # A turn whose previous turn is not replayed would wait for it for ever: it is left out.
+    specs = [RequestSpec("a", [5], 1), RequestSpec("b", [5], 1, after="z"), RequestSpec("c", [5], 1, after="a"),
+             RequestSpec("d", [5], 1)]
+    assert [s.rid for s in _first(specs, 2)] == ["a", "c"] and [s.rid for s in _first(specs, 9)] == ["a", "c", "d"]
 
 
 def test_router_prefers_the_instance_holding_the_prefix_within_a_load_slack() -> None:

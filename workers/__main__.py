@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import selectors
 import sys
 from pathlib import Path
 
 from protocol.worker_config import WorkerConfig
 from workers.decode import DecodeWorker
+from workers.event_loop import new_event_loop
 from workers.prefill import PrefillWorker
 from workers.runtime import Worker
 
@@ -34,10 +34,7 @@ def main(config_path: str) -> None:
     # the GIL over only every switch interval: at the default 5 ms a 12 ms prefill took
     # ~1 s beside a busy Python thread, at 0.1 ms ~48 ms (measured with this model).
     sys.setswitchinterval(GIL_SWITCH_S)
-    # select(2) takes its timeout in microseconds; epoll, asyncio's default, in whole
-    # milliseconds rounded up, so every paced step ended up to 1 ms late (5 % of a 20 ms
-    # step). A worker watches a few dozen sockets at most: select's limits do not matter.
-    with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(selectors.SelectSelector())) as runner:
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:  # timers that end paced steps on time
         runner.run(worker.main())
 
 

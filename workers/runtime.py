@@ -107,7 +107,7 @@ class Worker:
         wait = self.pacer.account(kind, real_s, modeled_s, detail)
         if wait > 0:
             # A timer wakes a little after it is due (the loop, the kernel's timer slack, the
-            # scheduler): ~0.3 ms here. Waking that much early, learnt from the last wake-ups,
+            # scheduler): ~0.2 ms here. Waking that much early, learnt from the last wake-ups,
             # ends the typical step on time; what is left is judged (``Pacer.woke``).
             t0 = time.perf_counter()
             await asyncio.sleep(max(0.0, wait - self.wake_lead))

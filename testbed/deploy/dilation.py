@@ -13,9 +13,10 @@ safety margin, is the
 dilation: every paced step then has room to finish inside ``D`` x its modeled time. The
 reason is printed and saved with the run.
 
-A modeled worker (``compute: modeled``) does no forward pass; its steps are probed at the
-same shapes with a fixed real cost, ``MODELED_STEP_S``, measured under load (so without the
-contention factor): what the smallest modeled step must leave room for.
+A deployment whose paced workers are all modeled (``compute: modeled``) is probed as a
+whole instead, and may run faster than real time (``dilation_probe.py``). In a deployment
+that mixes both, a modeled worker's steps are probed at the same shapes with a fixed real
+cost, ``MODELED_STEP_S``, measured under load (so without the contention factor).
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from protocol.worker_config import Scales
+from testbed.deploy.dilation_probe import probe_dilation
 from testbed.deploy.emulation import EmulationPlan, round_up
 from testbed.deploy.model_files import ensure_model
 from testbed.errors import InputError
@@ -194,6 +196,13 @@ def calibrate_dilation(sc: Scenario, plan: EmulationPlan, specs: list[RequestSpe
     return choose_dilation(found, concurrent_workers(sc), os.cpu_count() or 1)
 
 
+def _all_modeled(sc: Scenario) -> bool:
+    """Every worker on a paced device computes nothing (``compute: modeled``)."""
+    paced = [h for r in (Role.PREFILL, Role.DECODE, Role.RELAY_DECODE) for h in sc.hosts_with_role(r)
+             if sc.host(h).device in sc.devices]
+    return bool(paced) and all(sc.host(h).compute == "modeled" for h in paced)
+
+
 def emulation_plan(sc: Scenario, wl: Workload, specs: list[RequestSpec], dilation: float | str | None,
                    dtype: str | None = None) -> EmulationPlan:
     """The run's emulation: the scenario's model card at the trace's token scale, and the
@@ -214,6 +223,11 @@ def emulation_plan(sc: Scenario, wl: Workload, specs: list[RequestSpec], dilatio
     plan = EmulationPlan.make(sc, wl.token_scale, 1.0, b_r)
     if not plan.emulating:
         return plan
+    if _all_modeled(sc):
+        print("dilation auto: probing the deployment of modeled instances on the trace's start...", flush=True)
+        d, why = probe_dilation(sc, lambda d: [replace(s, at=s.at * d, delay=s.delay * d) for s in specs],
+                                lambda d: EmulationPlan.make(sc, wl.token_scale, d, b_r))
+        return EmulationPlan.make(sc, wl.token_scale, d, b_r, why)
     print("dilation auto: calibrating this host on trace-shaped work...", flush=True)
     rates = hit_rates(wl)
     new = [max(1, round(r.input_len * (1 - rates.get(r.rid, 0.0)))) for r in wl.requests]
