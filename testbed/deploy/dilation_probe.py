@@ -26,7 +26,7 @@ from testbed.traces.workload import RequestSpec
 PROBE_REQUESTS = 16
 PROBE_START = 0.5
 PROBE_MAX = 32.0
-PROBE_MARGIN = 1.25
+PROBE_MARGIN = 1.5  # at 1.25 (D 2.5 after D 2 passed) 2 of 20 prefills of a 40-request run ended late
 PROBE_TIMEOUT_S = 120.0  # emulated seconds a probe request may take before it fails
 
 
