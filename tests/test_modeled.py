@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from testbed.analysis.results import load_run
-from testbed.deploy.dilation import MARGIN, MODELED_STEP_S, Probe, _all_modeled, choose_dilation, concurrent_workers
-from testbed.deploy.dilation_probe import _first, probe_policy
+from testbed.deploy.dilation import MARGIN, MODELED_STEP_S, Probe, all_modeled, choose_dilation, concurrent_workers
+from testbed.deploy.dilation_probe import first_requests, probe_policy
 from testbed.deploy.emulation import round_up
 from testbed.deploy.fidelity import allowed
 from testbed.errors import InputError
@@ -82,13 +82,14 @@ def test_modeled_steps_leave_room_for_the_host_floor_without_the_contention_fact
 
 def test_a_modeled_deployment_is_probed_on_the_traces_start_under_its_heaviest_policy() -> None:
     sc = load_scenario(CLUSTER)
-    assert _all_modeled(sc) and not _all_modeled(load_scenario(TOPOLOGIES / "two-dc.yaml"))
+    assert all_modeled(sc) and not all_modeled(load_scenario(TOPOLOGIES / "two-dc.yaml"))
     assert probe_policy(sc) == "pdd"
     assert probe_policy(load_scenario(TOPOLOGIES / "bench-net.yaml")) == "cross-dc"  # no relay host
     # A turn whose previous turn is not replayed would wait for it for ever: it is left out.
     specs = [RequestSpec("a", [5], 1), RequestSpec("b", [5], 1, after="z"), RequestSpec("c", [5], 1, after="a"),
              RequestSpec("d", [5], 1)]
-    assert [s.rid for s in _first(specs, 2)] == ["a", "c"] and [s.rid for s in _first(specs, 9)] == ["a", "c", "d"]
+    assert [s.rid for s in first_requests(specs, 2)] == ["a", "c"]
+    assert [s.rid for s in first_requests(specs, 9)] == ["a", "c", "d"]
 
 
 def test_router_prefers_the_instance_holding_the_prefix_within_a_load_slack() -> None:

@@ -196,7 +196,7 @@ def calibrate_dilation(sc: Scenario, plan: EmulationPlan, specs: list[RequestSpe
     return choose_dilation(found, concurrent_workers(sc), os.cpu_count() or 1)
 
 
-def _all_modeled(sc: Scenario) -> bool:
+def all_modeled(sc: Scenario) -> bool:
     """Every worker on a paced device computes nothing (``compute: modeled``)."""
     paced = [h for r in (Role.PREFILL, Role.DECODE, Role.RELAY_DECODE) for h in sc.hosts_with_role(r)
              if sc.host(h).device in sc.devices]
@@ -223,7 +223,7 @@ def emulation_plan(sc: Scenario, wl: Workload, specs: list[RequestSpec], dilatio
     plan = EmulationPlan.make(sc, wl.token_scale, 1.0, b_r)
     if not plan.emulating:
         return plan
-    if _all_modeled(sc):
+    if all_modeled(sc):
         print("dilation auto: probing the deployment of modeled instances on the trace's start...", flush=True)
         d, why = probe_dilation(sc, lambda d: [replace(s, at=s.at * d, delay=s.delay * d) for s in specs],
                                 lambda d: EmulationPlan.make(sc, wl.token_scale, d, b_r))

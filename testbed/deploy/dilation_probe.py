@@ -30,7 +30,7 @@ PROBE_MARGIN = 1.5  # at 1.25 (D 2.5 after D 2 passed) 2 of 20 prefills of a 40-
 PROBE_TIMEOUT_S = 120.0  # emulated seconds a probe request may take before it fails
 
 
-def _first(specs: list[RequestSpec], n: int) -> list[RequestSpec]:
+def first_requests(specs: list[RequestSpec], n: int) -> list[RequestSpec]:
     """The first ``n`` requests, without a closed-loop turn whose predecessor is left out."""
     kept: list[RequestSpec] = []
     names: set[str] = set()
@@ -57,7 +57,7 @@ def probe_dilation(sc: Scenario, specs_at: Callable[[float], list[RequestSpec]],
     d, tried = PROBE_START, []
     while True:
         t0 = time.monotonic()
-        specs = _first(specs_at(d), PROBE_REQUESTS)
+        specs = first_requests(specs_at(d), PROBE_REQUESTS)
         with Deployment(sc, policy, emulation=plan_at(d)) as dep:
             run = dep.run(TraceReplay(specs, PROBE_TIMEOUT_S * d, f"probe D {d:g}", show_progress=False))
         failed = sum(1 for r in run.recs.values() if not r.done or r.error)
