@@ -109,11 +109,12 @@ class Worker:
             # A timer wakes a little after it is due (the loop, the kernel's timer slack, the
             # scheduler): ~0.2 ms here. Waking that much early, learnt from the last wake-ups,
             # ends the typical step on time; what is left is judged (``Pacer.woke``).
+            sleep = max(0.0, wait - self.wake_lead)
             t0 = time.perf_counter()
-            await asyncio.sleep(max(0.0, wait - self.wake_lead))
-            overshoot = time.perf_counter() - t0 - max(0.0, wait - self.wake_lead)
-            self.wake_lead = min(WAKE_LEAD_MAX_S, 0.9 * self.wake_lead + 0.1 * max(0.0, overshoot))
-            self.pacer.woke(modeled_s or 0.0, time.perf_counter() - t0 - wait)
+            await asyncio.sleep(sleep)
+            slept = time.perf_counter() - t0
+            self.wake_lead = min(WAKE_LEAD_MAX_S, 0.9 * self.wake_lead + 0.1 * max(0.0, slept - sleep))
+            self.pacer.woke(modeled_s or 0.0, slept - wait)
 
     async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
         assert self.session is not None

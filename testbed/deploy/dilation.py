@@ -100,6 +100,12 @@ def _pacers(sc: Scenario, plan: EmulationPlan, roles: tuple[Role, ...], hosts: l
     return out
 
 
+def paced_hosts(sc: Scenario) -> list[str]:
+    """The workers on an emulated device (a roofline profile under ``devices:``)."""
+    return [h for r in (Role.PREFILL, Role.DECODE, Role.RELAY_DECODE) for h in sc.hosts_with_role(r)
+            if sc.host(h).device in sc.devices]
+
+
 def probes(sc: Scenario, plan: EmulationPlan, specs: list[RequestSpec], new_tokens: list[int],
            model_path: str, dtype: str) -> list[Probe]:
     """Real vs modeled time of trace-shaped work (see the module docstring). For modeled
@@ -108,8 +114,7 @@ def probes(sc: Scenario, plan: EmulationPlan, specs: list[RequestSpec], new_toke
 
     ctx = int(np.median([len(s.prompt) for s in specs]))
     out = _probe_set(sc, plan, ctx, new_tokens, "modeled", None)
-    if any(sc.host(h).compute == "real" and sc.host(h).device in sc.devices
-           for r in (Role.PREFILL, Role.DECODE, Role.RELAY_DECODE) for h in sc.hosts_with_role(r)):
+    if any(sc.host(h).compute == "real" for h in paced_hosts(sc)):
         runner = ModelRunner(model_path, dtype, sc.workers.threads)
         out = _probe_set(sc, plan, ctx, new_tokens, "real", runner) + out
     return out
@@ -198,8 +203,7 @@ def calibrate_dilation(sc: Scenario, plan: EmulationPlan, specs: list[RequestSpe
 
 def all_modeled(sc: Scenario) -> bool:
     """Every worker on a paced device computes nothing (``compute: modeled``)."""
-    paced = [h for r in (Role.PREFILL, Role.DECODE, Role.RELAY_DECODE) for h in sc.hosts_with_role(r)
-             if sc.host(h).device in sc.devices]
+    paced = paced_hosts(sc)
     return bool(paced) and all(sc.host(h).compute == "modeled" for h in paced)
 
 
