@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,7 +11,16 @@ import pytest
 from protocol.messages import RequestHints
 from testbed.errors import InputError
 from testbed.traces import load_trace
-from testbed.traces.generate import GenConfig, generate, mooncake_lines, write_jsonl
+from testbed.traces.generate import (
+    OPEN_TTFT_S,
+    GenConfig,
+    draw_once,
+    generate,
+    generate_file,
+    mooncake_lines,
+    same_recipe,
+    write_jsonl,
+)
 from testbed.traces.stats import hit_rates, trace_stats
 
 from .conftest import ROOT
@@ -185,6 +195,43 @@ def test_generator_follows_the_default_target_and_is_deterministic(tmp_path: Pat
     st_m = trace_stats(load_trace(tmp_path / "m.jsonl"))
     assert st_m.requests == st.requests
     assert st_m.mean_hit_rate == pytest.approx(st.mean_hit_rate, abs=1e-9)
+
+
+def test_open_loop_recipe_fixes_every_turn_in_time_and_arrives_at_the_asked_rate(tmp_path: Path) -> None:
+    cfg = GenConfig(arrivals="open", rps=2.0, duration_s=240, seed=3, turns_max=8)
+    sessions, header = generate(cfg)
+    assert header["arrivals"] == "open" and header["rps"] == 2.0
+    for s in sessions:
+        ats = [t.get("at_s", 0.0) for t in s["turns"]]
+        assert all("delay_s" not in t for t in s["turns"]) and ats == sorted(ats)
+        for k in range(1, len(ats)):  # a turn waits at least the previous one's nominal answer
+            assert ats[k] - ats[k - 1] >= OPEN_TTFT_S + cfg.open_tpot_s * s["turns"][k - 1]["output_tokens"] - 2e-3
+    write_jsonl(tmp_path / "o.jsonl", sessions, header)
+    wl = load_trace(tmp_path / "o.jsonl")
+    assert all(r.after is None for r in wl.requests)  # no turn waits for an answer
+    # Over an hour, requests of the sessions started in it arrive at the asked rate (one draw, no hit tuning).
+    hour, _, _ = draw_once(dataclasses.replace(cfg, duration_s=3600), 0.8)
+    assert sum(len(s["turns"]) for s in hour if s["start_s"] < 3600) == pytest.approx(2.0 * 3600, rel=0.08)
+    # --load 2 doubles the rate: every send time halves.
+    at1 = [r.at for r in wl.specs(1.0)]
+    assert [r.at for r in wl.specs(2.0)] == pytest.approx([a / 2 for a in at1])
+    # Closed loop with the same seed keeps the same prompts; only the timing differs.
+    closed, _ = generate(GenConfig(arrivals="closed", rps=2.0, duration_s=240, seed=3, turns_max=8))
+    strip = [[{k: v for k, v in t.items() if k not in ("at_s", "delay_s")} for t in s["turns"]] for s in sessions]
+    assert strip == [[{k: v for k, v in t.items() if k not in ("at_s", "delay_s")} for t in s["turns"]] for s in closed]
+
+
+def test_open_loop_recipe_options_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="--arrivals"):
+        generate_file(GenConfig(arrivals="sometimes"), tmp_path / "x.jsonl")
+    with pytest.raises(InputError, match="--rps"):
+        generate_file(GenConfig(rps=0.0), tmp_path / "x.jsonl")
+
+
+def test_a_header_written_before_a_recipe_field_existed_is_the_same_recipe() -> None:
+    _, header = generate(GenConfig(sessions=3, duration_s=5))
+    older = {k: v for k, v in header.items() if k not in ("arrivals", "rps", "open_tpot_s")}
+    assert same_recipe(older, {**header, "seed": 9}) and not same_recipe(older, {**header, "arrivals": "open"})
 
 
 @pytest.mark.parametrize("name", ["agentic-default.jsonl", "agentic-quick.jsonl"])

@@ -105,7 +105,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="replay a trace under one or more policies; save, plot and compare")
     replay_opts(p, "same-dc,cross-dc")
-    p.add_argument("--speed", type=float, default=1.0, help="time compression: 2 = arrivals/delays twice as fast")
+    p.add_argument("--load", "--speed", dest="speed", type=float, default=1.0, metavar="X",
+                   help="offered load, x the trace's arrival rate: every arrival offset and think time divided by "
+                        "X (default 1; an open-loop trace's load is then exactly X times its own)")
     p.add_argument("--allow-infidelity", action="store_true",
                    help="exit 0 even when the fidelity verdict fails (it is still printed and saved)")
     p.add_argument("--out", help="results folder (default runs/<timestamp>)")
@@ -153,6 +155,13 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--sessions", type=int, default=60)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--duration", type=float, default=120.0, help="sessions start within this many seconds")
+    p.add_argument("--rps", type=float, metavar="R",
+                   help="mean requests per second over --duration instead of a count of --sessions")
+    p.add_argument("--arrivals", choices=["closed", "open"], default="closed",
+                   help="closed: a turn follows the previous answer after --think (default); open: every turn "
+                        "at a fixed time, so the offered load does not depend on the system's speed")
+    p.add_argument("--open-tpot", type=float, default=0.03, metavar="S",
+                   help="open arrivals: nominal seconds per output token of a turn before the next (default 0.03)")
     p.add_argument("--above-95", type=float, default=0.75, help="target share of requests with hit > 95%%")
     p.add_argument("--anomalous", type=float, default=0.035,
                    help="share of long-input, low-hit, short-output requests")

@@ -62,7 +62,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from testbed.experiments.trace_run import run_trace
 
     if args.speed <= 0:
-        raise InputError(f"--speed: must be positive, got {args.speed}")
+        raise InputError(f"--load: must be positive, got {args.speed}")
     sc, policies, wl, opts = replay_inputs(args)
     faults = parse_faults(args.fault, sc.check_fault)
     opts = dataclasses.replace(opts, allow_infidelity=args.allow_infidelity, speed=args.speed,
@@ -82,7 +82,8 @@ def cmd_trace_gen(args: argparse.Namespace) -> int:
     cfg = GenConfig(sessions=args.sessions, seed=args.seed, duration_s=args.duration, above_95=args.above_95,
                     anomalous_share=args.anomalous, context_max=args.context_max,
                     think_mean_s=args.think, calibrate_scale=args.calibrate_scale, turns_max=args.turns_max,
-                    first_output_median=args.first_output_median, output_median=args.output_median)
+                    first_output_median=args.first_output_median, output_median=args.output_median,
+                    arrivals=args.arrivals, rps=args.rps, open_tpot_s=args.open_tpot)
     print(generate_file(cfg, args.output, args.as_format))
     return 0
 

@@ -2,7 +2,7 @@
 
 A *point* is one ``testbed run`` of a trace at one load, saved in its own folder
 (``load-1.5/``, rebuilt by ``testbed report``); load is a multiple of the trace's own
-arrival rate (``--speed``: arrivals and think times compressed by it). Every point of a
+arrival rate (``testbed run --load``: arrivals and think times compressed by it). Every point of a
 sweep runs at one dilation, found once (``auto``) before the first, so points compare.
 
 * ``sla_throughput``: per policy, the highest load of the sweep at which at least

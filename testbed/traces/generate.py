@@ -18,6 +18,16 @@ The default target is the one reported for agentic traffic in ``docs/design.md``
 about 90 %, 70-80 % of requests above 95 %, 3-4 % anomalous requests. The generator solves
 how many follow-ups land above 95 % from the expected share of first turns and anomalies;
 ``testbed trace stats`` on the output shows what it achieved.
+
+Arrivals are closed loop by default (a follow-up is sent ``think`` seconds after the previous
+answer ends, so a slow system is offered less load). ``arrivals="open"`` places every turn at
+a fixed time instead: the previous turn's send time, plus the answer's nominal length
+(``OPEN_TTFT_S`` plus ``open_tpot_s`` per output token), plus the think time. The offered load
+then does not depend on how fast the system answers, which sweeps and capacity need; a turn
+sent before its predecessor has finished finds less of its prefix cached, as it would in
+production. ``rps`` sets the mean request rate instead of a session count: sessions are
+drawn until ``duration_s``, each started after a gap whose mean is its own number of turns
+over the rate (so requests, not sessions, arrive at ``rps``).
 """
 
 from __future__ import annotations
@@ -36,6 +46,8 @@ from testbed.traces.stats import format_stats, trace_stats
 from testbed.traces.workload import Workload, block_hashes
 
 RECIPE_GENERATOR = "testbed trace gen"  # a header with this generator holds a recipe to draw again
+ARRIVALS = ("closed", "open")
+OPEN_TTFT_S = 1.0  # open loop: a turn's answer is assumed to start this long after it is sent
 # Where hits above 95 % fall (buckets of `trace stats`), relative weights.
 HIGH_BUCKETS = [((0.95, 0.97), 0.30), ((0.97, 0.98), 0.25), ((0.98, 0.99), 0.25), ((0.99, 0.998), 0.20)]
 
@@ -56,6 +68,9 @@ class GenConfig:
     shared_median: int = 24000  # system / tool prompt shared by sessions (tokens)
     block: int = MOONCAKE_BLOCK
     calibrate_scale: int = 1  # hit shares are calibrated as replayed with this --token-scale
+    arrivals: str = "closed"  # "open": every turn at a fixed time (module docstring)
+    rps: float | None = None  # mean requests per second over ``duration_s`` (replaces ``sessions``)
+    open_tpot_s: float = 0.03  # open loop: nominal seconds per output token between a turn and the next
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -94,7 +109,7 @@ def generate(cfg: GenConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     p_high: float | None = None
     best: tuple[float, list[dict[str, Any]], dict[str, Any]] | None = None
     for _ in range(12):
-        sessions, header, p_used = _generate_once(cfg, p_high)
+        sessions, header, p_used = draw_once(cfg, p_high)
         wl = sessions_workload(Path("<generated>"), enumerate(sessions, 2), cfg.calibrate_scale)
         stats = trace_stats(wl)
         err = stats.share_above_95 - cfg.above_95
@@ -108,22 +123,35 @@ def generate(cfg: GenConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     return best[1], best[2]
 
 
-def _generate_once(cfg: GenConfig, p_high: float | None) -> tuple[list[dict[str, Any]], dict[str, Any], float]:
+def draw_once(cfg: GenConfig, p_high: float | None) -> tuple[list[dict[str, Any]], dict[str, Any], float]:
     rng = random.Random(cfg.seed)
     shared = [(f"tools-{k}", _lognormal_int(rng, cfg.shared_median, 0.35, 4000, 48000))
               for k in range(cfg.shared_prompts)]
     # Plan session shapes first so the share of follow-ups above 95 % can be solved for.
-    starts = sorted(rng.uniform(0, cfg.duration_s) for _ in range(cfg.sessions))
     mean_turns = (cfg.turns_max + 3) / 2
-    expected = cfg.sessions * mean_turns / (1 - cfg.anomalous_share)
-    low_share = (cfg.sessions + cfg.anomalous_share * expected) / expected  # first turns + anomalies
+    low_share = (1 - cfg.anomalous_share) / mean_turns + cfg.anomalous_share  # first turns + anomalies
     if p_high is None:
         p_high = min(1.0, cfg.above_95 / max(1e-9, 1 - low_share))
     hit_rng = random.Random(f"{cfg.seed}:hits")  # hit draws apart, so a corrected p_high changes only them
     out: list[dict[str, Any]] = []
     n_requests = 0
-    for s, start in enumerate(starts):
+    if cfg.rps is None:
+        starts: list[float] | None = sorted(rng.uniform(0, cfg.duration_s) for _ in range(cfg.sessions))
+    else:
+        starts, gap_rng, next_start = None, random.Random(f"{cfg.seed}:starts"), 0.0
+        session_rps = cfg.rps * (1 - cfg.anomalous_share)
+    s = 0
+    while True:
+        if starts is not None:
+            if s == len(starts):
+                break
+            start = starts[s]
+        else:
+            start = next_start
+            if start >= cfg.duration_s:
+                break
         sid = f"s{s:04d}"
+        s += 1
         pid, plen = rng.choice(shared)
         task = _lognormal_int(rng, 2500, 0.6, 200, 16000)
         turns: list[dict[str, Any]] = []
@@ -131,18 +159,28 @@ def _generate_once(cfg: GenConfig, p_high: float | None) -> tuple[list[dict[str,
         first_out = _lognormal_int(rng, cfg.first_output_median, 0.5, 64, 4096)
         turns.append({"new_tokens": task, "output_tokens": first_out})
         out_prev = first_out
+        at = 0.0
         n_turns = rng.randint(3, cfg.turns_max)
         for _ in range(1, n_turns):
             new = _new_tokens_for(_target_hit(hit_rng, p_high), ctx, out_prev, cfg.block)
             if ctx + out_prev + new > cfg.context_max:
                 break
             ctx += out_prev + new
+            answer_s = OPEN_TTFT_S + cfg.open_tpot_s * out_prev  # the previous turn's, nominally
             out_prev = _lognormal_int(rng, cfg.output_median, 0.6, 32, 4096)
-            turns.append({"new_tokens": new, "output_tokens": out_prev,
-                          "delay_s": round(rng.expovariate(1 / cfg.think_mean_s), 3)})
+            think = rng.expovariate(1 / cfg.think_mean_s)
+            at += answer_s + think
+            turn: dict[str, Any] = {"new_tokens": new, "output_tokens": out_prev}
+            if cfg.arrivals == "open":
+                turn["at_s"] = round(at, 3)
+            else:
+                turn["delay_s"] = round(think, 3)
+            turns.append(turn)
         out.append({"session": sid, "start_s": round(start, 3), "shared_prefix": {"id": pid, "tokens": plen},
                     "turns": turns})
         n_requests += len(turns)
+        if starts is None:
+            next_start = start + gap_rng.expovariate(session_rps / len(turns))
     # Anomalous requests: single-turn sessions of a large fresh document with a short answer.
     n_anom = round(cfg.anomalous_share * n_requests / (1 - cfg.anomalous_share))
     for k in range(n_anom):
@@ -157,8 +195,10 @@ def _generate_once(cfg: GenConfig, p_high: float | None) -> tuple[list[dict[str,
 
 def same_recipe(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Two trace headers from one recipe (they may differ in seed and in what was achieved)."""
-    def key(m: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in m.items() if k not in ("seed", "format", "version") and not k.startswith("achieved_")}
+    def key(m: dict[str, Any]) -> dict[str, Any]:  # a field an older header lacks has its default
+        full = {**GenConfig().as_dict(), **m}
+        return {k: v for k, v in full.items()
+                if k not in ("seed", "format", "version") and not k.startswith("achieved_")}
     return a.get("generator") == RECIPE_GENERATOR and key(a) == key(b)
 
 
@@ -194,6 +234,12 @@ def generate_file(cfg: GenConfig, output: Path, as_format: str = "sessions") -> 
     if not (0 <= cfg.above_95 <= 1 and 0 <= cfg.anomalous_share < 0.5 and cfg.sessions >= 1 and cfg.turns_max >= 3):
         raise InputError("trace gen: --above-95 must be in [0, 1], --anomalous in [0, 0.5), --sessions >= 1, "
                          "--turns-max >= 3")
+    if cfg.arrivals not in ARRIVALS:
+        raise InputError(f"trace gen: --arrivals must be one of {', '.join(ARRIVALS)}, got {cfg.arrivals!r}")
+    if cfg.rps is not None and not (cfg.rps > 0 and cfg.duration_s > 0):
+        raise InputError("trace gen: --rps and --duration must be > 0")
+    if cfg.open_tpot_s < 0:
+        raise InputError("trace gen: --open-tpot must be >= 0")
     sessions, header = generate(cfg)
     if as_format == "mooncake":
         # Mooncake has no sessions: closed-loop turns are placed at their estimated send time.
