@@ -30,6 +30,7 @@ import asyncio
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -48,7 +49,7 @@ from protocol.worker_config import DecodeCounters, WorkerConfig, WorkerStats
 from workers import kv_wire
 from workers.handoff import HandoffMixin
 from workers.model import DecodeBatch
-from workers.modeled import ModeledBatch
+from workers.modeled import ModeledBatch, ModeledRunner
 from workers.radix_cache import RadixCache
 from workers.runtime import Worker
 from workers.seq import Seq
@@ -62,7 +63,7 @@ BATCH_HEADROOM = 512
 class DecodeWorker(HandoffMixin, Worker):
     def __init__(self, cfg: WorkerConfig) -> None:
         super().__init__(cfg)
-        self.cache: RadixCache = RadixCache(cfg.block_size, cfg.cache_tokens)
+        self.cache: RadixCache = RadixCache(cfg.block_size, cfg.cache_tokens, copy_blocks=cfg.compute != "modeled")
         self.waiting: dict[str, Seq] = {}
         self.running: dict[str, Seq] = {}
         self.held: dict[str, Seq] = {}  # main decoder: KV here, stream still on the relay
@@ -85,8 +86,12 @@ class DecodeWorker(HandoffMixin, Worker):
     async def start(self) -> None:
         self.server = await kv_wire.serve_kv(self.cfg.host_ip, self.cfg.kv_port, self._offer, self._arrived,
                                              self._transfer_failed, expect=self.runner.shape,
-                                             token=self.cfg.kv_token)
+                                             token=self.cfg.kv_token, zeros=self._zero_kv())
         self.spawn(self._loop())
+
+    def _zero_kv(self) -> Callable[[int], torch.Tensor] | None:
+        """Modeled compute: KV of n tokens as a zero view (received KV is checked, not kept)."""
+        return self.runner.kv if isinstance(self.runner, ModeledRunner) else None
 
     def active(self) -> int:
         return len(self.running)
@@ -134,7 +139,8 @@ class DecodeWorker(HandoffMixin, Worker):
     # ----------------------------------------------------------------- commands
     async def handle(self, cmd: Command) -> None:
         if isinstance(cmd, DecodeCmd):
-            seq = Seq(cmd.rid, cmd.prompt, cmd.max_new, time.time(), drc=cmd.drc, ignore_eos=cmd.ignore_eos)
+            seq = Seq(cmd.rid, cmd.prompt, cmd.max_new, time.time(), drc=cmd.drc, ignore_eos=cmd.ignore_eos,
+                      zeros=self.runner.kv if isinstance(self.runner, ModeledRunner) else None)
             self.setup_handoff(seq, cmd)
             self.waiting[cmd.rid] = seq
             self.registered.setdefault(cmd.rid, asyncio.Event()).set()
@@ -178,8 +184,12 @@ class DecodeWorker(HandoffMixin, Worker):
         seq = self.waiting.pop(inc.request_id, None)
         if seq is None:
             return
-        cached = self.cache.kv_of(seq.path)
-        kv = inc.kv if cached is None else torch.cat([cached, inc.kv], dim=3)
+        zeros = self._zero_kv()
+        if zeros is not None:  # modeled: the whole prompt's KV is a zero view, nothing to join
+            kv = zeros(inc.have + inc.kv.shape[3])
+        else:
+            cached = self.cache.kv_of(seq.path)
+            kv = inc.kv if cached is None else torch.cat([cached, inc.kv], dim=3)
         self.cache.unlock(seq.path)
         seq.path = []
         if seq.drc:

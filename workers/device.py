@@ -26,7 +26,7 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
-from protocol.worker_config import LATE_WAKE, DeviceReport, DeviceSpec, ModelCost, Scales, WorstOverrun
+from protocol.worker_config import LATE_WAKE, LATE_WAKE_FLOOR_S, DeviceReport, DeviceSpec, ModelCost, Scales, WorstOverrun
 
 WORST_KEPT = 5
 
@@ -134,11 +134,12 @@ class Pacer:
     def woke(self, modeled_s: float, late_s: float) -> None:
         """The wait that ended a step of ``modeled_s`` real seconds woke ``late_s`` after
         the step's modeled end. Every step's end is a little late (the timer, the loop); what
-        the run's figures feel is the sum, and a step late by more than LATE_WAKE of itself."""
+        the run's figures feel is the sum, and a step late by more than LATE_WAKE of itself
+        (and more than the host's timer noise, LATE_WAKE_FLOOR_S)."""
         late_s = max(0.0, late_s)
         self.late_s += late_s
         self.late_max_s = max(self.late_max_s, late_s)
-        if late_s > LATE_WAKE * modeled_s:
+        if late_s > max(LATE_WAKE * modeled_s, LATE_WAKE_FLOOR_S):
             self.late_wakes += 1
 
     def report(self) -> DeviceReport:

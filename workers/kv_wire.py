@@ -274,12 +274,13 @@ FailFn = Callable[[str, str], Awaitable[None]]
 
 
 async def serve_kv(host: str, port: int, offer: OfferFn, done: DoneFn, fail: FailFn,
-                   expect: ModelShape | None = None, token: str = "") -> asyncio.Server:
+                   expect: ModelShape | None = None, token: str = "",
+                   zeros: Callable[[int], torch.Tensor] | None = None) -> asyncio.Server:
     """Accept transfers (``receive_kv`` for each connection)."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            while await receive_kv(reader, writer, offer, done, fail, expect, token, keep_open=True):
+            while await receive_kv(reader, writer, offer, done, fail, expect, token, keep_open=True, zeros=zeros):
                 pass  # the sender may send its next transfer on this connection
         finally:
             writer.close()
@@ -288,14 +289,17 @@ async def serve_kv(host: str, port: int, offer: OfferFn, done: DoneFn, fail: Fai
 
 
 async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, offer: OfferFn, done: DoneFn,
-                     fail: FailFn, expect: ModelShape | None = None, token: str = "", keep_open: bool = False) -> bool:
+                     fail: FailFn, expect: ModelShape | None = None, token: str = "", keep_open: bool = False,
+                     zeros: Callable[[int], torch.Tensor] | None = None) -> bool:
     """One transfer, receiver side. ``offer(rid, tokens)`` returns the cached prefix length to
     claim; ``expect`` (the receiver's own model) is the only KV layout accepted, and with a
     ``token`` only a HELLO carrying it (a sender of this run) is served. Never raises:
     whatever the peer sends, the transfer ends with ``done`` or with ``fail`` and a reason
     (``fail`` only once the request id is known). True when it ended cleanly and, with
     ``keep_open``, the connection stays open for the sender's next transfer; otherwise the
-    connection is closed. A sender that closes an idle connection is no failure."""
+    connection is closed. A sender that closes an idle connection is no failure. A modeled
+    receiver passes ``zeros`` (KV of n tokens as a zero view): every block is checked as
+    always, but its content is not copied, and the transfer hands over ``zeros(n)``."""
     rid: str | None = None
     received = 0
     ok = False
@@ -323,7 +327,8 @@ async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
             raise KVTransferError(str(e)) from e
         await _write(writer, OFFER, Offer(have=have).model_dump_json().encode())
         n = len(tokens)
-        kv = torch.empty((shape.layers, 2, shape.kv_heads, n - have, shape.head_dim), dtype=shape.dtype)
+        kv = (zeros(n - have) if zeros is not None
+              else torch.empty((shape.layers, 2, shape.kv_heads, n - have, shape.head_dim), dtype=shape.dtype))
         pos = have
         while True:
             # A block holds at most the KV still missing.
@@ -344,7 +349,8 @@ async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
             count = blk.kv.shape[3]
             if blk.first != pos or pos + count > n:
                 raise KVTransferError(f"block at token {blk.first}: expected token {pos}")
-            kv[:, :, :, pos - have : pos - have + count] = blk.kv
+            if zeros is None:
+                kv[:, :, :, pos - have : pos - have + count] = blk.kv
             pos += count
             # Frames already buffered are read without waiting: yield after each, or a
             # transfer holds the loop (and the paced steps' timers) for its whole length.

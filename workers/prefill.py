@@ -25,7 +25,7 @@ from workers.runtime import Worker
 class PrefillWorker(Worker):
     def __init__(self, cfg: WorkerConfig) -> None:
         super().__init__(cfg)
-        self.cache: RadixCache = RadixCache(cfg.block_size, cfg.cache_tokens)
+        self.cache: RadixCache = RadixCache(cfg.block_size, cfg.cache_tokens, copy_blocks=cfg.compute != "modeled")
         self.queue: asyncio.Queue[PrefillCmd] = asyncio.Queue()
         self.computed_tokens = 0
         self.reused_tokens = 0

@@ -38,10 +38,13 @@ class Node:
 
 
 class RadixCache:
-    def __init__(self, block_size: int, capacity_tokens: int) -> None:
+    def __init__(self, block_size: int, capacity_tokens: int, copy_blocks: bool = True) -> None:
+        """``copy_blocks`` False keeps views of the inserted KV instead of copies: for modeled
+        compute, whose KV is a view of one zero tensor nobody writes."""
         if block_size < 1 or capacity_tokens < 0:
             raise ValueError("block_size must be >= 1 and capacity >= 0")
         self.block_size = block_size
+        self.copy_blocks = copy_blocks
         self.capacity_blocks = capacity_tokens // block_size
         self.root = Node((), None, None)
         self.blocks = 0
@@ -122,7 +125,8 @@ class RadixCache:
             if child is None:
                 if self.blocks >= self.capacity_blocks and not self._evict_one(protect=node):
                     break
-                child = Node(key, kv[:, :, :, i * bs : (i + 1) * bs].clone(), node)
+                block = kv[:, :, :, i * bs : (i + 1) * bs]
+                child = Node(key, block.clone() if self.copy_blocks else block, node)
                 node.children[key] = child
                 self.blocks += 1
             child.last_used = now

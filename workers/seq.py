@@ -3,11 +3,13 @@
 ``Seq`` owns the request's KV buffer, preallocated for prompt + output so that appending
 a token's KV writes in place. ``append`` is the one way KV and tokens are added (a decode
 step, an extend-decode of eager tokens), so the buffer, its fill level and the output
-always agree.
+always agree. With modeled compute (``zeros`` set) there is no buffer: the KV is all zeros
+and only its length is kept, so loading a prompt or appending a token copies nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +51,7 @@ class Seq:
     max_new: int
     registered: float
     buf: torch.Tensor | None = None
+    zeros: Callable[[int], torch.Tensor] | None = None  # modeled: KV of n tokens, never stored
     n: int = 0  # tokens whose KV is in ``buf``
     out: list[int] = field(default_factory=list)
     path: list[Node] = field(default_factory=list)  # locked radix-cache prefix while KV arrives
@@ -68,6 +71,8 @@ class Seq:
 
     @property
     def kv(self) -> torch.Tensor:
+        if self.zeros is not None:
+            return self.zeros(self.n)
         assert self.buf is not None
         return self.buf[:, :, :, : self.n]
 
@@ -75,6 +80,9 @@ class Seq:
         """Take the prompt's KV ``(layers, 2, kv_heads, tokens, head_dim)`` into a buffer with
         room for every output token."""
         s = kv.shape
+        if self.zeros is not None:
+            self.n = s[3]
+            return
         self.buf = torch.empty((s[0], s[1], s[2], s[3] + self.max_new, s[4]), dtype=kv.dtype)
         self.buf[:, :, :, : s[3]] = kv
         self.n = s[3]
@@ -83,7 +91,9 @@ class Seq:
         """Append ``k`` columns of KV and ``k`` output tokens: a decode step adds the KV of the
         token it fed and the token it produced; an extend adds eager tokens and their KV."""
         k = kv.shape[3]
-        assert self.buf is not None and k == len(tokens) and self.n + k <= self.buf.shape[3]
-        self.buf[:, :, :, self.n : self.n + k] = kv
+        assert k == len(tokens)
+        if self.zeros is None:
+            assert self.buf is not None and self.n + k <= self.buf.shape[3]
+            self.buf[:, :, :, self.n : self.n + k] = kv
         self.n += k
         self.out.extend(tokens)

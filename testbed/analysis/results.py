@@ -14,6 +14,7 @@ A run directory (``runs/<timestamp>/`` unless ``--out``) holds:
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,14 @@ class RunSummary(_Saved):
         if e.emulating:
             return f"emulated seconds (D = {e.dilation:g}); TPOT per emulated token (s_out = {e.s_out})"
         return "host seconds (no emulation)"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """``text`` into ``path`` whole or not at all: written beside it, then renamed over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def load_run(run_dir: Path) -> tuple[RunSummary, pd.DataFrame]:

@@ -259,4 +259,16 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, help="only the first N requests of the trace")
     p.add_argument("--out", type=Path, default=Path("runs/bench-client"))
     p.set_defaults(command="bench client")
+    p = bsub.add_parser("scale", help="paper.yaml-shaped PDD clusters of growing size: the dilation that passes, "
+                                      "emulated s per wall s, host CPU per request, the delay line's share")
+    p.add_argument("--scenario", type=Path, default=Path("topologies/paper.yaml"),
+                   help="a PDD scenario of modeled instances to resize (default topologies/paper.yaml)")
+    p.add_argument("--sizes", default="4,16,32,75,150", help="devices per deployment, comma-separated")
+    p.add_argument("--per-device-rps", type=float, default=0.04, metavar="R",
+                   help="offered load per device, requests/s (default 0.04: 3 req/s on 75 devices)")
+    p.add_argument("--window", type=float, default=30.0, metavar="S",
+                   help="emulated seconds in which sessions start (default 30)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", type=Path, help="results folder (default runs/bench-scale-<timestamp>)")
+    p.set_defaults(command="bench scale")
     return ap

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from testbed.bench.net import run_bench
@@ -54,6 +55,17 @@ def cmd_bench_handoff(args: argparse.Namespace) -> int:
         result = run_handoff_bench(net, args.reps, args.tokens, args.prompt, args.load_streams)
     print(json.dumps(result, indent=2) if args.json else format_result(result))
     return 0
+
+
+def cmd_bench_scale(args: argparse.Namespace) -> int:
+    from testbed.bench.scale import run_bench as run_scale_bench
+
+    try:
+        sizes = [int(x) for x in args.sizes.split(",")]
+    except ValueError:
+        raise InputError(f"--sizes: expected comma-separated device counts, got {args.sizes!r}") from None
+    out = args.out or Path("runs") / time.strftime("bench-scale-%Y%m%d-%H%M%S")
+    return run_scale_bench(args.scenario, sizes, out, args.per_device_rps, args.window, args.seed)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -133,15 +145,15 @@ COMMANDS = {
     "run": cmd_run, "trace stats": cmd_trace_stats, "trace gen": cmd_trace_gen, "verify": cmd_verify,
     "report": cmd_report, "soak": cmd_soak,
     "sweep": replay_commands.cmd_sweep, "calibrate": replay_commands.cmd_calibrate,
-    "bench net": cmd_bench_net, "bench handoff": cmd_bench_handoff,
+    "bench net": cmd_bench_net, "bench handoff": cmd_bench_handoff, "bench scale": cmd_bench_scale,
     "serve": serve_commands.cmd_serve, "bench client": serve_commands.cmd_bench_client,
 }  # fmt: skip
 # Commands that build namespaces need root (``clean`` decides for itself: nothing to clean needs none).
 NEEDS_ROOT = {"exec", "net up", "net down", "net check", "run", "verify", "bench net", "bench handoff", "soak", "sweep",
-              "calibrate", "serve", "bench client"}
+              "calibrate", "serve", "bench client", "bench scale"}
 # Commands that start workers: their fork server (torch's imports, seconds) starts at once,
 # beside this process's own imports and input checks instead of after them.
-STARTS_WORKERS = {"run", "verify", "soak", "sweep", "calibrate", "serve", "bench client"}
+STARTS_WORKERS = {"run", "verify", "soak", "sweep", "calibrate", "serve", "bench client", "bench scale"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@ import os
 
 from pydantic import BaseModel, ConfigDict
 
-from protocol.worker_config import LATE_WAKE, WorkerStats, WorstOverrun
+from protocol.worker_config import LATE_WAKE, LATE_WAKE_FLOOR_S, WorkerStats, WorstOverrun
 from testbed.net.delayline_contract import LATE_EDGES_US, DelayLineReport
 
 MAX_SHARE_PCT = 1  # of a worker's steps that may overrun, of a direction's frames that may be late
@@ -128,8 +128,8 @@ def judge(workers: dict[str, WorkerStats], delayline: DelayLineReport | None, cp
                                  f"({d.overruns}/{d.steps}: {kinds}; {d.overrun_s:.2f} s in all)")
             if d.late_wakes:
                 v.reasons.append(f"{name}: {d.late_wakes} of {d.steps} steps ended more than "
-                                 f"{100 * LATE_WAKE:g}% of their modeled time late (the wait for their end woke late; "
-                                 f"up to {1000 * d.late_max_s:.1f} ms)")
+                                 f"{100 * LATE_WAKE:g}% of their modeled time (and {1000 * LATE_WAKE_FLOOR_S:g} ms) "
+                                 f"late (the wait for their end woke late; up to {1000 * d.late_max_s:.1f} ms)")
     if delayline is not None:
         for name, d in delayline.directions.items():
             v.links[name] = LinkFidelity(**{f: getattr(d, f) for f in LinkFidelity.model_fields})

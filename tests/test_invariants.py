@@ -1,0 +1,77 @@
+"""Invariants of the emulation (root): what a run reports depends on the emulated system, not
+on how it was emulated. Modeled compute reports what real compute reports (both are paced
+to the same device; only the tokens differ), and a modeled cluster reports the same faster
+than real time (D 0.5) as slower (D 2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from testbed.analysis.metrics import request_rows
+from testbed.deploy.deployment import Deployment
+from testbed.deploy.emulation import EmulationPlan
+from testbed.load.trace_replay import TraceReplay
+from testbed.policies import parse_policy
+from testbed.scenario import Scenario
+from testbed.traces.workload import RequestSpec, synth_tokens
+from workers.model import ensure_default_model
+from workers.model_dir import kv_bytes_per_token
+
+from .conftest import needs_root, scenario_with
+
+SERVING = ("prefill", "relay", "decode-a", "decode-b")
+STATS = ("ttft_s", "tpot_s")
+
+
+def _scenario(compute: str) -> Scenario:
+    hosts = {h: {"compute": compute} for h in SERVING}
+    b = {"decode-b": hosts.pop("decode-b")}
+    return scenario_with({"datacenters": {"a": {"lan": {"rate_mbit": 400000}, "hosts": hosts},
+                                          "b": {"lan": {"rate_mbit": 400000}, "hosts": b}}}, emulated=True)
+
+
+def _specs() -> list[RequestSpec]:
+    # Two prompt families (the second request of each hits the first's prefix), arrivals
+    # close enough that decode batches of two or three form and the WAN carries KV back to back.
+    return [RequestSpec(f"r{i}", synth_tokens(f"inv-{i % 2}", 160) + synth_tokens(f"inv-tail-{i}", 40 + 20 * i),
+                        24 + 4 * i, at=0.15 * i) for i in range(8)]
+
+
+def _latencies(compute: str, dilation: float) -> dict[str, tuple[float, float]]:
+    """P50 and P90 of TTFT and TPOT (emulated seconds) of one PDD replay."""
+    sc = _scenario(compute)
+    plan = EmulationPlan.make(sc, 1, dilation, kv_bytes_per_token(ensure_default_model(), "float32"))
+    specs = _specs()
+    with Deployment(sc, parse_policy("pdd"), emulation=plan, dtype="float32") as dep:
+        run = dep.run(TraceReplay([RequestSpec(s.rid, s.prompt, s.max_new, at=s.at * dilation) for s in specs],
+                                  timeout_s=120 * dilation, show_progress=False))
+    assert run.verdict.passed, (compute, dilation, run.verdict.reasons)
+    assert {w.compute for w in run.workers.values()} == {compute}
+    df = request_rows(run.recs, run.router, specs, plan.scales)
+    assert df.ok.all(), df.error.tolist()
+    assert list(df.output_tokens) == [s.max_new for s in specs]
+    return {k: (float(np.percentile(df[k], 50)), float(np.percentile(df[k], 90))) for k in STATS}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, Any]:
+    return {"real D 3": _latencies("real", 3.0), "modeled D 2": _latencies("modeled", 2.0),
+            "modeled D 0.5": _latencies("modeled", 0.5)}
+
+
+def _same(a: dict[str, tuple[float, float]], b: dict[str, tuple[float, float]], rel: float) -> list[str]:
+    return [f"{k} P{q}: {x:.4f} vs {y:.4f}" for k in STATS for q, x, y in zip((50, 90), a[k], b[k], strict=True)
+            if x != pytest.approx(y, rel=rel)]
+
+
+@needs_root
+def test_modeled_compute_reports_what_real_compute_reports(runs: dict[str, Any]) -> None:
+    assert _same(runs["real D 3"], runs["modeled D 2"], 0.10) == [], runs
+
+
+@needs_root
+def test_a_modeled_cluster_reports_the_same_faster_and_slower_than_real_time(runs: dict[str, Any]) -> None:
+    assert _same(runs["modeled D 0.5"], runs["modeled D 2"], 0.10) == [], runs
