@@ -19,7 +19,7 @@ POLICIES ?= same-dc,cross-dc,pdd
 NETWORK ?=
 RUN_ARGS ?=
 
-.PHONY: reproduce soak bench-cache bench-client setup debs test test-fast lint run-trace run-cluster bench-net bench-handoff clean distclean
+.PHONY: reproduce soak bench-cache bench-client bench-scale setup debs test test-fast lint run-trace run-cluster bench-net bench-handoff clean distclean
 
 MININET_LINK := $(VENV)/.mininet-linked
 
@@ -141,6 +141,12 @@ bench-cache: setup
 
 bench-handoff: setup
 	$(VENV)/bin/testbed bench handoff --scenario $(SCENARIO)
+
+# Modeled PDD clusters of 4-150 devices shaped like topologies/paper.yaml, the same open-loop
+# load per device: the dilation each holds, emulated s per wall s, host CPU per request, the
+# delay line's share (docs/scale-out.md). SCALE_ARGS="--sizes 4,16" for a part of it.
+bench-scale: setup
+	$(VENV)/bin/testbed bench scale $(SCALE_ARGS)
 
 # An external client checks our measurements: NVIDIA's aiperf (its own venv, not a dependency
 # of the testbed) replays the Mooncake sample against `testbed serve`; its TTFT/TPOT beside the
