@@ -327,9 +327,9 @@ def test_paced_and_dilated_pdd_produces_the_reference_tokens() -> None:
     assert run.policy.counts.get("P-RLD-MD", 0) == sum(1 for r in run.router.values() if r.relay)
 
 
-def _tpot(sc: Any, policy: str, dilation: float, n: int = 5) -> tuple[float, float]:
+def _tpot(sc: Any, policy: str, dilation: float) -> tuple[float, float]:
     # 0.7 s apart: each request (TTFT <= 0.4 s, 30 steps of ~7 ms) ends before the next.
-    specs = [RequestSpec(f"t{i}", synth_tokens(f"tpot-{i}", 200), 30, at=0.7 * i) for i in range(n)]
+    specs = [RequestSpec(f"t{i}", synth_tokens(f"tpot-{i}", 200), 30, at=0.7 * i) for i in range(5)]
     plan = _plan(sc, dilation, "float32")
     with Deployment(sc, parse_policy(policy), emulation=plan, dtype="float32") as dep:
         run = dep.run(TraceReplay([RequestSpec(s.rid, s.prompt, s.max_new, at=s.at * dilation) for s in specs],
@@ -346,7 +346,7 @@ def _tpot(sc: Any, policy: str, dilation: float, n: int = 5) -> tuple[float, flo
 
 
 @needs_root
-def test_no_wan_round_trip_on_the_decode_path_and_reports_do_not_depend_on_dilation() -> None:
+def test_no_wan_round_trip_on_the_decode_path() -> None:
     # Both decoders on the same device, a long idle WAN (60 ms each way): with nothing on the
     # decode path waiting for the broker in datacenter a, cross-dc decodes as fast as same-dc.
     sc = _emulated({"wan": {"forward": {"rate_mbit": 10000, "delay_ms": 60.0, "jitter_ms": 0.0},
@@ -362,10 +362,7 @@ def test_no_wan_round_trip_on_the_decode_path_and_reports_do_not_depend_on_dilat
     # start for one request of five. Fresh connections per transfer made this 1.6-3.0 s, and
     # dependent on the dilation (the kernel's TCP timers are not dilated).
     assert cross_ttft < 0.4, cross_ttft
-    # Same work at another dilation reports the same emulated times (beyond noise); three
-    # requests: their medians leave out the first one's fresh connection as five do.
-    cross45, cross45_ttft = _tpot(sc, "cross-dc", 4.5, n=3)
-    assert cross45 == pytest.approx(cross, rel=0.10) and cross45_ttft == pytest.approx(cross_ttft, rel=0.15)
+    # That reports do not depend on the dilation: tests/test_invariants.py.
 
 
 @needs_root

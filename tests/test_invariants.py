@@ -41,7 +41,7 @@ def _specs() -> list[RequestSpec]:
     # that no request waits for another's KV on the line: each figure is one request's own.
     warm = RequestSpec("warm", synth_tokens("inv-warm", 120), 8, at=0.0)
     return [warm, *(RequestSpec(f"r{i}", synth_tokens(f"inv-{i % 2}", 160) + synth_tokens(f"inv-tail-{i}", 40 + 20 * i),
-                                24 + 4 * i, at=0.4 + 0.3 * i) for i in range(5))]
+                                24 + 4 * i, at=0.4 + 0.3 * i) for i in range(6))]
 
 
 def _latencies(compute: str, dilation: float) -> tuple[dict[str, tuple[float, float]], list[str]]:

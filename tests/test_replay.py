@@ -18,7 +18,7 @@ from testbed.net import netns, runstate
 from testbed.policies import parse_policy
 from testbed.traces import load_trace
 
-from .conftest import ROOT, needs_root, scenario_with
+from .conftest import ROOT, needs_root, run_cli, scenario_with
 
 pytestmark = needs_root
 
@@ -39,7 +39,8 @@ def _sessions(path: Path, n: int, turns: int, out_tokens: int = 6, delay: float 
     return path
 
 
-def test_bad_trace_exits_2_naming_line_and_field_and_starts_nothing(tmp_path: Path) -> None:
+def test_bad_trace_exits_2_naming_line_and_field_and_starts_nothing(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [1, 2]}\n'
                    '{"timestamp": 5, "input_length": 2000, "output_length": 3, "hash_ids": [1, 2]}\n')
@@ -51,22 +52,25 @@ def test_bad_trace_exits_2_naming_line_and_field_and_starts_nothing(tmp_path: Pa
     assert set(netns.list_namespaces()) == before_ns
     after_runs = set(os.listdir(runstate.STATE_ROOT)) if runstate.STATE_ROOT.exists() else set()
     assert after_runs == before_runs
-    res = _testbed("run", "--trace", str(ROOT / "traces" / "agentic-default.jsonl"), "--policies", "nope")
-    assert res.returncode == 2 and "--policies: unknown policy 'nope' (known: same-dc, cross-dc, pdd)" in res.stderr
+    # The same checks of the policy grammar, in this process (the exit path is the one above).
+    trace = str(ROOT / "traces" / "agentic-default.jsonl")
+    code, err = run_cli(["run", "--trace", trace, "--policies", "nope"], capsys)
+    assert code == 2 and "--policies: unknown policy 'nope' (known: same-dc, cross-dc, pdd)" in err
     for spelling, says in [("same-dc,pdd:handoff=sideways", "option handoff='sideways': Input should be"),
                            ("pdd:threshold=64,lodd=3", "unknown option 'lodd' (options: handoff, threshold"),
                            ("pdd:relay_s=-1", "option relay_s='-1': Input should be greater than or equal to 0")]:
-        res = _testbed("run", "--trace", str(ROOT / "traces" / "agentic-default.jsonl"), "--policies", spelling)
-        assert res.returncode == 2 and f"error: --policies: pdd: {says}" in res.stderr, res.stderr
+        code, err = run_cli(["run", "--trace", trace, "--policies", spelling], capsys)
+        assert code == 2 and f"error: --policies: pdd: {says}" in err, err
 
 
 @pytest.mark.slow
-def test_closed_loop_sessions_replay_and_results_are_saved(tmp_path: Path) -> None:
+def test_closed_loop_sessions_replay_and_results_are_saved(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = _sessions(tmp_path / "s.jsonl", n=3, turns=3)
     out = tmp_path / "out"
-    # About replay and saved results, not fidelity (tests/test_fidelity.py): any verdict is fine.
+    # About replay and saved results, not fidelity (tests/test_fidelity.py): any verdict is
+    # fine, and a fixed dilation spares the calibration (its own tests are in test_fidelity).
     res = _testbed("run", "--trace", str(trace), "--policies", "same-dc", "--token-scale", "2", "--out", str(out),
-                   "--allow-infidelity")
+                   "--allow-infidelity", "--dilation", "3")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "same-dc" in res.stdout and "TTFT p50 ms" in res.stdout
     made = ("requests.csv", "requests.parquet", "summary.json", "report.md", "latency.png", "ttft_by_hit.png",
@@ -81,8 +85,8 @@ def test_closed_loop_sessions_replay_and_results_are_saved(tmp_path: Path) -> No
     report = (out / "report.md").read_bytes()
     for name in ("report.md", "latency.png", "ttft_by_hit.png", "timeline.png"):
         (out / name).unlink()
-    res = _testbed("report", str(out))
-    assert res.returncode == 0, res.stdout + res.stderr
+    code, err = run_cli(["report", str(out)], capsys)
+    assert code == 0, err
     assert (out / "report.md").read_bytes() == report
     assert all((out / name).stat().st_size > 0 for name in made)
     for s in range(3):

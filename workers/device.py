@@ -26,7 +26,15 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
-from protocol.worker_config import LATE_WAKE, LATE_WAKE_FLOOR_S, DeviceReport, DeviceSpec, ModelCost, Scales, WorstOverrun
+from protocol.worker_config import (
+    LATE_WAKE,
+    LATE_WAKE_FLOOR_S,
+    DeviceReport,
+    DeviceSpec,
+    ModelCost,
+    Scales,
+    WorstOverrun,
+)
 
 WORST_KEPT = 5
 

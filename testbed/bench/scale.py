@@ -144,7 +144,7 @@ def table(points: list[ScalePoint]) -> str:
     return "\n".join(lines)
 
 
-def plot(points: list[ScalePoint], path: Path) -> None:
+def plot(points: list[ScalePoint], path: Path, rps: float) -> None:
     x = [p.devices for p in points]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, ys, label in ((axes[0], [p.dilation for p in points], "dilation D (real s per emulated s)"),
@@ -159,8 +159,9 @@ def plot(points: list[ScalePoint], path: Path) -> None:
         ax.set_title(label, fontsize=10)
         ax.grid(alpha=0.3)
     axes[0].axhline(1.0, color="grey", lw=0.8, ls="--")
-    fig.suptitle(f"bench scale: paper.yaml-shaped PDD, {PER_DEVICE_RPS:g} req/s per device, open loop "
-                 "(red x: no passing verdict)", fontsize=10)
+    axes[0].set_ylim(bottom=0)
+    fig.suptitle(f"bench scale: paper.yaml-shaped PDD, {rps:g} req/s per device, open loop; dilations tried from "
+                 f"{START_DILATION:g} up (red x: none passed)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -185,7 +186,7 @@ def run_bench(scenario: Path, sizes: list[int], out: Path, per_device_rps: float
         write_atomic(out / "scale.json", _json(points, scenario, per_device_rps, window_s))
         md = table(points)
         write_atomic(out / "scale.md", md + "\n")
-        plot(points, out / "scale.png")
+        plot(points, out / "scale.png", per_device_rps)
     print(f"\nbench scale ({scenario}, pdd, {per_device_rps:g} req/s per device, sessions starting over "
           f"{window_s:g} emulated s, token scale {TOKEN_SCALE}) [{time.monotonic() - t0:.0f} s]")
     print(md)
