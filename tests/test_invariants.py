@@ -13,6 +13,7 @@ import pytest
 from testbed.analysis.metrics import request_rows
 from testbed.deploy.deployment import Deployment
 from testbed.deploy.emulation import EmulationPlan
+from testbed.deploy.fidelity import allowed
 from testbed.load.trace_replay import TraceReplay
 from testbed.policies import parse_policy
 from testbed.scenario import Scenario
@@ -29,7 +30,11 @@ STATS = ("ttft_s", "tpot_s")
 def _scenario(compute: str) -> Scenario:
     hosts = {h: {"compute": compute} for h in SERVING}
     b = {"decode-b": hosts.pop("decode-b")}
-    line = {"rate_mbit": 1000, "delay_ms": 15.0, "jitter_ms": 0.0}
+    # A buffer of 4 round trips: slow start never overshoots it, because a dropped frame is
+    # recovered on the kernel's timers, which no dilation stretches (docs/emulated-time.md).
+    # 500 Mbit/s: TTFTs of ~0.3 s, next to which the host's own few milliseconds per request
+    # (not dilated either: 12 ms at D 0.5) stay small.
+    line = {"rate_mbit": 500, "delay_ms": 15.0, "jitter_ms": 0.0, "queue_bytes": 4 * 500_000_000 // 8 * 30 // 1000}
     return scenario_with({"wan": {"forward": line, "reverse": line},
                           "datacenters": {"a": {"lan": {"rate_mbit": 400000}, "hosts": hosts},
                                           "b": {"lan": {"rate_mbit": 400000}, "hosts": b}}}, emulated=True)
@@ -41,11 +46,14 @@ def _specs() -> list[RequestSpec]:
     # that no request waits for another's KV on the line: each figure is one request's own.
     warm = RequestSpec("warm", synth_tokens("inv-warm", 120), 8, at=0.0)
     return [warm, *(RequestSpec(f"r{i}", synth_tokens(f"inv-{i % 2}", 160) + synth_tokens(f"inv-tail-{i}", 40 + 20 * i),
-                                24 + 4 * i, at=0.4 + 0.3 * i) for i in range(6))]
+                                24 + 4 * i, at=0.4 + 0.4 * i) for i in range(6))]
 
 
 def _latencies(compute: str, dilation: float) -> tuple[dict[str, tuple[float, float]], list[str]]:
-    """P50 and P90 of TTFT and TPOT (emulated seconds) of one PDD replay, and the verdict's reasons."""
+    """P50 and P90 of TTFT and TPOT (emulated seconds) of one PDD replay, and the verdict's reasons.
+    Its workers' compute kept pace (overruns within the verdict's 1 %); a step that ended a few
+    milliseconds late now and then (this VM's timers) is reported with the figures, not failed:
+    what is compared here is the figures."""
     sc = _scenario(compute)
     plan = EmulationPlan.make(sc, 1, dilation, kv_bytes_per_token(ensure_default_model(), "float32"))
     specs = _specs()
@@ -53,6 +61,7 @@ def _latencies(compute: str, dilation: float) -> tuple[dict[str, tuple[float, fl
         run = dep.run(TraceReplay([RequestSpec(s.rid, s.prompt, s.max_new, at=s.at * dilation) for s in specs],
                                   timeout_s=120 * dilation, show_progress=False))
     assert {w.compute for w in run.workers.values()} == {compute}
+    assert all(w.device.overruns <= allowed(w.device.steps) for w in run.workers.values()), run.verdict.reasons
     df = request_rows(run.recs, run.router, specs, plan.scales)
     assert df.ok.all(), df.error.tolist()
     assert list(df.output_tokens) == [s.max_new for s in specs]
@@ -73,15 +82,11 @@ def _same(a: dict[str, tuple[float, float]], b: dict[str, tuple[float, float]], 
 
 @needs_root
 def test_modeled_compute_reports_what_real_compute_reports(runs: dict[str, Any]) -> None:
-    (real, real_why), (modeled, modeled_why) = runs["real D 6"], runs["modeled D 2"]
-    assert real_why == [] and modeled_why == [], (real_why, modeled_why)  # both kept their pace
+    (real, _), (modeled, _) = runs["real D 6"], runs["modeled D 2"]
     assert _same(real, modeled, 0.10) == [], runs
 
 
 @needs_root
 def test_a_modeled_cluster_reports_the_same_faster_and_slower_than_real_time(runs: dict[str, Any]) -> None:
-    # The figures must agree whatever the verdict at D 0.5 says: on a 2-core virtual machine
-    # a few 3 ms steps of a 6 ms emulated decode end more than 1 ms late now and then (the
-    # verdict reports them), which moves no percentile by 10 %.
-    (fast, fast_why), (slow, _) = runs["modeled D 0.5"], runs["modeled D 2"]
-    assert _same(fast, slow, 0.10) == [], (runs, fast_why)
+    (fast, _), (slow, _) = runs["modeled D 0.5"], runs["modeled D 2"]
+    assert _same(fast, slow, 0.10) == [], runs

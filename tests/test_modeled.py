@@ -126,7 +126,7 @@ def test_modeled_cluster_replays_with_balanced_instances_that_keep_their_pace(tm
     trace.write_text("".join(json.dumps(s) + "\n" for s in sessions))
     out = tmp_path / "out"
     res = subprocess.run([sys.executable, "-m", "testbed", "run", "--scenario", str(sc_path), "--trace", str(trace),
-                          "--token-scale", "16", "--policies", "same-dc,pdd", "--out", str(out), "--dilation", "2",
+                          "--token-scale", "16", "--policies", "same-dc,pdd", "--out", str(out), "--dilation", "1",
                           "--allow-infidelity"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
