@@ -123,7 +123,8 @@ def plot_hit_rates(workers: dict[str, dict[str, WorkerStats]], path: Path, windo
         ax.set(title=f"{p}: prefix-cache hit rate per {window_s:g} s", xlabel="s into the run", ylabel="hit %",
                ylim=(0, 100))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # a run too short for a series has no line to name
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
