@@ -57,7 +57,8 @@ def test_radix_never_evicts_locked() -> None:
     assert len(c.match_prefix([1, 2, 3, 4])) == 2
 
 
-def _transfer(kv: torch.Tensor, tokens: list[int], have: int, corrupt: int | None = None, frame: int = 16):
+def _transfer(kv: torch.Tensor, tokens: list[int], have: int, corrupt: int | None = None, frame: int = 16,
+              zeros=None):
     async def main():
         got: dict[str, object] = {}
 
@@ -70,7 +71,7 @@ def _transfer(kv: torch.Tensor, tokens: list[int], have: int, corrupt: int | Non
         async def fail(rid: str, msg: str) -> None:
             got["fail"] = msg
 
-        server = await kv_wire.serve_kv("127.0.0.1", 0, offer, done, fail)
+        server = await kv_wire.serve_kv("127.0.0.1", 0, offer, done, fail, zeros=zeros)
         port = server.sockets[0].getsockname()[1]
         try:
             st = await kv_wire.send_kv("127.0.0.1", port, "r1", tokens, kv, 42, 16, corrupt_block=corrupt,
@@ -105,6 +106,17 @@ def test_wire_detects_corrupted_block() -> None:
     assert "checksum mismatch" in got["fail"]
     assert "inc" not in got
     assert "send_error" in got
+
+
+def test_a_modeled_receiver_checks_every_block_but_keeps_only_a_zero_view() -> None:
+    zero = torch.zeros(2, 2, 2, 256, 8, dtype=torch.float64)
+    kv = torch.randn(2, 2, 2, 64, 8, dtype=torch.float64)
+    st, got = _transfer(kv, list(range(64)), 16, zeros=lambda n: zero[:, :, :, :n])
+    inc = got["inc"]
+    assert isinstance(inc, kv_wire.Incoming) and inc.have == 16 and inc.kv.shape[3] == 48
+    assert inc.kv.data_ptr() == zero.data_ptr() and not zero.any()  # a view, nothing written into it
+    _, bad = _transfer(kv, list(range(64)), 0, corrupt=2, zeros=lambda n: zero[:, :, :, :n])
+    assert "checksum mismatch" in bad["fail"] and "inc" not in bad
 
 
 def test_batched_decode_and_extend_equal_reference(runner64: ModelRunner) -> None:

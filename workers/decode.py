@@ -140,7 +140,7 @@ class DecodeWorker(HandoffMixin, Worker):
     async def handle(self, cmd: Command) -> None:
         if isinstance(cmd, DecodeCmd):
             seq = Seq(cmd.rid, cmd.prompt, cmd.max_new, time.time(), drc=cmd.drc, ignore_eos=cmd.ignore_eos,
-                      zeros=self.runner.kv if isinstance(self.runner, ModeledRunner) else None)
+                      zeros=self._zero_kv())
             self.setup_handoff(seq, cmd)
             self.waiting[cmd.rid] = seq
             self.registered.setdefault(cmd.rid, asyncio.Event()).set()

@@ -48,8 +48,9 @@ class ModeledRunner:
 
     def kv(self, n: int) -> torch.Tensor:
         """KV of ``n`` tokens: a view of one zero tensor, grown by doubling, never written
-        (the radix cache clones the blocks it keeps; receivers build their own). Allocating
-        megabytes per prefill cost a modeled step up to 20 ms in page faults under load."""
+        (the radix cache keeps views of it, a receiver hands one over after checking the
+        blocks it was sent, a request keeps only its length). Allocating or copying megabytes
+        per request stalled a modeled worker's event loop by up to 40 ms under load."""
         if n > self._zeros.shape[3]:
             s = self.shape
             self._zeros = torch.zeros((s.layers, 2, s.kv_heads, max(n, 2 * self._zeros.shape[3]), s.head_dim),
