@@ -19,7 +19,7 @@ from testbed.errors import InputError
 from testbed.load.verify import run_verify
 from testbed.policies.base import ClusterView, WorkerView
 from testbed.policies.spec import parse_policy
-from testbed.scenario import load_scenario
+from testbed.scenario import Role, load_scenario
 from testbed.traces.workload import RequestSpec
 from workers.model import ModelRunner, ensure_default_model
 from workers.modeled import ModeledRunner
@@ -150,3 +150,20 @@ def test_modeled_cluster_replays_with_balanced_instances_that_keep_their_pace(tm
     assert len(sent) > 0
     assert (sent.kv_bytes >= 4096 * sent.kv_tokens_sent).all()
     assert (sent.kv_bytes <= 1.02 * 4096 * sent.kv_tokens_sent + 8192).all()
+
+
+def test_bench_scale_resizes_pdds_side_of_the_paper_deployment_exactly() -> None:
+    from testbed.bench.scale import devices_of, scaled_scenario, split
+
+    assert split(80) == [8] * 10 and split(17) == [6, 6, 5] and split(1) == [1]
+    base = load_scenario(CLUSTER)
+    for size in (4, 16, 32, 75, 150):
+        sc = scaled_scenario(base, size)
+        assert devices_of(sc)[0] == size
+        roles = {r: sc.hosts_with_role(r) for r in (Role.PREFILL, Role.RELAY_DECODE, Role.DECODE)}
+        assert all(roles.values()) and all(h.startswith("decode-b") for h in roles[Role.DECODE])
+        assert {sc.host(h).device for h in roles[Role.DECODE]} == {"h20"}  # main decoders keep datacenter b's device
+    big = scaled_scenario(base, 75)  # the report's own PDD deployment: 5 x 8 + 3 + 4 x 8
+    assert sorted(big.host(h).devices for h in big.hosts_with_role(Role.PREFILL)) == [8] * 5
+    assert [big.host(h).devices for h in big.hosts_with_role(Role.RELAY_DECODE)] == [3]
+    assert sorted(big.host(h).devices for h in big.hosts_with_role(Role.DECODE)) == [8] * 4
