@@ -30,7 +30,7 @@ STATS = ("ttft_s", "tpot_s")
 def _scenario(compute: str) -> Scenario:
     hosts = {h: {"compute": compute} for h in SERVING}
     b = {"decode-b": hosts.pop("decode-b")}
-    # A buffer of 4 round trips: slow start never overshoots it, because a dropped frame is
+    # A buffer of 4 round trips, which slow start does not overflow: a dropped frame would be
     # recovered on the kernel's timers, which no dilation stretches (docs/emulated-time.md).
     # 500 Mbit/s: TTFTs of ~0.3 s, next to which the host's own few milliseconds per request
     # (not dilated either: 12 ms at D 0.5) stay small.
