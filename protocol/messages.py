@@ -1,8 +1,9 @@
 """Control plane: the MQTT topic layout and every message that travels on it, in one place.
 
 Every topic lives under ``pdd/<run_id>/``. QoS 1 for requests, commands, events and
-tokens; MQTT keeps per-topic order for one publisher, so a request's token stream (one
-topic, one publisher at a time) arrives in order.
+tokens; MQTT keeps per-topic order for one publisher, so one worker's token stream (its own
+topic) arrives in order, and a request's stream that moves from a relay to its main decoder
+is put back in order by the receiver (``ClientRecord.accept``).
 
     client/requests            client  -> router   Request
     worker/<name>/cmd          router  -> worker   PrefillCmd | DecodeCmd | CancelCmd | HandoffCmd
@@ -11,7 +12,10 @@ topic, one publisher at a time) arrives in order.
     worker/<name>/status       worker  -> router   Status (retained; last will = dead)
     events                     worker  -> router   Event: PrefillDone | KvSent | KvReceived |
                                                    HandoffSent | Extended | Done | Failed
-    tokens/<rid>               worker  -> client   Tokens (and router -> client on failure)
+    stream/<worker>            worker  -> client   TokenBatch: one binary message per step
+                                                   carrying every request's new tokens
+                                                   (``protocol/token_stream.py``)
+    tokens/<rid>               router  -> client   Tokens: a failure the router reports itself
     router/status              router  -> client   RouterStatus (retained)
 
 Commands and events are tagged unions (``op`` / ``kind``): each variant states exactly the
@@ -63,6 +67,13 @@ class Topics:
     @property
     def all_tokens(self) -> str:
         return f"{self.root}/tokens/+"
+
+    def stream(self, worker: str) -> str:
+        return f"{self.root}/stream/{worker}"
+
+    @property
+    def all_streams(self) -> str:
+        return f"{self.root}/stream/+"
 
     @property
     def router_status(self) -> str:

@@ -71,10 +71,13 @@ def test_each_component_reads_and_writes_only_its_own_topics() -> None:
                 await prefill.subscribe(t.cmd("relay"), qos=QOS)  # not its topic
                 await prefill.subscribe(t.cmd("prefill"), qos=QOS)
                 await client.subscribe(t.all_tokens, qos=QOS)
+                await client.subscribe(t.all_streams, qos=QOS)
                 await client.subscribe(t.events, qos=QOS)  # not its topic
                 await prefill.publish(t.requests, b"request from prefill", qos=QOS)  # not its topic: dropped
                 await prefill.publish(t.cmd("decode-a"), b"prefill to decode-a", qos=QOS)  # dropped
                 await relay.publish(t.cmd("decode-b"), b"relay to decode-b", qos=QOS)  # the handoff: allowed
+                await relay.publish(t.stream("relay"), b"relay's tokens", qos=QOS)  # its own stream
+                await relay.publish(t.stream("prefill"), b"relay as prefill", qos=QOS)  # another's: dropped
                 await client.publish(t.requests, b"request from client", qos=QOS)
                 await client.publish(t.events, b"event from client", qos=QOS)  # dropped
                 for topic in (t.cmd("relay"), t.cmd("prefill"), t.events, t.tokens("r1")):
@@ -101,6 +104,6 @@ def test_each_component_reads_and_writes_only_its_own_topics() -> None:
                                                                                "acl": (mosq, 0o600)}
     seen = {k: set(v) for k, v in got.items()}
     assert seen["prefill"] == {"admin to worker/prefill/cmd"}, seen
-    assert seen["client"] == {"admin to tokens/r1"}, seen
+    assert seen["client"] == {"admin to tokens/r1", "relay's tokens"}, seen
     sent_by_components = seen["admin"] - {m for m in seen["admin"] if m.startswith("admin to")}
-    assert sent_by_components == {"relay to decode-b", "request from client"}, seen
+    assert sent_by_components == {"relay to decode-b", "relay's tokens", "request from client"}, seen

@@ -13,6 +13,7 @@ import aiomqtt
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from protocol import token_stream
 from protocol.messages import (
     QOS,
     CancelCmd,
@@ -45,6 +46,7 @@ from protocol.messages import (
     Tokens as TokensMsg,
 )
 from protocol.router_config import PlanInfo, PolicyContext, PolicyReport, RequestRecord, RouterConfig, WorkerEndpoint
+from protocol.token_stream import TokenChunk
 from protocol.worker_config import (
     BrokerInfo,
     CacheReport,
@@ -196,13 +198,14 @@ def _inject_when_streaming(cl: Cluster, victim: str, worker: str, seen: dict[str
         b = cl.access.admin  # the orchestrator may use every topic of the run
         async with aiomqtt.Client(b.host, b.port, username=b.username, password=b.password,
                                   identifier=f"{topics.root}-injector") as c:
-            for t in (topics.tokens(victim), topics.tokens("bad-req"), topics.events):
+            for t in (topics.stream(worker), topics.tokens("bad-req"), topics.events):
                 await c.subscribe(t, qos=QOS)
             async with asyncio.timeout(90):
                 async for msg in c.messages:
                     payload = msg.payload
                     assert isinstance(payload, (bytes, bytearray))
-                    if str(msg.topic) == topics.tokens(victim) and "injected" not in seen:
+                    if "injected" not in seen and str(msg.topic) == topics.stream(worker) \
+                            and any(ch.rid == victim for ch in token_stream.decode(payload)[2]):
                         seen["injected"] = time.time()
                         await c.publish(topics.cmd(worker), b'{"op": "extend", "rid": "%s", "start": -1}'
                                         % victim.encode(), qos=QOS)
@@ -212,6 +215,10 @@ def _inject_when_streaming(cl: Cluster, victim: str, worker: str, seen: dict[str
                         # Malformed token messages: one naming a request of the client, one not.
                         await c.publish(topics.tokens("victim2"), b'{"rid": "victim2", "start": "x"}', qos=QOS)
                         await c.publish(topics.tokens("ghost"), b"[1, 2", qos=QOS)
+                        # A binary batch cut short after naming victim3, and one naming nothing.
+                        whole = token_stream.encode(worker, time.time(), [TokenChunk("victim3", 0, [5, 6], worker)])
+                        await c.publish(topics.stream(worker), whole[:-3], qos=QOS)
+                        await c.publish(topics.stream(worker), b"PTS1 garbage", qos=QOS)
                     elif str(msg.topic) == topics.tokens("bad-req"):
                         seen["bad-req"] = Tokens.model_validate_json(payload)
                     elif str(msg.topic) == topics.events:
@@ -237,7 +244,8 @@ def _inject_when_streaming(cl: Cluster, victim: str, worker: str, seen: dict[str
 def test_a_malformed_message_fails_only_the_request_it_names() -> None:
     victim = "victim"
     specs = [RequestSpec(victim, synth_tokens("victim", 200), 400, at=0.0),
-             RequestSpec("victim2", synth_tokens("victim2", 200), 400, at=0.0)] + [
+             RequestSpec("victim2", synth_tokens("victim2", 200), 400, at=0.0),
+             RequestSpec("victim3", synth_tokens("victim3", 200), 400, at=0.0)] + [
         RequestSpec(f"ok{i}", synth_tokens(f"ok-{i}", 80), 20, at=0.3 * (i + 1)) for i in range(6)]
     seen: dict[str, Any] = {}
     with Deployment(scenario_with(), parse_policy("same-dc")) as dep:
@@ -254,7 +262,9 @@ def test_a_malformed_message_fails_only_the_request_it_names() -> None:
     assert seen["failed"].worker == "decode-a"
     v2 = recs["victim2"]  # the client's reader survived both and failed only the request named
     assert not v2.ok and v2.error is not None and v2.error.startswith("client rejected a token message: start:"), v2
-    assert all(r.ok and len(r.tokens) == 20 for rid, r in recs.items() if rid not in (victim, "victim2")), \
+    v3 = recs["victim3"]
+    assert not v3.ok and v3.error is not None and "token batch: chunk 0 (victim3) tokens: truncated" in v3.error, v3
+    assert all(r.ok and len(r.tokens) == 20 for rid, r in recs.items() if not rid.startswith(victim)), \
         {rid: r.error for rid, r in recs.items()}
     assert after["later"].ok and len(after["later"].tokens) == 10
     bad = seen["bad-req"]

@@ -11,13 +11,16 @@ import asyncio
 import contextlib
 import json
 import random
+import re
 import struct
 
 import pytest
 import torch
 from pydantic import ValidationError
 
-from protocol.messages import Request, RouterStatus, Status, Tokens, parse_command, parse_event
+from protocol import token_stream
+from protocol.messages import SAFE_NAME, Request, RouterStatus, Status, Tokens, Topics, parse_command, parse_event
+from protocol.token_stream import TokenChunk
 from workers import kv_wire
 from workers.kv_wire import BLOCK, END, HDR, HELLO, MAGIC, VERSION, ModelShape
 
@@ -216,3 +219,75 @@ def test_fuzzed_control_messages_are_models_or_validation_errors() -> None:
         for decode in decoders:
             with contextlib.suppress(ValidationError):
                 decode(data)
+
+
+# ------------------------------------------------------------------------- token batches
+BATCH = [TokenChunk("r1", 0, [5, 6], "decode-a"), TokenChunk("r2", 7, [], "decode-a", done=True),
+         TokenChunk("r3", 2, [2**32 - 1], "decode-a", done=True, error="KV lost: ü")]
+
+
+def test_a_token_batch_round_trips_every_field() -> None:
+    worker, t, chunks = token_stream.decode(token_stream.encode("decode-a", 12.5, BATCH))
+    assert (worker, t, chunks) == ("decode-a", 12.5, BATCH)
+    with pytest.raises(ValueError, match="1 to 65535 chunks"):
+        token_stream.encode("decode-a", 0.0, [])
+
+
+def _batch_with(chunk: bytes, worker: bytes = b"w", n: int = 1, magic: bytes = token_stream.MAGIC) -> bytes:
+    return struct.pack("<4sdBH", magic, 1.0, len(worker), n) + worker + chunk
+
+
+def _chunk(rid: bytes, start: int, flags: int, tokens: list[int], tail: bytes = b"") -> bytes:
+    return bytes((len(rid),)) + rid + struct.pack(f"<IBI{len(tokens)}I", start, flags, len(tokens), *tokens) + tail
+
+
+@pytest.mark.parametrize(("payload", "why", "rids"), [
+    (_batch_with(_chunk(b"r1", 0, 0, [1]), magic=b"XXXX"), "header: magic", []),
+    (_batch_with(b"", n=0), "header: no chunks", []),
+    (_batch_with(_chunk(b"r1", 0, 0, [1]), worker=b"a/b"), "worker: 'a/b' is not a valid name", []),
+    (_batch_with(_chunk(b"r#1", 0, 0, [1])), "chunk 0 rid: 'r#1' is not a valid name", []),
+    (_batch_with(_chunk(b"r1", 0, 8, [1])), "chunk 0 (r1): unknown flags 0x8", ["r1"]),
+    (_batch_with(_chunk(b"r1", 0, 2, [1])), "chunk 0 (r1): an error that does not end the stream", ["r1"]),
+    (_batch_with(_chunk(b"r1", 0, 0, [1])[:-1]), "chunk 0 (r1) tokens: truncated", ["r1"]),
+    (_batch_with(_chunk(b"r1", 0, 0, [1]), n=2), "chunk 1 rid length: truncated", ["r1"]),
+    (_batch_with(_chunk(b"r1", 0, 0, [1]) + b"x"), "1 bytes after the last chunk", ["r1"]),
+    (_batch_with(_chunk(b"r1", 0, 0, [1]) + _chunk(b"r2", 0, 3, [], b"\x02\x00\xff\xfe"), n=2),
+     "chunk 1 (r2) error: not UTF-8", ["r1", "r2"]),
+    (_batch_with(_chunk(b"r1", 0, 0, [2**20])[:-4]), "chunk 0 (r1) tokens: truncated", ["r1"]),  # n says 1
+    (struct.pack("<4sdBH", token_stream.MAGIC, float("nan"), 1, 1) + b"w", "header: send time nan", []),
+])
+def test_a_hostile_token_batch_is_refused_naming_the_requests_it_named(payload: bytes, why: str,
+                                                                      rids: list[str]) -> None:
+    with pytest.raises(token_stream.TokenStreamError, match=re.escape(why)) as e:
+        token_stream.decode(payload)
+    assert e.value.rids == rids
+
+
+def test_a_batch_on_another_workers_topic_fails_its_requests() -> None:
+    topics = Topics("t")
+    payload = token_stream.encode("decode-a", 1.0, BATCH[:1])
+    assert token_stream.read(topics, topics.stream("decode-a"), payload) == BATCH[:1]
+    with pytest.raises(token_stream.TokenStreamError, match="another worker's topic") as e:
+        token_stream.read(topics, topics.stream("decode-b"), payload)
+    assert e.value.rids == ["r1"]
+    routers = Tokens(rid="r9", start=0, tokens=[], worker="router", t=1.0, error="no decoder")
+    assert token_stream.read(topics, topics.tokens("r9"), routers.dump()) == [
+        TokenChunk("r9", 0, [], "router", done=True, error="no decoder")]
+    with pytest.raises(token_stream.TokenStreamError) as e:
+        token_stream.read(topics, topics.tokens("r9"), b'{"rid": "r9", "start": -1}')
+    assert e.value.rids == ["r9"]
+
+
+def test_fuzzed_token_batches_decode_or_fail_with_a_reason() -> None:
+    rng = random.Random(11)
+    seed = token_stream.encode("decode-a", 3.0, BATCH)
+    decoded = 0
+    for _ in range(FUZZ_INPUTS):
+        data = _mutate(rng, seed) if rng.random() < 0.9 else rng.randbytes(rng.randint(0, 200))
+        try:
+            _, _, chunks = token_stream.decode(data)
+        except token_stream.TokenStreamError:
+            continue
+        decoded += 1
+        assert all(re.match(SAFE_NAME, c.rid) and c.start >= 0 and (c.error is None or c.done) for c in chunks)
+    assert decoded < FUZZ_INPUTS // 2

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from protocol.messages import DecodeCmd, ExtendCmd, HandoffAck, MainPart, PrefillCmd, Tokens
+from protocol.messages import DecodeCmd, ExtendCmd, HandoffAck, MainPart, PrefillCmd
+from protocol.token_stream import TokenChunk
 from protocol.worker_config import BrokerInfo, WorkerConfig
 from testbed.deploy.run_record import ClientRecord
 from workers.decode import DecodeWorker
@@ -20,8 +21,8 @@ from workers.runtime import Worker
 from workers.seq import MainState, RelayState, Seq
 
 
-def _chunk(start: int, tokens: list[int], done: bool = False, worker: str = "decode-a") -> Tokens:
-    return Tokens(rid="r1", start=start, tokens=tokens, worker=worker, t=0.0, done=done)
+def _chunk(start: int, tokens: list[int], done: bool = False, worker: str = "decode-a") -> TokenChunk:
+    return TokenChunk("r1", start, tokens, worker, done)
 
 
 def test_client_keeps_one_ordered_stream_from_repeats_gaps_and_overlaps() -> None:

@@ -76,6 +76,7 @@ class DecodeSide(Protocol):
 
     def stamp(self, rid: str) -> dict[str, Any]: ...
     def emit(self, event: Event) -> None: ...
+    def send(self, topic: str, payload: bytes) -> None: ...
     async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None: ...
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
     async def run_compute(self, fn: Any, *args: Any) -> tuple[Any, float]: ...
@@ -167,8 +168,8 @@ class HandoffMixin:
         rs.handed += len(tokens)
         rs.batches.append(len(tokens))
         self.handoffs_sent += 1
-        # Spawned like the token publishes before it, so the broker gets them in order.
-        self.spawn(self.publish(self.topics.cmd(rs.main), cmd.dump()))
+        # After the tokens buffered before it (``send``), so the broker gets them in order.
+        self.send(self.topics.cmd(rs.main), cmd.dump())
         self.emit(HandoffSent(**self.stamp(seq.rid), tokens=len(tokens), start=rs.handed - len(tokens),
                               final=final, to=rs.main))
 
@@ -211,7 +212,7 @@ class HandoffMixin:
                            since_kv_s=time.time() - seq.kv_arrived))
         if not cmd.final:
             # Spawned, not awaited: the ack crosses the WAN and must not hold this worker up.
-            self.spawn(self.publish(self.topics.cmd(ms.relay), HandoffAck(rid=cmd.rid, extended=ms.extended).dump()))
+            self.send(self.topics.cmd(ms.relay), HandoffAck(rid=cmd.rid, extended=ms.extended).dump())
             return
         ms.final = True
         del self.held[cmd.rid]

@@ -27,6 +27,7 @@ import aiomqtt
 import torch
 from pydantic import ValidationError
 
+from protocol import token_stream
 from protocol.messages import (
     QOS,
     Command,
@@ -35,13 +36,13 @@ from protocol.messages import (
     Failed,
     PrefillCmd,
     Status,
-    Tokens,
     Topics,
     parse_command,
     rid_of,
     why_invalid,
 )
 from protocol.mqtt_session import Session, keepalive_for
+from protocol.token_stream import TokenChunk
 from protocol.worker_config import CacheReport, ModelCost, WorkerConfig, WorkerStats
 from workers.device import Pacer, make_pacer
 from workers.model import ModelRunner
@@ -75,6 +76,7 @@ class Worker:
         self.stopping = asyncio.Event()
         self.crashed: str | None = None  # why a task of this worker failed (the worker then ends)
         self.tasks: set[asyncio.Task[Any]] = set()
+        self.outbox: list[TokenChunk] = []  # token chunks of the step in progress (``stream``)
         self.cache_series: list[tuple[float, int, int]] = []  # (t, hit tokens, lookup tokens)
         self.started: OrderedDict[str, None] = OrderedDict()  # requests a start command began, oldest first
         self.repeated_commands = 0
@@ -124,18 +126,33 @@ class Worker:
         """The fields every event carries: request, this worker, now."""
         return {"rid": rid, "worker": self.cfg.name, "t": time.time()}
 
-    # Events and tokens are published without waiting for the broker's acknowledgement: a
-    # QoS-1 ack is a round trip to the broker (across the WAN from datacenter b), and no
-    # decode step, first token or handoff may wait for one. Publishes are issued in the
-    # order these are called (each task hands its packet to the client before it awaits),
-    # so a request's stream and a worker's events stay in order.
+    # Events, tokens and commands are published without waiting for the broker's
+    # acknowledgement: a QoS-1 ack is a round trip to the broker (across the WAN from
+    # datacenter b), and no decode step, first token or handoff may wait for one. Publishes
+    # are issued in the order these are called (each task hands its packet to the client
+    # before it awaits; buffered tokens go out before any event or command that follows
+    # them), so a request's stream and a worker's events stay in order.
     def emit(self, event: Event) -> None:
-        self.spawn(self.publish(self.topics.events, event.dump()))
+        self.send(self.topics.events, event.dump())
+
+    def send(self, topic: str, payload: bytes) -> None:
+        """Publish without waiting, after the tokens buffered so far."""
+        self.flush_tokens()
+        self.spawn(self.publish(topic, payload))
 
     def stream(self, rid: str, start: int, tokens: list[int], done: bool = False, error: str | None = None) -> None:
-        msg = Tokens(rid=rid, start=start, tokens=tokens, worker=self.cfg.name, t=time.time(),
-                     done=done, error=error)
-        self.spawn(self.publish(self.topics.tokens(rid), msg.dump()))
+        """Buffer a chunk of ``rid``'s output; the chunks of one step leave together as one
+        batch (``protocol/token_stream.py``) once the step's code yields to the loop."""
+        if not self.outbox:
+            asyncio.get_running_loop().call_soon(self.flush_tokens)
+        self.outbox.append(TokenChunk(rid, start, tokens, self.cfg.name, done, error))
+
+    def flush_tokens(self) -> None:
+        if self.outbox:
+            batch, self.outbox = self.outbox, []
+            for i in range(0, len(batch), token_stream.MAX_CHUNKS):
+                payload = token_stream.encode(self.cfg.name, time.time(), batch[i : i + token_stream.MAX_CHUNKS])
+                self.spawn(self.publish(self.topics.stream(self.cfg.name), payload))
 
     def spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
@@ -238,6 +255,7 @@ class Worker:
             await self.publish_status()  # retained: a restarted broker may have lost it
 
         async def on_stop() -> None:
+            self.flush_tokens()
             self._sample_cache()
             self.write_stats()
             await self.publish(self.topics.status(self.cfg.name), dead, retain=True)

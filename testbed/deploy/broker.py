@@ -52,10 +52,10 @@ def acl_rules(topics: Topics, workers: dict[str, str]) -> dict[str, list[tuple[s
         "admin": [("readwrite", f"{t.root}/#")],
         "router": [("read", t.requests), ("read", t.events), ("read", t.all_status), ("write", t.cmd("+")),
                    ("write", t.all_tokens), ("readwrite", t.router_status)],
-        "client": [("write", t.requests), ("read", t.all_tokens), ("read", t.router_status)],
+        "client": [("write", t.requests), ("read", t.all_streams), ("read", t.all_tokens), ("read", t.router_status)],
     }
     for name, role in sorted(workers.items()):
-        mine = [("read", t.cmd(name)), ("readwrite", t.status(name)), ("write", t.events), ("write", t.all_tokens)]
+        mine = [("read", t.cmd(name)), ("readwrite", t.status(name)), ("write", t.events), ("write", t.stream(name))]
         if role in DECODERS:
             mine += [("write", t.cmd(peer)) for peer, r in sorted(workers.items()) if r in DECODERS and peer != name]
         rules[f"w-{name}"] = mine

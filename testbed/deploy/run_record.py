@@ -8,10 +8,10 @@ and the analysis reads it: the one type all three share, so none imports the oth
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from protocol.messages import Tokens
 from protocol.router_config import PolicyReport, RequestRecord
+from protocol.token_stream import TokenChunk
 from protocol.worker_config import WorkerStats
 from testbed.deploy.fidelity import Verdict
 from testbed.deploy.process_sampling import ProcessMemory
@@ -32,14 +32,14 @@ class ClientRecord:
     done: bool = False
     workers: list[str] = field(default_factory=list)
     by_worker: dict[str, int] = field(default_factory=dict)  # tokens streamed by each worker
-    early: dict[int, Tokens] = field(default_factory=dict)  # chunks past a gap, by start index
+    early: dict[int, TokenChunk] = field(default_factory=dict)  # chunks past a gap, by start index
     conflicts: int = 0  # chunks that disagreed with tokens already received at their indices
 
     @property
     def ok(self) -> bool:
         return self.done and self.error is None
 
-    def accept(self, t: Tokens, now: float) -> int:
+    def accept(self, t: TokenChunk, now: float) -> int:
         """Take one message of this request's token stream (received at ``now``); returns how
         many tokens it appended, in order. A repeat (QoS 1 delivers at least once: after a
         reconnection) is ignored, and of a chunk that runs past what we have only the new
@@ -59,12 +59,12 @@ class ClientRecord:
                 return 0
             if len(had) == len(t.tokens):
                 return 0
-            t = t.model_copy(update={"start": len(self.tokens), "tokens": t.tokens[len(had):]})
+            t = replace(t, start=len(self.tokens), tokens=t.tokens[len(had):])
         if t.start > len(self.tokens):
             self.early[t.start] = t
             return 0
         before = len(self.tokens)
-        nxt: Tokens | None = t
+        nxt: TokenChunk | None = t
         while nxt is not None:
             self.tokens.extend(nxt.tokens)
             self.token_times.extend([now] * len(nxt.tokens))

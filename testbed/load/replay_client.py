@@ -24,8 +24,10 @@ from collections.abc import Awaitable, Callable
 import aiomqtt
 from pydantic import ValidationError
 
-from protocol.messages import Request, RouterStatus, Tokens, Topics, rid_of, why_invalid
+from protocol import token_stream
+from protocol.messages import Request, RouterStatus, Topics, why_invalid
 from protocol.mqtt_session import Session
+from protocol.token_stream import TokenStreamError
 from protocol.worker_config import BrokerInfo
 from testbed.deploy.run_record import ClientRecord
 from testbed.net import netns
@@ -78,34 +80,37 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
     pending: set[asyncio.Task[None]] = set()
     client = Session.client_for(broker.host, broker.port, broker.username, broker.password,
                                 f"{topics.root}-client-{secrets.token_hex(4)}", keepalive=10)
-    session = Session(client, [topics.all_tokens, topics.router_status], "client")
+    session = Session(client, [topics.all_streams, topics.all_tokens, topics.router_status], "client")
     ready = asyncio.Event()
 
     async def on_message(msg: aiomqtt.Message) -> None:
         now = time.time()
         payload = msg.payload if isinstance(msg.payload, (bytes, bytearray)) else b""
+        topic = str(msg.topic)
         try:
-            if str(msg.topic) == topics.router_status:
+            if topic == topics.router_status:
                 if RouterStatus.model_validate_json(payload).state == "ready":
                     ready.set()
                 return
-            t = Tokens.model_validate_json(payload)
-        except ValidationError as e:
-            # A malformed message ends the request it names (if it names one of ours), never
-            # the reader: the other requests go on.
-            rid = rid_of(payload)
-            print(f"client: rejected a message on {msg.topic}: {why_invalid(e)}", file=sys.stderr, flush=True)
-            bad = recs.get(rid) if rid else None
-            if bad is not None and not bad.done:
-                bad.error, bad.done = f"client rejected a token message: {why_invalid(e)}", True
-                complete(bad)
+            chunks = token_stream.read(topics, topic, payload)
+        except (ValidationError, TokenStreamError) as e:
+            # A malformed message ends the requests it names (those of ours), never the
+            # reader: the other requests go on.
+            why = why_invalid(e) if isinstance(e, ValidationError) else str(e)
+            print(f"client: rejected a message on {topic}: {why}", file=sys.stderr, flush=True)
+            for rid in e.rids if isinstance(e, TokenStreamError) else []:
+                bad = recs.get(rid)
+                if bad is not None and not bad.done:
+                    bad.error, bad.done = f"client rejected a token message: {why}", True
+                    complete(bad)
             return
-        rec = recs.get(t.rid)
-        if rec is None or rec.done:
-            return
-        rec.accept(t, now)
-        if rec.done:
-            complete(rec)
+        for t in chunks:
+            rec = recs.get(t.rid)
+            if rec is None or rec.done:
+                continue
+            rec.accept(t, now)
+            if rec.done:
+                complete(rec)
 
     def complete(rec: ClientRecord) -> None:
         nonlocal n_done

@@ -1,5 +1,5 @@
 """The front end's control-plane side: a request in, its token stream out, over the same
-MQTT contracts as the replayer (``Request`` to the router, ``Tokens`` back).
+MQTT contracts as the replayer (``Request`` to the router, token batches back).
 
 It runs on the serving thread, inside the client host's namespace, so every request enters
 the emulated network where the replayer's would. Each request is recorded as a
@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 import aiomqtt
 from pydantic import ValidationError
 
-from protocol.messages import Request, RequestHints, RouterStatus, Tokens, Topics, why_invalid
+from protocol import token_stream
+from protocol.messages import Request, RequestHints, RouterStatus, Topics, why_invalid
 from protocol.mqtt_session import Session
+from protocol.token_stream import TokenStreamError
 from protocol.worker_config import BrokerInfo
 from testbed.deploy.run_record import ClientRecord
 from testbed.load.replay_client import connect_when_ready
@@ -58,7 +60,7 @@ class Gateway:
         self._stop = asyncio.Event()
         client = Session.client_for(broker.host, broker.port, broker.username, broker.password,
                                     f"{topics.root}-serve-{secrets.token_hex(4)}", keepalive=10)
-        self._session = Session(client, [topics.all_tokens, topics.router_status], "serve")
+        self._session = Session(client, [topics.all_streams, topics.all_tokens, topics.router_status], "serve")
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -83,22 +85,30 @@ class Gateway:
     async def _on_message(self, msg: aiomqtt.Message) -> None:
         now = time.time()
         payload = msg.payload if isinstance(msg.payload, (bytes, bytearray)) else b""
+        topic = str(msg.topic)
         try:
-            if str(msg.topic) == self.topics.router_status:
+            if topic == self.topics.router_status:
                 if RouterStatus.model_validate_json(payload).state == "ready":
                     self._ready.set()
                 return
-            t = Tokens.model_validate_json(payload)
-        except ValidationError as e:
-            print(f"serve: rejected a message on {msg.topic}: {why_invalid(e)}", file=sys.stderr, flush=True)
+            chunks = token_stream.read(self.topics, topic, payload)
+        except (ValidationError, TokenStreamError) as e:
+            why = why_invalid(e) if isinstance(e, ValidationError) else str(e)
+            print(f"serve: rejected a message on {topic}: {why}", file=sys.stderr, flush=True)
+            for rid in e.rids if isinstance(e, TokenStreamError) else []:
+                p = self._pending.get(rid)
+                if p is not None and not p.rec.done:
+                    p.rec.error, p.rec.done, p.rec.ended = f"rejected a token message: {why}", True, now
+                    p.changed.set()
             return
-        p = self._pending.get(t.rid)
-        if p is None:
-            return
-        if p.rec.accept(t, now) or p.rec.done:
-            if p.rec.done:
-                p.rec.ended = now
-            p.changed.set()
+        for t in chunks:
+            p = self._pending.get(t.rid)
+            if p is None:
+                continue
+            if p.rec.accept(t, now) or p.rec.done:
+                if p.rec.done:
+                    p.rec.ended = now
+                p.changed.set()
 
     async def generate(self, prompt: list[int], max_new: int, ignore_eos: bool, rid: str) -> AsyncIterator[list[int]]:
         """Send one request; yield its new tokens as they arrive (at least one per yield)."""

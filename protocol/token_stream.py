@@ -1,0 +1,156 @@
+"""The token stream's hot path: one binary message per worker and step.
+
+A decode step produces one token for every request in the batch. Sent as one JSON message
+per request (``Tokens``), a step of 20 requests cost 20 pydantic models, 20 tasks, 20 MQTT
+publishes, 20 broker deliveries and 20 validations at the client. A worker now buffers the
+step's chunks and sends them together as one ``TokenBatch`` on its own topic
+(``stream/<worker>``), in the compact layout below; the receiver decodes and checks every
+field before it touches a record, and a batch that fails names the requests it could read so
+that only those fail.
+
+Layout, little-endian::
+
+    batch   magic "PTS1" | t: f64 | len(worker): u8 | chunks: u16 | worker: ascii
+    chunk   len(rid): u8 | rid: ascii | start: u32 | flags: u8 | n: u32 | n x token: u32
+            [ len(error): u16 | error: utf-8 ]        only when flags has ERROR
+
+Flags: 1 = done (the request's last chunk), 2 = error (the request failed; implies done).
+Names follow the control plane's rule (``SAFE_NAME``). ``TokenChunk`` is the one type both
+this path and the router's JSON ``Tokens`` (a failure it reports itself) become at the
+receiver.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from protocol.messages import SAFE_NAME, Tokens, Topics, rid_of, why_invalid
+
+MAGIC = b"PTS1"
+DONE, ERROR = 1, 2
+MAX_CHUNKS = 0xFFFF
+MAX_ERROR_BYTES = 0xFFFF
+
+_HEAD = struct.Struct("<4sdBH")
+_CHUNK = struct.Struct("<IBI")  # start, flags, n (after the rid)
+_ERRLEN = struct.Struct("<H")
+_NAME = re.compile(SAFE_NAME)
+
+
+class TokenStreamError(ValueError):
+    """A token batch that failed validation; ``rids`` are the requests it named before the
+    fault (each is failed, the rest of the stream goes on)."""
+
+    def __init__(self, why: str, rids: list[str]) -> None:
+        super().__init__(why)
+        self.rids = rids
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk:
+    """Tokens ``start..start+len(tokens)`` of one request's output, from one worker."""
+
+    rid: str
+    start: int
+    tokens: list[int]
+    worker: str
+    done: bool = False
+    error: str | None = None
+
+
+def chunk_of(t: Tokens) -> TokenChunk:
+    """The router's JSON ``Tokens`` (a failure it reports itself) as a chunk."""
+    return TokenChunk(t.rid, t.start, t.tokens, t.worker, t.done or t.error is not None, t.error)
+
+
+def encode(worker: str, t: float, chunks: list[TokenChunk]) -> bytes:
+    """One batch from ``worker``'s chunks (all from this worker, in stream order)."""
+    if not chunks or len(chunks) > MAX_CHUNKS:
+        raise ValueError(f"a token batch carries 1 to {MAX_CHUNKS} chunks, not {len(chunks)}")
+    w = worker.encode("ascii")
+    parts = [_HEAD.pack(MAGIC, t, len(w), len(chunks)), w]
+    for c in chunks:
+        r = c.rid.encode("ascii")
+        flags = (DONE if c.done or c.error is not None else 0) | (ERROR if c.error is not None else 0)
+        parts += [bytes((len(r),)), r, _CHUNK.pack(c.start, flags, len(c.tokens)),
+                  struct.pack(f"<{len(c.tokens)}I", *c.tokens)]
+        if c.error is not None:
+            e = c.error.encode()[:MAX_ERROR_BYTES]
+            parts += [_ERRLEN.pack(len(e)), e]
+    return b"".join(parts)
+
+
+def decode(payload: bytes | bytearray) -> tuple[str, float, list[TokenChunk]]:
+    """(worker, send time, chunks) of one batch; raises ``TokenStreamError`` naming the
+    field that failed and the requests read before it."""
+    rids: list[str] = []
+    buf = memoryview(payload)
+
+    def fail(why: str) -> TokenStreamError:
+        return TokenStreamError(f"token batch: {why}", rids)
+
+    def take(n: int, what: str) -> memoryview:
+        nonlocal off
+        if off + n > len(buf):
+            raise fail(f"{what}: truncated at byte {off} (needs {n} more of {len(buf) - off})")
+        part = buf[off : off + n]
+        off += n
+        return part
+
+    def name(n: int, what: str) -> str:
+        s = bytes(take(n, what)).decode("ascii", errors="replace")
+        if not _NAME.match(s):
+            raise fail(f"{what}: {s[:40]!r} is not a valid name")
+        return s
+
+    off = 0
+    magic, t, wlen, n_chunks = _HEAD.unpack(take(_HEAD.size, "header"))
+    if magic != MAGIC:
+        raise fail(f"header: magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if not n_chunks:
+        raise fail("header: no chunks")
+    if t != t or t < 0:
+        raise fail(f"header: send time {t} is not a time")
+    worker = name(wlen, "worker")
+    chunks: list[TokenChunk] = []
+    for i in range(n_chunks):
+        rid = name(take(1, f"chunk {i} rid length")[0], f"chunk {i} rid")
+        rids.append(rid)
+        start, flags, n = _CHUNK.unpack(take(_CHUNK.size, f"chunk {i} ({rid})"))
+        if flags & ~(DONE | ERROR):
+            raise fail(f"chunk {i} ({rid}): unknown flags {flags:#x}")
+        if flags & ERROR and not flags & DONE:
+            raise fail(f"chunk {i} ({rid}): an error that does not end the stream")
+        tokens = list(struct.unpack(f"<{n}I", take(4 * n, f"chunk {i} ({rid}) tokens")))
+        error = None
+        if flags & ERROR:
+            (elen,) = _ERRLEN.unpack(take(_ERRLEN.size, f"chunk {i} ({rid}) error length"))
+            try:
+                error = bytes(take(elen, f"chunk {i} ({rid}) error")).decode()
+            except UnicodeDecodeError as e:
+                raise fail(f"chunk {i} ({rid}) error: not UTF-8 ({e.reason})") from None
+        chunks.append(TokenChunk(rid, start, tokens, worker, bool(flags & DONE), error))
+    if off != len(buf):
+        raise fail(f"{len(buf) - off} bytes after the last chunk")
+    return worker, t, chunks
+
+
+def read(topics: Topics, topic: str, payload: bytes | bytearray) -> list[TokenChunk]:
+    """The chunks of one message on a token topic: a worker's binary batch on
+    ``stream/<worker>``, or the router's JSON ``Tokens`` on ``tokens/<rid>``. Raises
+    ``TokenStreamError`` (with the requests it names) for either kind that fails."""
+    if topic.startswith(topics.stream("")):
+        worker, _, chunks = decode(payload)
+        if topic != topics.stream(worker):
+            raise TokenStreamError(f"token batch: worker {worker} on another worker's topic {topic}",
+                                   [c.rid for c in chunks])
+        return chunks
+    try:
+        return [chunk_of(Tokens.model_validate_json(payload))]
+    except ValidationError as e:
+        rid = rid_of(payload)
+        raise TokenStreamError(why_invalid(e), [rid] if rid else []) from None
