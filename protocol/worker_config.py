@@ -83,6 +83,9 @@ class WorkerConfig(Contract):
     run_id: str
     host_ip: str
     kv_port: int = Field(default=7070, ge=1, le=65535)
+    # The namespace of this worker's host when its process stands for several hosts (modeled
+    # instances sharing a process): its KV sockets are opened there. None: the process's own.
+    netns: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     broker: BrokerInfo
     kv_token: str = ""  # per-run secret a KV sender puts in HELLO; receivers refuse others ("": no check)
     model_path: str

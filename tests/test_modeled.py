@@ -2,25 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import secrets
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
+from protocol.worker_config import BrokerInfo, WorkerConfig, WorkerFaults
 from testbed.analysis.results import load_run
+from testbed.deploy.cluster import process_groups, worker_roles
 from testbed.deploy.dilation import MARGIN, MODELED_STEP_S, Probe, all_modeled, choose_dilation, concurrent_workers
 from testbed.deploy.dilation_probe import first_requests, probe_policy
 from testbed.deploy.emulation import round_up
 from testbed.deploy.fidelity import allowed
 from testbed.errors import InputError
 from testbed.load.verify import run_verify
+from testbed.net import netns
 from testbed.policies.base import ClusterView, WorkerView
 from testbed.policies.spec import parse_policy
 from testbed.scenario import Role, load_scenario
 from testbed.traces.workload import RequestSpec
+from workers import kv_wire
+from workers.__main__ import load_configs
 from workers.model import ModelRunner, ensure_default_model
 from workers.modeled import ModeledRunner
 
@@ -139,6 +147,8 @@ def test_modeled_cluster_replays_with_balanced_instances_that_keep_their_pace(tm
         assert all(w.overruns <= allowed(w.steps) for w in s.fidelity.workers.values()), s.fidelity.workers
         assert all(link.frames_out > 0 for link in s.fidelity.links.values()), s.fidelity.links
         assert {w.compute for w in summary.workers[policy].values()} == {"modeled"}
+        # Instances of one datacenter and role share a process; each still has its own record.
+        assert {"workers-a-prefill", "workers-b-decode"} <= set(s.fidelity.cpu), s.fidelity.cpu
         by = s.requests_by_worker
         assert by["prefill-1"] > 0 and by["prefill-2"] > 0  # both instances served
         rows = df[df.policy == policy]
@@ -167,3 +177,65 @@ def test_bench_scale_resizes_pdds_side_of_the_paper_deployment_exactly() -> None
     assert sorted(big.host(h).devices for h in big.hosts_with_role(Role.PREFILL)) == [8] * 5
     assert [big.host(h).devices for h in big.hosts_with_role(Role.RELAY_DECODE)] == [3]
     assert sorted(big.host(h).devices for h in big.hosts_with_role(Role.DECODE)) == [8] * 4
+
+
+# ------------------------------------------------------------------ instances sharing a process
+def test_modeled_instances_share_a_process_per_datacenter_and_role_unless_a_fault_needs_them_alone() -> None:
+    sc = load_scenario(CLUSTER)
+    cfgs = {h: SimpleNamespace(compute="modeled", role=role, faults=WorkerFaults())
+            for h, role in worker_roles(sc).items()}
+    groups = process_groups(sc, cfgs, alone={"decode-b2"})  # type: ignore[arg-type]
+    assert sorted(h for hosts in groups.values() for h in hosts) == sorted(cfgs)  # each host once
+    per = sc.workers.modeled_per_process
+    for name, hosts in groups.items():
+        assert len(hosts) <= per
+        assert len({(sc.datacenter_of(h), cfgs[h].role) for h in hosts}) == 1, (name, hosts)
+        assert (name == f"worker-{hosts[0]}") == (len(hosts) == 1), name
+    assert groups["worker-decode-b2"] == ["decode-b2"]
+    cfgs["prefill-1"] = SimpleNamespace(compute="real", role="prefill", faults=WorkerFaults())
+    cfgs["prefill-2"] = SimpleNamespace(compute="modeled", role="prefill", faults=WorkerFaults(die_after_tokens=3))
+    groups = process_groups(sc, cfgs, alone=set())  # type: ignore[arg-type]
+    assert groups["worker-prefill-1"] == ["prefill-1"] and groups["worker-prefill-2"] == ["prefill-2"]
+
+
+def test_only_modeled_workers_with_a_namespace_share_a_process() -> None:
+    base = WorkerConfig(name="d1", role="decode", run_id="t", host_ip="10.0.0.1", compute="modeled", netns="ns-1",
+                        broker=BrokerInfo(host="10.0.0.9", port=1883, username="u", password="p"), model_path="m")
+    two = [base, base.model_copy(update={"name": "d2", "netns": "ns-2"})]
+    assert [c.name for c in load_configs(json.dumps([c.model_dump() for c in two]))] == ["d1", "d2"]
+    assert load_configs(base.model_dump_json())[0].name == "d1"
+    for bad, why in [([base, base.model_copy(update={"name": "d2", "compute": "real"})], "only modeled"),
+                     ([base, base.model_copy(update={"name": "d2", "netns": None})], "only modeled"),
+                     ([base, base], "same worker")]:
+        with pytest.raises(ValueError, match=why):
+            load_configs(json.dumps([c.model_dump() for c in bad]))
+
+
+@needs_root
+def test_an_instances_kv_sockets_live_in_its_own_hosts_namespace() -> None:
+    ns = f"pddt-{secrets.token_hex(3)}"
+    netns.create_namespace(ns)
+    try:
+        with netns.iproute(ns) as ipr:
+            ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+
+        async def main() -> tuple[bool, bool]:
+            async def never(*_: object) -> None:
+                return None
+
+            server = await kv_wire.serve_kv("127.0.0.1", 7071, never, never, never, netns=ns)  # type: ignore[arg-type]
+            try:
+                try:  # this process's own namespace has no listener on that port
+                    await asyncio.open_connection("127.0.0.1", 7071)
+                    here = True
+                except OSError:
+                    here = False
+                _, w = await kv_wire._connect("127.0.0.1", 7071, ns)  # from inside it: the listener
+                w.close()
+                return here, True
+            finally:
+                server.close()
+
+        assert asyncio.run(main()) == (False, True)
+    finally:
+        netns.remove_namespace(ns)

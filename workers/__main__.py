@@ -1,15 +1,26 @@
 """Entry point of a worker process: ``python -m workers CONFIG.json``.
 
-The configuration is a ``WorkerConfig`` (``protocol/worker_config.py``), validated here before
-anything else starts; its role picks the worker class.
+The configuration is a ``WorkerConfig`` (``protocol/worker_config.py``), or a list of them
+for a process that hosts several modeled instances; it is validated here before anything
+else starts, and each worker's role picks its class.
+
+Several instances in one process share its event loop and nothing else: each keeps its own
+broker session (and last will), queue, batch, radix cache, pacer, statistics file and KV
+sockets, opened inside its own host's namespace (``WorkerConfig.netns``) so that its KV
+crosses its own links. A modeled step is a few hundred microseconds of Python, so one loop
+serves many; a process per instance cost a Python interpreter, torch and an event loop's
+wake-ups each.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import signal
 import sys
 from pathlib import Path
+
+from pydantic import TypeAdapter
 
 from protocol.worker_config import WorkerConfig
 from workers.decode import DecodeWorker
@@ -19,10 +30,41 @@ from workers.runtime import Worker
 
 GIL_SWITCH_S = 1e-4
 
+_CONFIGS = TypeAdapter(WorkerConfig | list[WorkerConfig])
+
+
+def load_configs(text: str) -> list[WorkerConfig]:
+    """One configuration or a list; a list's workers must be modeled and each name its own
+    namespace (a real forward pass needs the process's compute thread to itself)."""
+    got = _CONFIGS.validate_json(text)
+    cfgs = got if isinstance(got, list) else [got]
+    if not cfgs:
+        raise ValueError("no worker configuration")
+    if len(cfgs) > 1:
+        for c in cfgs:
+            if c.compute != "modeled" or c.netns is None:
+                raise ValueError(f"{c.name}: only modeled workers with a namespace share a process")
+        if len({c.name for c in cfgs}) != len(cfgs):
+            raise ValueError("two configurations name the same worker")
+    return cfgs
+
+
+async def serve(workers: list[Worker]) -> None:
+    """Run every worker until each has stopped; SIGTERM/SIGINT stop them all."""
+    if len(workers) == 1:
+        await workers[0].main()
+        return
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: [w.stopping.set() for w in workers])
+    # A worker whose task failed ends the process as it would alone: every instance's
+    # broker session then drops and its last will reports it dead.
+    await asyncio.gather(*(w.main(signals=False) for w in workers))
+
 
 def main(config_path: str) -> None:
-    cfg = WorkerConfig.model_validate_json(Path(config_path).read_text())
-    worker: Worker = PrefillWorker(cfg) if cfg.role == "prefill" else DecodeWorker(cfg)
+    cfgs = load_configs(Path(config_path).read_text())
+    workers: list[Worker] = [PrefillWorker(c) if c.role == "prefill" else DecodeWorker(c) for c in cfgs]
     # torch, transformers and the model (~340k objects) live as long as the process. Left to
     # the collector, every full pass scans them all (~160 ms here) at a moment nobody chose:
     # inside a paced step, that is an overrun. Frozen, a full pass scans only what came after.
@@ -35,7 +77,7 @@ def main(config_path: str) -> None:
     # ~1 s beside a busy Python thread, at 0.1 ms ~48 ms (measured with this model).
     sys.setswitchinterval(GIL_SWITCH_S)
     with asyncio.Runner(loop_factory=new_event_loop) as runner:  # timers that end paced steps on time
-        runner.run(worker.main())
+        runner.run(serve(workers))
 
 
 if __name__ == "__main__":

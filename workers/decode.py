@@ -86,7 +86,7 @@ class DecodeWorker(HandoffMixin, Worker):
     async def start(self) -> None:
         self.server = await kv_wire.serve_kv(self.cfg.host_ip, self.cfg.kv_port, self._offer, self._arrived,
                                              self._transfer_failed, expect=self.runner.shape,
-                                             token=self.cfg.kv_token, zeros=self._zero_kv())
+                                             token=self.cfg.kv_token, zeros=self._zero_kv(), netns=self.cfg.netns)
         self.spawn(self._loop())
 
     def _zero_kv(self) -> Callable[[int], torch.Tensor] | None:

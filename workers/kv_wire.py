@@ -68,6 +68,7 @@ from protocol.kv_format import (  # noqa: F401 - the format's names are part of 
     recv_frame,
     send_frame,
 )
+from workers.namespace import tcp_socket
 
 
 @dataclass
@@ -141,12 +142,13 @@ async def send_kv(
     host: str, port: int, request_id: str, tokens: list[int], kv: torch.Tensor, first_token: int,
     block_size: int, cancel: asyncio.Event | None = None, corrupt_block: int | None = None,
     on_progress: Callable[[TransferStats], None] | None = None, frame_tokens: int = 0, token: str = "",
-    pool: Connections | None = None, zeros: bool = False,
+    pool: Connections | None = None, zeros: bool = False, netns: str | None = None,
 ) -> TransferStats:
     """Send the part of ``kv`` (for ``tokens``) the receiver lacks, in frames of whole blocks
     (``frame_tokens``, default ``FRAME_TOKENS``), over a connection from ``pool`` if it has
     one (and back into it afterwards). ``zeros``: the KV is a modeled worker's, all zeros
-    (its frames are built from cached payloads). Raises KVTransferError."""
+    (its frames are built from cached payloads); ``netns``: the sender's namespace, when its
+    process stands for several hosts. Raises KVTransferError."""
     if pool is not None and (conn := pool.take(host, port)) is not None:
         try:
             return await _send(conn, host, port, request_id, tokens, kv, first_token, block_size, cancel,
@@ -154,7 +156,7 @@ async def send_kv(
         except _StaleConnection:
             pass  # the receiver closed it while idle: one fresh connection
     try:
-        conn = await asyncio.open_connection(host, port)
+        conn = await _connect(host, port, netns)
     except OSError as e:
         raise KVTransferError(f"connect to {host}:{port}: {e}") from e
     try:
@@ -162,6 +164,18 @@ async def send_kv(
                            on_progress, frame_tokens, token, pool, zeros, reused=False)
     except _StaleConnection as e:  # not reused: a plain broken transfer
         raise KVTransferError(f"transfer to {host}:{port} broke: {e}") from e
+
+
+async def _connect(host: str, port: int, netns: str | None) -> Conn:
+    if netns is None:
+        return await asyncio.open_connection(host, port)
+    sock = tcp_socket(netns)
+    try:
+        await asyncio.get_running_loop().sock_connect(sock, (host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return await asyncio.open_connection(sock=sock)
 
 
 async def _send(
@@ -275,8 +289,9 @@ FailFn = Callable[[str, str], Awaitable[None]]
 
 async def serve_kv(host: str, port: int, offer: OfferFn, done: DoneFn, fail: FailFn,
                    expect: ModelShape | None = None, token: str = "",
-                   zeros: Callable[[int], torch.Tensor] | None = None) -> asyncio.Server:
-    """Accept transfers (``receive_kv`` for each connection)."""
+                   zeros: Callable[[int], torch.Tensor] | None = None, netns: str | None = None) -> asyncio.Server:
+    """Accept transfers (``receive_kv`` for each connection); ``netns``: listen inside that
+    namespace (a process standing for several hosts)."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -285,7 +300,12 @@ async def serve_kv(host: str, port: int, offer: OfferFn, done: DoneFn, fail: Fai
         finally:
             writer.close()
 
-    return await asyncio.start_server(handle, host, port)
+    if netns is None:
+        return await asyncio.start_server(handle, host, port)
+    sock = tcp_socket(netns)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return await asyncio.start_server(handle, sock=sock)
 
 
 async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, offer: OfferFn, done: DoneFn,

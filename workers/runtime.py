@@ -233,11 +233,14 @@ class Worker:
         self.runner.batch([kv]).step([first])
         self.runner.extend(kv, [first])
 
-    async def main(self) -> None:
+    async def main(self, signals: bool = True) -> None:
+        """Serve until stopped (SIGTERM/SIGINT when ``signals``; a process hosting several
+        workers installs one handler for all instead)."""
         await self.run_compute(self.warm_up)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stopping.set)
+        if signals:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.stopping.set)
         dead = Status(worker=self.cfg.name, role=self.cfg.role, state="dead").dump()
         will = aiomqtt.Will(self.topics.status(self.cfg.name), dead, qos=QOS, retain=True)
         b = self.cfg.broker

@@ -75,6 +75,27 @@ def worker_configs(sc: Scenario, net: Network, broker: BrokerInfo | dict[str, Br
     return out
 
 
+def process_groups(sc: Scenario, cfgs: dict[str, WorkerConfig], alone: set[str]) -> dict[str, list[str]]:
+    """Process name -> the hosts whose workers it runs. Modeled instances of one datacenter
+    and role share a process, up to ``workers.modeled_per_process`` each; a real worker, and
+    one a fault will kill or that carries a test fault, runs alone as ``worker-<host>``."""
+    per = sc.workers.modeled_per_process
+    shared: dict[tuple[str, str], list[str]] = {}
+    out: dict[str, list[str]] = {}
+    for host, cfg in cfgs.items():
+        if cfg.compute == "modeled" and per > 1 and host not in alone and cfg.faults == WorkerFaults():
+            shared.setdefault((sc.datacenter_of(host), cfg.role), []).append(host)
+        else:
+            out[f"worker-{host}"] = [host]
+    for (dc, role), hosts in shared.items():
+        parts = [hosts[i : i + per] for i in range(0, len(hosts), per)]
+        for i, part in enumerate(parts):
+            name = f"worker-{part[0]}" if len(part) == 1 else (
+                f"workers-{dc}-{role}" + (f"-{i + 1}" if len(parts) > 1 else ""))
+            out[name] = part
+    return out
+
+
 @dataclass
 class Cluster:
     net: Network
@@ -83,6 +104,7 @@ class Cluster:
     broker: subprocess.Popen[bytes]
     broker_host: str
     workers: dict[str, WorkerConfig] = field(default_factory=dict)
+    groups: dict[str, list[str]] = field(default_factory=dict)  # process name -> hosts it runs
     router: subprocess.Popen[bytes] = field(init=False)
 
     @property
@@ -95,9 +117,11 @@ class Cluster:
 
     @classmethod
     def start(cls, net: Network, policy: PolicySpec, faults: dict[str, WorkerFaults] | None = None,
-              dtype: str | None = None, emulation: EmulationPlan | None = None) -> Cluster:
+              dtype: str | None = None, emulation: EmulationPlan | None = None,
+              alone: frozenset[str] = frozenset()) -> Cluster:
         """Broker, workers and router on ``net`` (built from the wire scenario). ``emulation``
-        gives the workers their pacing and stretches every timeout by its dilation."""
+        gives the workers their pacing and stretches every timeout by its dilation; ``alone``:
+        hosts whose worker must have a process of its own (a fault will kill it)."""
         sc = net.scenario
         routers = sc.hosts_with_role(Role.ROUTER)
         if not routers:
@@ -110,10 +134,16 @@ class Cluster:
         cl.workers = worker_configs(sc, net, access.workers, model, dtype, faults, emulation,
                                     kv_token=secrets.token_urlsafe(16))
         d = emulation.dilation if emulation else 1.0
-        for host, cfg in cl.workers.items():
-            path = net.run.dir / f"worker-{host}.cfg.json"
-            runstate.write_private(path, cfg.model_dump_json())  # holds the broker credential
-            cl._start_worker(host)
+        cl.groups = process_groups(sc, cl.workers, set(alone))
+        for name, hosts in cl.groups.items():
+            if len(hosts) > 1:  # each instance opens its sockets in its own host's namespace
+                for h in hosts:
+                    cl.workers[h] = cl.workers[h].model_copy(update={"netns": net.plan.hosts[h].ns})
+                text = "[" + ",".join(cl.workers[h].model_dump_json() for h in hosts) + "]"
+            else:
+                text = cl.workers[hosts[0]].model_dump_json()
+            runstate.write_private(net.run.dir / f"{name}.cfg.json", text)  # holds broker credentials
+            cl._start_process(name)
         fwd = sc.wan.forward
         context = PolicyContext(
             wan_rate_bps=fwd.rate_mbit * 1e6 if fwd.rate_mbit else None, wan_rtt_s=2 * fwd.delay_ms / 1000, dilation=d,
@@ -136,12 +166,19 @@ class Cluster:
         itself "up" and the router routes to it again."""
         if host not in self.workers:
             raise LookupError(f"no worker on {host}")
-        return f"worker-{host} started again (pid {self._start_worker(host)})"
+        name = self.process_of(host)
+        if self.groups[name] != [host]:
+            raise LookupError(f"worker {host} shares process {name}: only a worker alone is restarted")
+        return f"{name} started again (pid {self._start_process(name)})"
 
-    def _start_worker(self, host: str) -> int:
-        """Fork the worker of ``host`` from its saved configuration and record it in the run."""
-        name, ns, d = f"worker-{host}", self.net.plan.hosts[host].ns, self.net.run.dir
-        pid = launch_worker(ns, d / f"worker-{host}.cfg.json", d / f"{name}.log", name)
+    def process_of(self, host: str) -> str:
+        return next(name for name, hosts in self.groups.items() if host in hosts)
+
+    def _start_process(self, name: str) -> int:
+        """Fork process ``name`` (in its first host's namespace) from its saved configuration
+        and record it in the run."""
+        ns, d = self.net.plan.hosts[self.groups[name][0]].ns, self.net.run.dir
+        pid = launch_worker(ns, d / f"{name}.cfg.json", d / f"{name}.log", name)
         self.net.run.add_process(pid, name, ns)
         return pid
 

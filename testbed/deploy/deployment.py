@@ -95,8 +95,9 @@ class Deployment:
         try:
             wire = self.emulation.wire_scenario(self.scenario) if self.emulation else self.scenario
             self._net = self._stack.enter_context(network_session(wire, self.impairment))
+            killed = frozenset(f.host for f in self.timeline if f.kind == "kill" and f.host is not None)
             self._cluster = Cluster.start(self._net, self.policy, faults=self.worker_faults, dtype=self.dtype,
-                                          emulation=self.emulation)
+                                          emulation=self.emulation, alone=killed)
             self._injector = FaultInjector(self._net, self.timeline, self.dilation,
                                            self.emulation.wire_rate_bps if self.emulation else None,
                                            self._cluster.restart_broker, self._cluster.restart_worker)
@@ -197,8 +198,8 @@ class Deployment:
                          fault_t0_wall=injector.t0_wall)
 
     def _print_log_tails(self) -> None:
-        for name in ["router", *self.cluster.workers]:
-            tail = self.cluster.log_tail(name if name == "router" else f"worker-{name}", 1500)
+        for name in ["router", *self.cluster.groups]:
+            tail = self.cluster.log_tail(name, 1500)
             if tail:
                 print(f"--- {name} log ---\n{tail}", file=sys.stderr)
 

@@ -23,34 +23,9 @@ from pathlib import Path
 
 from pyroute2 import IPRoute
 
-NETNS_DIR = Path("/run/netns")
-CLONE_NEWNET = 0x40000000
+from workers.namespace import CLONE_NEWNET, NETNS_DIR, entered, libc, setns_fd
+
 PR_SET_PDEATHSIG = 1
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _setns_fd(fd: int) -> None:
-    if _libc.setns(fd, CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-
-@contextlib.contextmanager
-def entered(ns: str) -> Iterator[None]:
-    """Run the body with the current thread inside namespace ``ns``."""
-    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    target = os.open(NETNS_DIR / ns, os.O_RDONLY)
-    try:
-        _setns_fd(target)
-        try:
-            yield
-        finally:
-            _setns_fd(own)
-    finally:
-        os.close(target)
-        os.close(own)
-
 
 MS_REC, MS_BIND, MS_SHARED = 0x4000, 0x1000, 1 << 20
 MNT_DETACH = 2
@@ -61,9 +36,9 @@ def _mount_point(ns: str) -> Path:
     NETNS_DIR.mkdir(parents=True, exist_ok=True)
     d = bytes(NETNS_DIR)
     # Make /run/netns a shared mount so the bind mounts propagate (what iproute2 does).
-    if _libc.mount(b"", d, b"none", MS_SHARED | MS_REC, None) != 0:
-        _libc.mount(d, d, b"none", MS_BIND | MS_REC, None)
-        _libc.mount(b"", d, b"none", MS_SHARED | MS_REC, None)
+    if libc.mount(b"", d, b"none", MS_SHARED | MS_REC, None) != 0:
+        libc.mount(d, d, b"none", MS_BIND | MS_REC, None)
+        libc.mount(b"", d, b"none", MS_SHARED | MS_REC, None)
     path = NETNS_DIR / ns
     os.close(os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0))
     return path
@@ -73,7 +48,7 @@ def attach_namespace(ns: str, pid: int) -> None:
     """Name the network namespace of process ``pid`` ``ns``, like ``ip netns attach``: it
     then outlives the process until ``remove_namespace``."""
     path = _mount_point(ns)
-    if _libc.mount(f"/proc/{pid}/ns/net".encode(), bytes(path), b"none", MS_BIND, None) != 0:
+    if libc.mount(f"/proc/{pid}/ns/net".encode(), bytes(path), b"none", MS_BIND, None) != 0:
         err = ctypes.get_errno()
         with contextlib.suppress(OSError):
             path.unlink()
@@ -90,9 +65,9 @@ def create_namespace(ns: str) -> None:
     errors: list[OSError] = []
 
     def _make() -> None:
-        if _libc.unshare(CLONE_NEWNET) != 0:
+        if libc.unshare(CLONE_NEWNET) != 0:
             errors.append(OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET) failed"))
-        elif _libc.mount(b"/proc/thread-self/ns/net", bytes(path), b"none", MS_BIND, None) != 0:
+        elif libc.mount(b"/proc/thread-self/ns/net", bytes(path), b"none", MS_BIND, None) != 0:
             errors.append(OSError(ctypes.get_errno(), f"bind mount of {path} failed"))
 
     t = threading.Thread(target=_make, name=f"netns-{ns}")
@@ -107,7 +82,7 @@ def create_namespace(ns: str) -> None:
 def remove_namespace(ns: str) -> None:
     """Unmount and delete a named namespace; it dies once no process is left inside."""
     path = NETNS_DIR / ns
-    _libc.umount2(bytes(path), MNT_DETACH)
+    libc.umount2(bytes(path), MNT_DETACH)
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
 
@@ -128,14 +103,14 @@ def join(ns: str) -> None:
     """Move the calling thread into ``ns`` for good (for executor threads' initializer)."""
     fd = os.open(NETNS_DIR / ns, os.O_RDONLY)
     try:
-        _setns_fd(fd)
+        setns_fd(fd)
     finally:
         os.close(fd)
 
 
 def die_with_parent() -> None:
     """This process gets SIGTERM when the thread that forked it ends."""
-    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def exec_in(ns: str, argv: Sequence[str]) -> None:
@@ -273,7 +248,7 @@ def _spawn(ns: str | None, argv: list[str], log_path: Path | None, env: dict[str
     def _in_child() -> None:
         if ns_path:
             fd = os.open(ns_path, os.O_RDONLY)
-            _setns_fd(fd)
+            setns_fd(fd)
             os.close(fd)
         die_with_parent()
 
