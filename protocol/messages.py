@@ -12,7 +12,7 @@ is put back in order by the receiver (``ClientRecord.accept``).
     worker/<name>/status       worker  -> router   Status (retained; last will = dead)
     events                     worker  -> router   Event: PrefillDone | KvSent | KvReceived |
                                                    HandoffSent | Extended | Done | Failed
-    stream/<worker>            worker  -> client   TokenBatch: one binary message per step
+    stream/<worker>            worker  -> client   a token batch: one binary message per step
                                                    carrying every request's new tokens
                                                    (``protocol/token_stream.py``)
     tokens/<rid>               router  -> client   Tokens: a failure the router reports itself

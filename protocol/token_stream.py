@@ -3,8 +3,8 @@
 A decode step produces one token for every request in the batch. Sent as one JSON message
 per request (``Tokens``), a step of 20 requests cost 20 pydantic models, 20 tasks, 20 MQTT
 publishes, 20 broker deliveries and 20 validations at the client. A worker now buffers the
-step's chunks and sends them together as one ``TokenBatch`` on its own topic
-(``stream/<worker>``), in the compact layout below; the receiver decodes and checks every
+step's chunks and sends them together as one batch on its own topic (``stream/<worker>``),
+in the compact layout below; the receiver decodes and checks every
 field before it touches a record, and a batch that fails names the requests it could read so
 that only those fail.
 

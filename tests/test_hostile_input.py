@@ -18,7 +18,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from protocol import token_stream
+from protocol import kv_format, token_stream
 from protocol.messages import SAFE_NAME, Request, RouterStatus, Status, Tokens, Topics, parse_command, parse_event
 from protocol.token_stream import TokenChunk
 from workers import kv_wire
@@ -151,6 +151,21 @@ def test_a_modeled_workers_cached_zero_frames_are_the_frames_of_its_kv(corrupt: 
     for start in (0, 16):
         part = kv[:, :, :, start : start + 16]
         assert kv_wire.encode_zero_block(1, start, part, corrupt) == kv_wire.encode_block(1, start, part, corrupt)
+
+
+def test_a_modeled_receiver_checks_a_block_as_decoding_it_would() -> None:
+    shape = (2, 2, 4, torch.float64)  # layers, KV heads, head dim, dtype
+    zeros = torch.zeros(2, 2, 2, 16, 4, dtype=torch.float64)
+    data = torch.randn(2, 2, 2, 16, 4, dtype=torch.float64)
+    for part in (zeros, data):  # a modeled sender's zeros (compared) and a real sender's KV (checksummed)
+        good, _ = kv_wire.encode_block(3, 32, part)
+        assert kv_format.check_block(good, *shape) == (32, 16) and kv_format.decode_block(good, *shape).first == 32
+        for bad in (kv_wire.encode_block(3, 32, part, corrupt=True)[0], good[:-1] + b"\x01"):
+            for check in (kv_format.check_block, kv_format.decode_block):
+                with pytest.raises(kv_wire.KVTransferError, match="checksum mismatch"):
+                    check(bad, *shape)
+    with pytest.raises(kv_wire.KVTransferError, match="unexpected shape"):
+        kv_format.check_block(kv_wire.encode_block(3, 32, zeros)[0], 2, 2, 8, torch.float64)
 
 
 def _mutate(rng: random.Random, data: bytes) -> bytes:

@@ -61,6 +61,7 @@ from protocol.kv_format import (  # noqa: F401 - the format's names are part of 
     KVTransferError,
     ModelShape,
     Offer,
+    check_block,
     decode_block,
     encode_block,
     encode_zero_block,
@@ -365,10 +366,13 @@ async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                 return keep_open
             if ftype != BLOCK:
                 raise KVTransferError(f"unexpected frame type {ftype}")
-            blk = decode_block(payload, shape.layers, shape.kv_heads, shape.head_dim, shape.dtype)
-            count = blk.kv.shape[3]
-            if blk.first != pos or pos + count > n:
-                raise KVTransferError(f"block at token {blk.first}: expected token {pos}")
+            if zeros is None:
+                blk = decode_block(payload, shape.layers, shape.kv_heads, shape.head_dim, shape.dtype)
+                first, count = blk.first, blk.kv.shape[3]
+            else:
+                first, count = check_block(payload, shape.layers, shape.kv_heads, shape.head_dim, shape.dtype)
+            if first != pos or pos + count > n:
+                raise KVTransferError(f"block at token {first}: expected token {pos}")
             if zeros is None:
                 kv[:, :, :, pos - have : pos - have + count] = blk.kv
             pos += count

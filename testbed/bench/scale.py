@@ -5,7 +5,7 @@ For each size (devices in total) the bench builds a deployment shaped like PDD's
 at most 8 devices, the same devices, model, line and prices), generates an open-loop agentic
 recipe whose request rate is a fixed ``per_device_rps`` times the devices (so every size
 carries the same load per device), and replays it under ``pdd``: first at ``START_DILATION``
-(twice faster than real time), and while the verdict fails again at 1.5x the dilation, up
+(twice faster than real time; ``--start-dilation``), and while the verdict fails again at 1.5x the dilation, up
 to ``MAX_ATTEMPTS`` replays (the whole replay is the probe: what passes is what a run of
 this load holds). Per size it reports the lowest dilation of that ladder that passed,
 emulated seconds per wall second over the replay, host CPU seconds per request (every
@@ -101,14 +101,15 @@ def devices_of(sc: Scenario) -> tuple[int, int]:
     return sum(h.devices for h in hosts), len(hosts)
 
 
-def measure(sc: Scenario, size: int, out: Path, per_device_rps: float, window_s: float, seed: int) -> ScalePoint:
+def measure(sc: Scenario, size: int, out: Path, per_device_rps: float, window_s: float, seed: int,
+            start_dilation: float = START_DILATION) -> ScalePoint:
     devices, instances = devices_of(sc)
     trace = out / f"devices-{size}" / "trace.jsonl"
     sessions, header = generate(GenConfig(arrivals="open", rps=per_device_rps * devices, duration_s=window_s,
                                           turns_max=4, seed=seed, calibrate_scale=TOKEN_SCALE))
     write_jsonl(trace, sessions, header)
     wl = load_trace(trace, "sessions", TOKEN_SCALE)
-    d = START_DILATION
+    d = start_dilation
     attempts: list[str] = []
     while True:
         run_dir = out / f"devices-{size}" / f"D-{d:g}"
@@ -168,11 +169,11 @@ def plot(points: list[ScalePoint], path: Path, rps: float) -> None:
 
 
 def run_bench(scenario: Path, sizes: list[int], out: Path, per_device_rps: float = PER_DEVICE_RPS,
-              window_s: float = WINDOW_S, seed: int = 1) -> int:
+              window_s: float = WINDOW_S, seed: int = 1, start_dilation: float = START_DILATION) -> int:
     if not sizes or min(sizes) < 3:
         raise InputError("--sizes: at least 3 devices each (one prefill, one relay, one main decoder)")
-    if per_device_rps <= 0 or window_s <= 0:
-        raise InputError("--per-device-rps and --window must be > 0")
+    if per_device_rps <= 0 or window_s <= 0 or start_dilation <= 0:
+        raise InputError("--per-device-rps, --window and --start-dilation must be > 0")
     base = load_scenario(scenario)
     if not all(base.hosts_with_role(r) for r in SHAPE):
         raise InputError(f"{scenario}: bench scale needs a PDD scenario (prefill, relay-decode and decode hosts)")
@@ -182,7 +183,7 @@ def run_bench(scenario: Path, sizes: list[int], out: Path, per_device_rps: float
         sc = scaled_scenario(base, size)
         print(f"\n=== bench scale {i}/{len(sizes)}: {size} devices ({devices_of(sc)[1]} instances) "
               f"[{time.monotonic() - t0:.0f} s]", flush=True)
-        points.append(measure(sc, size, out, per_device_rps, window_s, seed))
+        points.append(measure(sc, size, out, per_device_rps, window_s, seed, start_dilation))
         write_atomic(out / "scale.json", _json(points, scenario, per_device_rps, window_s))
         md = table(points)
         write_atomic(out / "scale.md", md + "\n")

@@ -268,6 +268,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    help="offered load per device, requests/s (default 0.04: 3 req/s on 75 devices)")
     p.add_argument("--window", type=float, default=30.0, metavar="S",
                    help="emulated seconds in which sessions start (default 30)")
+    p.add_argument("--start-dilation", type=float, default=0.5, metavar="D",
+                   help="the first dilation tried; x1.5 while the verdict fails (default 0.5)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", type=Path, help="results folder (default runs/bench-scale-<timestamp>)")
     p.set_defaults(command="bench scale")

@@ -65,7 +65,8 @@ def cmd_bench_scale(args: argparse.Namespace) -> int:
     except ValueError:
         raise InputError(f"--sizes: expected comma-separated device counts, got {args.sizes!r}") from None
     out = args.out or Path("runs") / time.strftime("bench-scale-%Y%m%d-%H%M%S")
-    return run_scale_bench(args.scenario, sizes, out, args.per_device_rps, args.window, args.seed)
+    return run_scale_bench(args.scenario, sizes, out, args.per_device_rps, args.window, args.seed,
+                           args.start_dilation)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
