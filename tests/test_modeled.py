@@ -29,6 +29,7 @@ from testbed.scenario import Role, load_scenario
 from testbed.traces.workload import RequestSpec
 from workers import kv_wire
 from workers.__main__ import load_configs
+from workers.__main__ import serve as serve_instances
 from workers.model import ModelRunner, ensure_default_model
 from workers.modeled import ModeledRunner
 
@@ -239,3 +240,20 @@ def test_an_instances_kv_sockets_live_in_its_own_hosts_namespace() -> None:
         assert asyncio.run(main()) == (False, True)
     finally:
         netns.remove_namespace(ns)
+
+
+def test_an_instance_that_fails_stops_its_siblings_which_report_themselves_dead() -> None:
+    class Instance:
+        def __init__(self, crash: bool) -> None:
+            self.crash, self.stopping, self.said_dead = crash, asyncio.Event(), False
+
+        async def main(self, signals: bool = True) -> None:
+            if self.crash:
+                raise SystemExit("decode-b2: _loop: RuntimeError: boom")
+            await self.stopping.wait()
+            self.said_dead = True  # what Worker.main's on_stop publishes
+
+    instances = [Instance(False), Instance(True), Instance(False)]
+    crashed = asyncio.run(asyncio.wait_for(serve_instances(instances), 5))  # type: ignore[arg-type]
+    assert crashed == "decode-b2: _loop: RuntimeError: boom"
+    assert [i.said_dead for i in instances] == [True, False, True]

@@ -49,17 +49,31 @@ def load_configs(text: str) -> list[WorkerConfig]:
     return cfgs
 
 
-async def serve(workers: list[Worker]) -> None:
-    """Run every worker until each has stopped; SIGTERM/SIGINT stop them all."""
+async def serve(workers: list[Worker]) -> str | None:
+    """Run every worker until each has stopped; SIGTERM/SIGINT stop them all. Returns why
+    the process must fail (a worker's task failed), or None."""
     if len(workers) == 1:
         await workers[0].main()
-        return
+        return None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: [w.stopping.set() for w in workers])
-    # A worker whose task failed ends the process as it would alone: every instance's
-    # broker session then drops and its last will reports it dead.
-    await asyncio.gather(*(w.main(signals=False) for w in workers))
+
+    async def run(w: Worker) -> str | None:
+        try:
+            await w.main(signals=False)
+        except SystemExit as e:  # the worker's task failed: it said why, and it ends
+            return str(e.code)
+        finally:
+            # An instance that ends takes the process down, and each sibling stops the way a
+            # worker stops (its status says "dead"): a clean disconnect sends no last will,
+            # so one left to be cancelled would stay "up" at the router with nobody behind.
+            for other in workers:
+                other.stopping.set()
+        return None
+
+    crashed = [why for why in await asyncio.gather(*(run(w) for w in workers)) if why]
+    return "; ".join(crashed) or None
 
 
 def main(config_path: str) -> None:
@@ -77,7 +91,9 @@ def main(config_path: str) -> None:
     # ~1 s beside a busy Python thread, at 0.1 ms ~48 ms (measured with this model).
     sys.setswitchinterval(GIL_SWITCH_S)
     with asyncio.Runner(loop_factory=new_event_loop) as runner:  # timers that end paced steps on time
-        runner.run(serve(workers))
+        crashed = runner.run(serve(workers))
+    if crashed:
+        raise SystemExit(crashed)
 
 
 if __name__ == "__main__":
