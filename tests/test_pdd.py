@@ -90,6 +90,22 @@ def test_routing_counts_the_wan_backlog() -> None:
     assert pol.plan(_req("c", synth_tokens("s2", 200)), cl).pipeline == "P-RLD-MD"
 
 
+def test_a_request_the_router_fails_itself_leaves_no_transfer_in_the_wan_backlog() -> None:
+    pol, cl = _pdd("pdd:relay_s=0.2"), _cluster()
+    big = _req("b", synth_tokens("big", 4000))  # 16 MB: ~1.3 s at 100 Mbit/s
+    big.plan = pol.plan(big, cl)
+    assert pol.wan.inflight and pol.wan.backlog_bytes() > 0
+    pol.on_end(big, "timed out after 600 s")  # no KvSent or Failed event will come
+    assert not pol.wan.inflight and pol.wan.backlog_bytes() == 0
+    # A completed request keeps its entry until its KvSent arrives (it may come after Done).
+    done = _req("d", synth_tokens("big2", 4000))
+    done.plan = pol.plan(done, cl)
+    pol.on_end(done, None)
+    assert "d" in pol.wan.inflight
+    pol.on_event(done, _kv_sent("d", done.plan.decode, 0.0, 1.0))
+    assert not pol.wan.inflight
+
+
 def test_filter_predict_keeps_flagged_low_hit_requests_on_the_relay() -> None:
     pol, cl = _pdd("pdd:filter=predict"), _cluster()
     plan = pol.plan(_req("x", synth_tokens("doc", 3000), short_output=True), cl)

@@ -283,6 +283,7 @@ class Router:
 
     def _finish(self, req: RequestState, error: str | None) -> None:
         self.inflight.pop(req.rid, None)
+        self.policy.on_end(req, error)
         plan = req.plan
         if plan:
             for w in plan.workers:

@@ -189,6 +189,11 @@ class Policy(ABC):
     def on_event(self, req: RequestState, event: Event) -> None:  # noqa: B027
         """React to a worker event for ``req`` (default: nothing)."""
 
+    def on_end(self, req: RequestState, error: str | None) -> None:  # noqa: B027
+        """``req`` left the router: completed (``error`` None) or failed, however it failed,
+        including by the router itself (a timeout, a dead worker) with no event from a
+        worker (default: nothing)."""
+
     def stats(self) -> PolicyReport:
         """Policy-level counters for the run's summary."""
         return PolicyReport(options=self.describe())

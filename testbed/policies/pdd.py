@@ -151,6 +151,13 @@ class Pdd(Policy):
         elif isinstance(event, Failed):
             self.wan.inflight.pop(req.rid, None)
 
+    def on_end(self, req: RequestState, error: str | None) -> None:
+        # A request the router failed itself sends no event that would end its transfer's
+        # entry; left there, its start would stay the oldest and the backlog read 0 from
+        # then on. A completed request's entry ends with its (possibly late) KvSent.
+        if error is not None:
+            self.wan.inflight.pop(req.rid, None)
+
     def stats(self) -> PolicyReport:
         return PolicyReport(counts=dict(self.counts), wan_efficiency=self.wan.efficiency,
                             wan_samples=self.wan.samples, options=self.describe())
