@@ -5,9 +5,9 @@ For each size (devices in total) the bench builds a deployment shaped like PDD's
 at most 8 devices, the same devices, model, line and prices), generates an open-loop agentic
 recipe whose request rate is a fixed ``per_device_rps`` times the devices (so every size
 carries the same load per device), and replays it under ``pdd``: first at ``START_DILATION``
-(twice faster than real time; ``--start-dilation``), and while the verdict fails again at 1.5x the dilation, up
-to ``MAX_ATTEMPTS`` replays (the whole replay is the probe: what passes is what a run of
-this load holds). Per size it reports the lowest dilation of that ladder that passed,
+(twice faster than real time; ``--start-dilation``), and while the verdict fails again at
+1.5x the dilation, up to ``MAX_ATTEMPTS`` replays (the whole replay is the probe: what
+passes is what a run of this load holds). Per size it reports the lowest dilation of that ladder that passed,
 emulated seconds per wall second over the replay, host CPU seconds per request (every
 process of the run: workers, router, broker, delay line) and the delay line's share of
 that CPU. Every replay is a run folder ``testbed report`` rebuilds; the table is saved as
@@ -145,7 +145,7 @@ def table(points: list[ScalePoint]) -> str:
     return "\n".join(lines)
 
 
-def plot(points: list[ScalePoint], path: Path, rps: float) -> None:
+def plot(points: list[ScalePoint], path: Path, rps: float, start_dilation: float = START_DILATION) -> None:
     x = [p.devices for p in points]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, ys, label in ((axes[0], [p.dilation for p in points], "dilation D (real s per emulated s)"),
@@ -162,7 +162,7 @@ def plot(points: list[ScalePoint], path: Path, rps: float) -> None:
     axes[0].axhline(1.0, color="grey", lw=0.8, ls="--")
     axes[0].set_ylim(bottom=0)
     fig.suptitle(f"bench scale: paper.yaml-shaped PDD, {rps:g} req/s per device, open loop; dilations tried from "
-                 f"{START_DILATION:g} up (red x: none passed)", fontsize=10)
+                 f"{start_dilation:g} up (red x: none passed)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -187,7 +187,7 @@ def run_bench(scenario: Path, sizes: list[int], out: Path, per_device_rps: float
         write_atomic(out / "scale.json", _json(points, scenario, per_device_rps, window_s))
         md = table(points)
         write_atomic(out / "scale.md", md + "\n")
-        plot(points, out / "scale.png", per_device_rps)
+        plot(points, out / "scale.png", per_device_rps, start_dilation)
     print(f"\nbench scale ({scenario}, pdd, {per_device_rps:g} req/s per device, sessions starting over "
           f"{window_s:g} emulated s, token scale {TOKEN_SCALE}) [{time.monotonic() - t0:.0f} s]")
     print(md)
