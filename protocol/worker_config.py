@@ -40,13 +40,22 @@ class BrokerInfo(Contract):
 
 
 class DeviceSpec(Contract):
-    """The roofline a worker's steps are paced to (``workers.device``); no peak = native."""
+    """The roofline a worker's steps are paced to (``workers.device``); no peak = native.
+    Peak and bandwidth are the instance's (``devices`` accelerators); the efficiencies are the
+    fractions of them a serving engine reaches; a tensor-parallel instance pays two
+    all-reduces per layer and pass (latency plus the activations over the link)."""
 
     name: str = "native"
     peak_tflops: float | None = Field(default=None, gt=0)
     mem_gbps: float | None = Field(default=None, gt=0)
     step_overhead_ms: float = Field(default=0.0, ge=0)
     prefill_chunk: int | None = Field(default=None, ge=1)  # emulated tokens per prefill pass
+    compute_efficiency: float = Field(default=1.0, gt=0, le=1)
+    decode_compute_efficiency: float | None = Field(default=None, gt=0, le=1)  # None: compute_efficiency
+    bandwidth_efficiency: float = Field(default=1.0, gt=0, le=1)
+    devices: int = Field(default=1, ge=1)
+    allreduce_us: float = Field(default=0.0, ge=0)
+    link_gbps: float | None = Field(default=None, gt=0)  # per accelerator; None: the bytes cost nothing
 
 
 class ModelCost(Contract):
@@ -59,6 +68,7 @@ class ModelCost(Contract):
     hidden: int = Field(ge=1)
     kv_bytes_per_token: int = Field(ge=1)
     weight_bytes: float = Field(gt=0)
+    dtype_bytes: int = Field(default=2, ge=1)  # of an activation value (what an all-reduce moves)
 
 
 class Scales(Contract):

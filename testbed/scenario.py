@@ -23,6 +23,7 @@ from protocol.validation import field_errors
 from protocol.worker_config import DeviceSpec
 from testbed.errors import InputError
 from testbed.faults.timeline import Fault, as_fault
+from testbed.hardware import DeviceProfile, ModelCard
 from testbed.traces.workload import VOCAB_HIGH
 from workers.model_dir import default_model_dir
 
@@ -48,21 +49,10 @@ class Host(_Strict):
     device: str = Field(default="native", description="a key of `devices`, or native (no pacing)")
     devices: int = Field(default=1, ge=1, le=64, description=(
         "accelerators in this instance (tensor parallel): peak FLOP/s and bandwidth scale with it, the "
-        "per-step overhead does not"))
+        "per-pass overhead does not, and each layer adds two all-reduces (testbed/hardware.py)"))
     compute: Literal["real", "modeled"] = Field(
         default="real", description="real: the small model computes every token; modeled: no forward pass, "
                                     "deterministic tokens, KV of the real size, paced by the device (cluster scale)")
-
-
-class DeviceProfile(_Strict):
-    """Roofline model of an accelerator instance: a step takes
-    overhead + max(FLOPs / peak, bytes / bandwidth); a prefill runs in chunks of
-    ``prefill_chunk`` emulated tokens, each one such step."""
-
-    peak_tflops: float = Field(gt=0, description="dense peak of the emulated dtype, TFLOP/s")
-    mem_gbps: float = Field(gt=0, description="memory bandwidth, GB/s")
-    step_overhead_ms: float = Field(default=0.0, ge=0, description="per forward pass: launch, scheduling")
-    prefill_chunk: int | None = Field(default=None, ge=1, description="chunked prefill, emulated tokens")
 
 
 class Costs(_Strict):
@@ -81,32 +71,6 @@ class Costs(_Strict):
         if bad:
             raise ValueError(f"price of {bad[0]!r} must be >= 0")
         return v
-
-
-class ModelCard(_Strict):
-    """The model being emulated, from its public configuration. KV bytes per token follow
-    (``2 x layers x kv_heads x head_dim x dtype_bytes``, or ``layers x kv_latent_dim x
-    dtype_bytes`` for MLA), and so do the weight bytes a decode step reads."""
-
-    layers: int = Field(ge=1)
-    heads: int = Field(ge=1, description="query heads")
-    kv_heads: int = Field(ge=1)
-    head_dim: int = Field(ge=1)
-    params: float = Field(gt=0, description="total parameters")
-    active_params: float | None = Field(default=None, gt=0, description="per token (mixture of experts)")
-    dtype_bytes: int = Field(default=2, ge=1, le=8)
-    kv_latent_dim: int | None = Field(default=None, ge=1, description="MLA: cached latent width per layer")
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        if self.kv_latent_dim is not None:
-            return self.layers * self.kv_latent_dim * self.dtype_bytes
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
-
-    @property
-    def compute_params(self) -> float:
-        """Parameters a token passes through (all of them unless it is a mixture of experts)."""
-        return self.active_params or self.params
 
 
 class Emulation(_Strict):
@@ -257,6 +221,9 @@ class Scenario(_Strict):
                 self.check_fault(fault)
             except ValueError as e:
                 raise ValueError(f"faults[{i}] {fault.label}: {e}") from None
+        for name, dev in self.devices.items():
+            if dev.fitted_to is not None and dev.fitted_to.model not in self.models:
+                raise ValueError(f"devices.{name}.fitted_to.model names unknown model {dev.fitted_to.model!r}")
         if self.emulation is not None and self.emulation.model not in self.models:
             raise ValueError(f"emulation.model names unknown model {self.emulation.model!r}")
         a, b = self.wan.between
@@ -288,16 +255,13 @@ class Scenario(_Strict):
         return self.datacenters[self.datacenter_of(name)].hosts[name]
 
     def device_spec(self, host: str) -> DeviceSpec:
-        """The roofline ``host``'s worker is paced to: its device profile times its device
-        count (an ideal tensor-parallel instance), or native."""
+        """The roofline ``host``'s worker is paced to: its device profile for its device
+        count, or native."""
         spec = self.host(host)
         dev = self.devices.get(spec.device)
         if dev is None:
             return DeviceSpec(name=spec.device)
-        n = spec.devices
-        return DeviceSpec(name=spec.device if n == 1 else f"{n}x{spec.device}", peak_tflops=dev.peak_tflops * n,
-                          mem_gbps=dev.mem_gbps * n, step_overhead_ms=dev.step_overhead_ms,
-                          prefill_chunk=dev.prefill_chunk)
+        return dev.spec(spec.device, spec.devices)
 
     def hosts_with_role(self, role: Role) -> list[str]:
         return [h for dc in self.datacenters.values() for h, spec in dc.hosts.items() if spec.role == role]

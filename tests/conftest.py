@@ -34,6 +34,12 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
     """``testbed ARGV`` in this process: the command line's parsing, errors and exit status,
     without a second interpreter's start-up and imports (1-3 s a call). Returns the exit
     status and what it wrote to stderr. One test per command still runs the real entry point."""
+    code, _, err = run_cli_output(argv, capsys)
+    return code, err
+
+
+def run_cli_output(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """``run_cli`` that also returns what the command printed: (status, stdout, stderr)."""
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
     capsys.readouterr()
     try:
@@ -41,7 +47,8 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
-    return code, capsys.readouterr().err
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

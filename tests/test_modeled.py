@@ -74,7 +74,7 @@ def test_scenario_counts_devices_and_rejects_modeled_without_emulation() -> None
     pdd_side = sum(sc.host(h).devices for h in sc.datacenters["a"].hosts if h.startswith(("prefill", "relay")))
     assert pdd_side == 43 and sum(h.devices for h in sc.datacenters["b"].hosts.values()) == 32
     d = sc.device_spec("prefill-1")
-    assert d.name == "8xh100" and d.peak_tflops == 8 * 989 and d.mem_gbps == 8 * 3350 and d.step_overhead_ms == 2.0
+    assert d.name == "8xh100" and d.peak_tflops == 8 * 989 and d.mem_gbps == 8 * 3350 and d.devices == 8
     assert concurrent_workers(sc) == 5 + 1 + 6  # prefills, the relay, one datacenter's decoders
     with pytest.raises(InputError, match="host 'prefill-1': compute: modeled needs an emulation"):
         load_scenario(CLUSTER, {"emulation": None})

@@ -12,10 +12,14 @@ time of the *emulated* work has passed (``docs/emulated-time.md``):
   by one per step);
 * an extend of ``k`` tokens (PDD's handoff) is one pass over ``k x s_out`` tokens.
 
-Each pass is a roofline: ``overhead + max(FLOPs / peak, bytes moved / bandwidth)``, with
+Each pass is a roofline: ``overhead + max(FLOPs / (peak x compute efficiency), bytes moved /
+(bandwidth x bandwidth efficiency))`` (a decode pass with its own compute efficiency), with
 ``2 x params`` FLOPs per token plus attention (``4 x layers x width x context``) and the
-weights plus the KV read per pass. The modeled time is multiplied by the dilation ``D``
-(real seconds per emulated second). Real computation longer than that is an *overrun*:
+weights plus the KV read per pass; an instance of ``n > 1`` accelerators adds two
+all-reduces per layer, each ``latency + rows x width x dtype x 2(n-1)/n / link``. The
+efficiencies and the overhead are fitted to measurements (``testbed profile fit``,
+``docs/devices.md``). The modeled time is multiplied by the dilation ``D`` (real seconds per
+emulated second). Real computation longer than that is an *overrun*:
 counted per kind of step and reported, never hidden. ``native`` does no pacing (the host
 CPU is the device).
 """
@@ -47,6 +51,10 @@ class Pacer:
     mem_bps: float = 0.0
     overhead_s: float = 0.0
     chunk: int | None = None
+    decode_peak_flops: float = 0.0  # a decode pass's GEMMs are skinny: their own share of peak
+    devices: int = 1
+    allreduce_s: float = 0.0
+    link_bps: float | None = None  # bytes per second per accelerator; None: free
     scales: Scales = field(default_factory=Scales)
     steps: int = 0
     overruns: int = 0
@@ -67,6 +75,18 @@ class Pacer:
         return self.cost is None
 
     # ----------------------------------------------------------------- emulated seconds
+    def pass_emulated(self, flops: float, nbytes: float, rows: int, peak: float | None = None) -> float:
+        """Emulated seconds of one forward pass: ``flops`` of work, ``nbytes`` read or
+        written, ``rows`` tokens of activations (what a tensor-parallel all-reduce moves)."""
+        t = self.overhead_s + max(flops / (peak or self.peak_flops), nbytes / self.mem_bps)
+        if self.devices > 1:
+            m = self.cost
+            assert m is not None
+            n = self.devices
+            wire = 0.0 if self.link_bps is None else rows * m.hidden * m.dtype_bytes * 2 * (n - 1) / n / self.link_bps
+            t += 2 * m.layers * (self.allreduce_s + wire)
+        return t
+
     def prefill_emulated(self, new: int, cached: int) -> float:
         """Emulated seconds to prefill ``new`` emulated tokens after ``cached`` ones."""
         m = self.cost
@@ -77,7 +97,7 @@ class Pacer:
             n = min(chunk, cached + new - done)
             flops = 2 * m.params * n + 4 * m.layers * m.hidden * n * (done + n / 2)
             nbytes = m.weight_bytes + m.kv_bytes_per_token * (done + n)
-            total += self.overhead_s + max(flops / self.peak_flops, nbytes / self.mem_bps)
+            total += self.pass_emulated(flops, nbytes, n)
             done += n
         return total
 
@@ -90,7 +110,7 @@ class Pacer:
             ctx = sum(contexts) + j * len(contexts)
             flops = 2 * m.params * len(contexts) + 4 * m.layers * m.hidden * ctx
             nbytes = m.weight_bytes + m.kv_bytes_per_token * ctx
-            total += self.overhead_s + max(flops / self.peak_flops, nbytes / self.mem_bps)
+            total += self.pass_emulated(flops, nbytes, len(contexts), self.decode_peak_flops)
         return total
 
     def extend_emulated(self, context: int, tokens: int) -> float:
@@ -99,7 +119,7 @@ class Pacer:
         assert m is not None
         flops = 2 * m.params * tokens + 4 * m.layers * m.hidden * tokens * (context + tokens / 2)
         nbytes = m.weight_bytes + m.kv_bytes_per_token * (context + tokens)
-        return self.overhead_s + max(flops / self.peak_flops, nbytes / self.mem_bps)
+        return self.pass_emulated(flops, nbytes, tokens)
 
     # ----------------------------------------------------------------- real seconds to pace to
     def prefill_time(self, new: int, cached: int) -> float:
@@ -165,5 +185,9 @@ def make_pacer(dev: DeviceSpec, cost: ModelCost | None, scales: Scales | None = 
     scenario emulates none); native when the device has no roofline."""
     if dev.peak_tflops is None or dev.mem_gbps is None or cost is None:
         return Pacer(dev.name)
-    return Pacer(dev.name, cost, dev.peak_tflops * 1e12, dev.mem_gbps * 1e9, dev.step_overhead_ms / 1e3,
-                 dev.prefill_chunk, scales or Scales())
+    decode_eff = dev.decode_compute_efficiency or dev.compute_efficiency
+    return Pacer(dev.name, cost, peak_flops=dev.peak_tflops * 1e12 * dev.compute_efficiency,
+                 decode_peak_flops=dev.peak_tflops * 1e12 * decode_eff,
+                 mem_bps=dev.mem_gbps * 1e9 * dev.bandwidth_efficiency, overhead_s=dev.step_overhead_ms / 1e3,
+                 chunk=dev.prefill_chunk, scales=scales or Scales(), devices=dev.devices,
+                 allreduce_s=dev.allreduce_us / 1e6, link_bps=None if dev.link_gbps is None else dev.link_gbps * 1e9)

@@ -91,6 +91,7 @@ class Worker:
             params=self.runner.params, layers=mc.num_hidden_layers, hidden=mc.hidden_size,
             kv_bytes_per_token=self.runner.shape.kv_bytes_per_token,
             weight_bytes=self.runner.params * torch.finfo(self.runner.shape.dtype).bits // 8,
+            dtype_bytes=torch.finfo(self.runner.shape.dtype).bits // 8,
         )  # fmt: skip
 
     # ----------------------------------------------------------------- helpers for roles

@@ -1,4 +1,5 @@
-"""Command-line interface: ``testbed net|exec|clean|run|serve|sweep|calibrate|trace|verify|report|soak|bench``.
+"""Command-line interface: ``testbed net|exec|clean|run|serve|sweep|calibrate|trace|verify|report|soak|profile|
+bench``.
 
 Argument parsing and calls only: what a command does lives in its own module
 (``testbed.deploy.deployment`` runs policies and traces, ``testbed.load.verify`` checks tokens,
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 
 from testbed.bench.net import run_bench
-from testbed.cli import net_commands, replay_commands, serve_commands
+from testbed.cli import net_commands, profile_commands, replay_commands, serve_commands
 from testbed.cli.args import build_parser, scenario_from_args
 from testbed.cli.net_commands import require_root, wire_scenario
 from testbed.cli.replay_commands import replay_inputs
@@ -148,6 +149,7 @@ COMMANDS = {
     "sweep": replay_commands.cmd_sweep, "calibrate": replay_commands.cmd_calibrate,
     "bench net": cmd_bench_net, "bench handoff": cmd_bench_handoff, "bench scale": cmd_bench_scale,
     "serve": serve_commands.cmd_serve, "bench client": serve_commands.cmd_bench_client,
+    "profile fit": profile_commands.cmd_profile_fit, "profile check": profile_commands.cmd_profile_check,
 }  # fmt: skip
 # Commands that build namespaces need root (``clean`` decides for itself: nothing to clean needs none).
 NEEDS_ROOT = {"exec", "net up", "net down", "net check", "run", "verify", "bench net", "bench handoff", "soak", "sweep",

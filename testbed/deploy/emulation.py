@@ -82,11 +82,7 @@ class EmulationPlan:
 
     def cost(self) -> ModelCost | None:
         """What a forward pass of the emulated model costs (None: price the real model)."""
-        c = self.card
-        if c is None:
-            return None
-        return ModelCost(params=c.compute_params, layers=c.layers, hidden=c.heads * c.head_dim,
-                         kv_bytes_per_token=c.kv_bytes_per_token, weight_bytes=c.compute_params * c.dtype_bytes)
+        return None if self.card is None else self.card.cost()
 
     # ----------------------------------------------------------------- the wire scenario
     def wire_scenario(self, sc: Scenario) -> Scenario:
