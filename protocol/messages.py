@@ -95,6 +95,9 @@ class RequestHints(Contract):
     short_output: bool = False  # long input, short output: PDD's anomalous kind
     tag: str | None = None
     eager: int | None = Field(default=None, ge=0)  # fixed eager-token budget (verify, experiments)
+    # The tokens the session's next turn carries as this turn's answer (a trace's stand-in):
+    # what the prefill side caches after the request when the scenario keeps answers cached.
+    answer: list[int] | None = None
 
 
 class Request(Contract):
@@ -194,7 +197,18 @@ class ExtendCmd(Contract):
     final: bool = False
 
 
-Command = Annotated[PrefillCmd | DecodeCmd | CancelCmd | HandoffCmd | HandoffAck | ExtendCmd,
+class WarmCmd(Contract):
+    """To a prefill instance, after a request completed: compute and cache the KV of
+    ``tokens`` (its prompt, then its answer from ``start``) when no prefill is waiting, so the
+    session's next turn finds the whole conversation cached (``workers.cache_outputs``)."""
+
+    op: Literal["warm"] = "warm"
+    rid: str
+    tokens: list[int] = Field(min_length=1)
+    start: int = Field(ge=1)
+
+
+Command = Annotated[PrefillCmd | DecodeCmd | CancelCmd | HandoffCmd | HandoffAck | ExtendCmd | WarmCmd,
                     Field(discriminator="op")]
 _COMMAND: TypeAdapter[Command] = TypeAdapter(Command)
 

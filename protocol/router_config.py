@@ -39,6 +39,7 @@ class RouterConfig(Contract):
     policy: PolicySpec
     workers: dict[str, WorkerEndpoint]
     request_timeout_s: float = Field(default=600.0, gt=0)
+    cache_outputs: bool = False  # after a request, its prefill instance caches its answer (WarmCmd)
     records_path: str
     context: PolicyContext = PolicyContext()
 

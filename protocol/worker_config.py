@@ -177,6 +177,8 @@ class TransferTotals(Contract):
 class PrefillCounters(Contract):
     computed_tokens: int = 0
     reused_tokens: int = 0
+    warmed_tokens: int = 0  # answers' tokens computed after their request, off its critical path
+    warm_skipped: int = 0  # warm commands whose prompt was no longer cached (nothing computed)
     transfers: TransferTotals = TransferTotals()
 
 

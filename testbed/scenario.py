@@ -107,6 +107,9 @@ class WorkerSettings(_Strict):
         description="KV transfers a sender runs at once to one receiver; later ones wait their turn in "
                     "arrival order (a transfer engine's queue per peer)")
     request_timeout_s: float = Field(default=600.0, gt=0)
+    cache_outputs: bool = Field(default=False, description=(
+        "after a request completes, the prefill instance that served it computes the KV of its answer when "
+        "no prefill waits, so the session's next turn finds the whole conversation cached (docs/scenarios.md)"))
     modeled_per_process: int = Field(
         default=4, ge=1, le=256,
         description="modeled instances of one datacenter and role that share one worker process (each "

@@ -5,21 +5,26 @@ bounds a step's length). The matched prefix is locked for the duration of the re
 eviction cannot pull it away; the prompt's full blocks are inserted afterwards. The KV is
 then shipped to every target of the command concurrently while the next prefill runs;
 transfers to one receiver take turns (``kv_streams_per_peer`` at a time, in arrival order).
+A warm command (a completed request's answer to cache, when the scenario keeps answers
+cached) runs only when no prefill waits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 
 import torch
 
-from protocol.messages import CancelCmd, Command, Failed, KvSent, KVTarget, PrefillCmd, PrefillDone
+from protocol.messages import CancelCmd, Command, Failed, KvSent, KVTarget, PrefillCmd, PrefillDone, WarmCmd
 from protocol.worker_config import PrefillCounters, TransferTotals, WorkerConfig, WorkerStats
 from workers import kv_wire
 from workers.kv_queue import PeerQueues
 from workers.radix_cache import RadixCache
 from workers.runtime import Worker
+
+WARMS_KEPT = 256  # waiting warm commands; the oldest is dropped past this (a prefill that is never idle)
 
 
 class PrefillWorker(Worker):
@@ -27,8 +32,12 @@ class PrefillWorker(Worker):
         super().__init__(cfg)
         self.cache: RadixCache = RadixCache(cfg.block_size, cfg.cache_tokens, copy_blocks=cfg.compute != "modeled")
         self.queue: asyncio.Queue[PrefillCmd] = asyncio.Queue()
+        self.warms: deque[WarmCmd] = deque()
+        self.work = asyncio.Event()  # a prefill or a warm command is waiting
         self.computed_tokens = 0
         self.reused_tokens = 0
+        self.warmed_tokens = 0
+        self.warm_skipped = 0
         self.transfers = TransferTotals()
         # Per request: one cancel event per KV target ("" = the request as a whole).
         self.cancels: dict[str, dict[str, asyncio.Event]] = {}
@@ -44,6 +53,13 @@ class PrefillWorker(Worker):
         if isinstance(cmd, PrefillCmd):
             self.cancels[cmd.rid] = {"": asyncio.Event(), **{t.worker: asyncio.Event() for t in cmd.kv_to}}
             await self.queue.put(cmd)
+            self.work.set()
+        elif isinstance(cmd, WarmCmd):
+            if len(self.warms) == WARMS_KEPT:
+                self.warms.popleft()
+                self.warm_skipped += 1
+            self.warms.append(cmd)
+            self.work.set()
         elif isinstance(cmd, CancelCmd) and cmd.rid in self.cancels:
             # A target: cut off only the transfer to that worker (PDD's cut-off).
             for name, ev in self.cancels[cmd.rid].items():
@@ -61,12 +77,20 @@ class PrefillWorker(Worker):
 
     def stats(self) -> WorkerStats:
         counters = PrefillCounters(computed_tokens=self.computed_tokens, reused_tokens=self.reused_tokens,
+                                   warmed_tokens=self.warmed_tokens, warm_skipped=self.warm_skipped,
                                    transfers=self.transfers)
         return super().stats().model_copy(update={"prefill": counters})
 
     async def _loop(self) -> None:
         while True:
-            cmd = await self.queue.get()
+            if self.queue.empty() and not self.warms:
+                self.work.clear()
+                await self.work.wait()
+                continue
+            if self.queue.empty():
+                await self._warm(self.warms.popleft())
+                continue
+            cmd = self.queue.get_nowait()
             self.busy = 1
             try:
                 await self._prefill(cmd)
@@ -75,6 +99,32 @@ class PrefillWorker(Worker):
                 self.emit(Failed(**self.stamp(cmd.rid), reason=f"prefill on {self.cfg.name}: {e}"))
             finally:
                 self.busy = 0
+
+    async def _warm(self, cmd: WarmCmd) -> None:
+        """Compute and cache the answer's KV after its cached prompt. A prompt no longer
+        cached is skipped: a write-back adds the answer, it does not recompute a context."""
+        block = self.cfg.block_size
+        path = self.cache.match_prefix(cmd.tokens)
+        hit = len(path) * block
+        if hit < (cmd.start // block) * block or len(cmd.tokens) - hit < block:
+            self.warm_skipped += hit < (cmd.start // block) * block
+            return  # the prompt was evicted, or no full block of the answer is left to add
+        self.busy = 1
+        self.cache.lock(path)
+        try:
+            cached = self.cache.blocks_of(path)
+            (kv, _), real = await self.run_compute(self.runner.prefill, cmd.tokens, cached, self.cfg.prefill_chunk)
+            new = len(cmd.tokens) - hit
+            modeled = None if self.pacer.native else self.pacer.prefill_time(new, hit)
+            await self.pace("warm", real, modeled, f"{new} answer tokens after {hit}")
+            self.warmed_tokens += new
+            self.cache.insert(cmd.tokens, kv)
+        except Exception as e:  # noqa: BLE001 - nothing waits on a warm command; the worker goes on
+            self.warm_skipped += 1
+            print(f"{self.cfg.name}: warm {cmd.rid}: {e}", flush=True)
+        finally:
+            self.cache.unlock(path)
+            self.busy = 0
 
     def _shipped(self, rid: str) -> None:
         """One transfer of ``rid`` ended; forget its cancel events after the last one."""

@@ -85,7 +85,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_trace_stats(args: argparse.Namespace) -> int:
-    st = trace_stats(load_trace(args.file, args.format, args.token_scale), args.block)
+    st = trace_stats(load_trace(args.file, args.format, args.token_scale), args.block, args.outputs_cached)
     print(st.model_dump_json(indent=2) if args.json else format_stats(st))
     return 0
 
@@ -97,7 +97,8 @@ def cmd_trace_gen(args: argparse.Namespace) -> int:
                     anomalous_share=args.anomalous, context_max=args.context_max,
                     think_mean_s=args.think, calibrate_scale=args.calibrate_scale, turns_max=args.turns_max,
                     first_output_median=args.first_output_median, output_median=args.output_median,
-                    arrivals=args.arrivals, rps=args.rps, open_tpot_s=args.open_tpot)
+                    arrivals=args.arrivals, rps=args.rps, open_tpot_s=args.open_tpot,
+                    outputs_cached=args.outputs_cached)
     print(generate_file(cfg, args.output, args.as_format))
     return 0
 

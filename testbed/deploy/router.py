@@ -34,6 +34,7 @@ from protocol.messages import (
     Status,
     Tokens,
     Topics,
+    WarmCmd,
     parse_event,
     rid_of,
     why_invalid,
@@ -267,8 +268,17 @@ class Router:
                 else:
                     await self.publish(self.topics.cmd(plan.decode), CancelCmd(rid=ev.rid, keep_kv=True).dump())
                 self._finish(req, None)
+                await self._cache_answer(req)
         elif isinstance(ev, Done):
             self._finish(req, None)
+            await self._cache_answer(req)
+
+    async def _cache_answer(self, req: RequestState) -> None:
+        """``cache_outputs``: the prefill instance that served a completed request computes
+        the KV of its answer while idle, so the session's next turn finds it cached."""
+        if self.cfg.cache_outputs and req.hints.answer and req.plan is not None:
+            cmd = WarmCmd(rid=req.rid, tokens=req.prompt + req.hints.answer, start=len(req.prompt))
+            await self.publish(self.topics.cmd(req.plan.prefill), cmd.dump())
 
     async def _fail(self, rid: str, reason: str) -> None:
         req = self.inflight.get(rid)

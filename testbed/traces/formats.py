@@ -234,8 +234,12 @@ def sessions_workload(path: Path, lines: Iterable[tuple[int, dict[str, Any]]], t
             # The next turn's context holds this turn's output. It is represented by
             # deterministic stand-in tokens of the recorded length, so every prompt is fixed
             # before the run: reproducible, identical across policies, and what `trace stats`
-            # analyses.
-            ctx = [*ctx, Segment(f"session:{s.session}:out{k}", out)]
+            # analyses. The request carries them as its answer: what a scenario that keeps
+            # answers cached (`workers.cache_outputs`) caches on the prefill side.
+            answer = Segment(f"session:{s.session}:out{k}", out)
+            if k + 1 < len(s.turns):
+                req.answer = answer
+            ctx = [*ctx, answer]
             prev = rid
     return Workload(path, "sessions", _non_empty(path, reqs), token_scale,
                     max(1, MOONCAKE_BLOCK // token_scale), meta)

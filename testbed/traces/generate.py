@@ -71,6 +71,7 @@ class GenConfig:
     arrivals: str = "closed"  # "open": every turn at a fixed time (module docstring)
     rps: float | None = None  # mean requests per second over ``duration_s`` (replaces ``sessions``)
     open_tpot_s: float = 0.03  # open loop: nominal seconds per output token between a turn and the next
+    outputs_cached: bool = False  # hits sized for a system that caches answers (workers.cache_outputs)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -91,9 +92,10 @@ def _target_hit(rng: random.Random, p_high: float) -> float:
     return rng.uniform(0.90, 0.95)
 
 
-def _new_tokens_for(hit: float, ctx_prev: int, out_prev: int, block: int) -> int:
-    """New input so that the next prompt's block-granular hit is about ``hit``."""
-    cached = (ctx_prev // block) * block
+def _new_tokens_for(hit: float, ctx_prev: int, out_prev: int, block: int, outputs_cached: bool = False) -> int:
+    """New input so that the next prompt's block-granular hit is about ``hit`` (the previous
+    answer counts as cached when the system caches answers)."""
+    cached = ((ctx_prev + out_prev * outputs_cached) // block) * block
     want_total = cached / hit
     return max(1, round(want_total - ctx_prev - out_prev))
 
@@ -111,7 +113,7 @@ def generate(cfg: GenConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     for _ in range(12):
         sessions, header, p_used = draw_once(cfg, p_high)
         wl = sessions_workload(Path("<generated>"), enumerate(sessions, 2), cfg.calibrate_scale)
-        stats = trace_stats(wl)
+        stats = trace_stats(wl, outputs_cached=cfg.outputs_cached)
         err = stats.share_above_95 - cfg.above_95
         if best is None or abs(err) < best[0]:
             best = (abs(err), sessions, {**header, "achieved_above_95": round(stats.share_above_95, 4),
@@ -162,7 +164,7 @@ def draw_once(cfg: GenConfig, p_high: float | None) -> tuple[list[dict[str, Any]
         at = 0.0
         n_turns = rng.randint(3, cfg.turns_max)
         for _ in range(1, n_turns):
-            new = _new_tokens_for(_target_hit(hit_rng, p_high), ctx, out_prev, cfg.block)
+            new = _new_tokens_for(_target_hit(hit_rng, p_high), ctx, out_prev, cfg.block, cfg.outputs_cached)
             if ctx + out_prev + new > cfg.context_max:
                 break
             ctx += out_prev + new

@@ -20,8 +20,10 @@ from testbed.traces.workload import Workload, block_hashes
 HIT_BUCKETS = [(0, 90), (90, 95), (95, 97), (97, 98), (98, 99), (99, 100)]
 
 
-def hit_rates(wl: Workload, block: int | None = None) -> dict[str, float]:
-    """Per request: fraction of its input tokens found in the (unbounded) prefix cache."""
+def hit_rates(wl: Workload, block: int | None = None, outputs_cached: bool = False) -> dict[str, float]:
+    """Per request: fraction of its input tokens found in the (unbounded) prefix cache.
+    ``outputs_cached``: a request's answer enters the cache after it, as in a scenario with
+    ``workers.cache_outputs`` (otherwise only prompts are ever prefilled, so cached)."""
     block = block or wl.block_size
     est = wl.first_sent()
     cache: set[bytes] = set()
@@ -32,6 +34,8 @@ def hit_rates(wl: Workload, block: int | None = None) -> dict[str, float]:
         while hit < len(hashes) and hashes[hit] in cache:
             hit += 1
         cache.update(hashes)
+        if outputs_cached and r.answer is not None:
+            cache.update(block_hashes([*r.segments, r.answer], block))
         out[r.rid] = hit * block / r.input_len
     return out
 
@@ -71,6 +75,7 @@ class TraceStats(BaseModel):
     output_tokens: Spread
     duration_s: float
     arrival_rate_rps: float | None
+    outputs_cached: bool = False  # hit rates with answers cached after their request
     mean_hit_rate: float
     hit_buckets: dict[str, float]  # "lo-hi%" -> share of requests
     share_above_95: float
@@ -83,8 +88,12 @@ def _pcts(values: list[int]) -> Spread:
                   p99=float(np.percentile(a, 99)), max=float(a.max()), min=float(a.min()))
 
 
-def trace_stats(wl: Workload, block: int | None = None) -> TraceStats:
-    rates = hit_rates(wl, block)
+def trace_stats(wl: Workload, block: int | None = None, outputs_cached: bool | None = None) -> TraceStats:
+    """``outputs_cached`` None: as the generator's header says (``testbed trace gen
+    --outputs-cached``), else not."""
+    if outputs_cached is None:
+        outputs_cached = bool(wl.meta.get("outputs_cached", False))
+    rates = hit_rates(wl, block, outputs_cached)
     est = wl.first_sent()
     counts = [0] * len(HIT_BUCKETS)
     for v in rates.values():
@@ -95,7 +104,7 @@ def trace_stats(wl: Workload, block: int | None = None) -> TraceStats:
                         and r.hints.short_output)
     return TraceStats(
         trace=str(wl.source), format=wl.format, requests=n, token_scale=wl.token_scale,
-        block_size=block or wl.block_size, meta=wl.meta,
+        block_size=block or wl.block_size, meta=wl.meta, outputs_cached=outputs_cached,
         sessions=len({r.session for r in wl.requests if r.session}),
         closed_loop_turns=sum(1 for r in wl.requests if r.after),
         input_tokens=_pcts([r.input_len for r in wl.requests]),
@@ -121,7 +130,8 @@ def format_stats(s: TraceStats) -> str:
         f"  duration {s.duration_s:.1f} s, arrival rate " + (f"{rate:.2f} req/s" if rate else "-"),
         row("input tokens", s.input_tokens),
         row("output tokens", s.output_tokens),
-        f"  prefix hit rate (unbounded cache, arrival order): mean {100 * s.mean_hit_rate:.1f}%, "
+        f"  prefix hit rate (unbounded cache, arrival order{', answers cached' if s.outputs_cached else ''}): "
+        f"mean {100 * s.mean_hit_rate:.1f}%, "
         f"above 95%: {100 * s.share_above_95:.1f}% of requests",
     ]
     for name, share in s.hit_buckets.items():

@@ -64,6 +64,7 @@ class TraceRequest:
     turn: int = 0
     line: int = 0  # where it came from, for messages
     hints: RequestHints = field(default_factory=RequestHints)
+    answer: Segment | None = None  # the stand-in for its answer that the session's next turn carries
 
     @property
     def input_len(self) -> int:
@@ -137,7 +138,8 @@ class Workload:
         """Materialise prompts and timing (``speed`` 2 = twice as fast) for the client."""
         out = []
         for r in self.requests:
-            hints = r.hints.model_copy(update={"session": r.session, "turn": r.turn})
+            hints = r.hints.model_copy(update={"session": r.session, "turn": r.turn,
+                                               "answer": list(r.answer.tokens()) if r.answer else None})
             out.append(RequestSpec(r.rid, r.prompt(), r.output_len,
                                    at=(r.at or 0.0) / speed if r.at is not None else 0.0,
                                    hints=hints, after=r.after, delay=r.delay / speed))
