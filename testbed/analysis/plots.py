@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from protocol.worker_config import WorkerStats  # noqa: E402
+from testbed.outputs import atomic_path  # noqa: E402
 
 HIT_EDGES = [0.0, 0.5, 0.8, 0.9, 0.95, 0.99, 1.0001]
 
@@ -49,7 +50,7 @@ def plot_ttft_by_hit(df: pd.DataFrame, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _save(fig, path, 100)
     plt.close(fig)
 
 
@@ -93,7 +94,7 @@ def plot_timeline(df: pd.DataFrame, path: Path, byte_factor: float = 1.0, points
         if ax_load.lines:
             ax_load.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _save(fig, path, 100)
     plt.close(fig)
 
 
@@ -126,7 +127,7 @@ def plot_hit_rates(workers: dict[str, dict[str, WorkerStats]], path: Path, windo
         if ax.get_legend_handles_labels()[0]:  # a run too short for a series has no line to name
             ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _save(fig, path, 100)
     plt.close(fig)
     return True
 
@@ -162,7 +163,7 @@ def plot(df: pd.DataFrame, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _save(fig, path, 100)
     plt.close(fig)
 
 
@@ -178,7 +179,7 @@ def plot_rss(rss: pd.DataFrame, path: Path) -> None:
         ax.legend(fontsize=6, ncol=2, loc="upper left")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _save(fig, path, 120)
     plt.close(fig)
 
 
@@ -198,7 +199,7 @@ def plot_sweep(points: pd.DataFrame, path: Path, share: float) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path, 110)
     plt.close(fig)
 
 
@@ -220,5 +221,11 @@ def plot_bathtub(curve: pd.DataFrame, path: Path, base: str, policy: str) -> Non
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path, 110)
     plt.close(fig)
+
+
+def _save(fig: Any, path: Path, dpi: int) -> None:
+    """The figure whole or not at all (a reader never sees half a PNG)."""
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=dpi)

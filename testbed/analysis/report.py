@@ -28,6 +28,7 @@ from testbed.analysis.results import REQUESTS_FILE, SUMMARY_FILE, RunSummary, lo
 from testbed.analysis.tables import markdown_table, table_head, table_row
 from testbed.deploy.fidelity import format_verdict
 from testbed.errors import InputError
+from testbed.outputs import atomic_path, write_atomic
 from testbed.traces.generate import same_recipe
 
 # Columns of the side-by-side table: (summary key, header, scale, format).
@@ -221,9 +222,11 @@ def save_data(out: Path, frames: dict[str, pd.DataFrame], summary: RunSummary) -
     out.mkdir(parents=True, exist_ok=True)
     df = pd.concat([f.assign(policy=name) for name, f in frames.items()], ignore_index=True)
     df = df[["policy"] + [c for c in df.columns if c != "policy"]]
-    df.to_csv(out / "requests.csv", index=False)
-    df.to_parquet(out / REQUESTS_FILE, index=False)
-    (out / SUMMARY_FILE).write_text(summary.model_dump_json(indent=2))
+    with atomic_path(out / "requests.csv") as tmp:
+        df.to_csv(tmp, index=False)
+    with atomic_path(out / REQUESTS_FILE) as tmp:
+        df.to_parquet(tmp, index=False)
+    write_atomic(out / SUMMARY_FILE, summary.model_dump_json(indent=2))
     return [out / "requests.csv", out / REQUESTS_FILE, out / SUMMARY_FILE]
 
 
@@ -251,7 +254,7 @@ def rebuild(run_dir: Path) -> list[Path]:
 
 def render(out: Path, summary: RunSummary, df: pd.DataFrame) -> list[Path]:
     paths = [out / "report.md", out / "latency.png", out / "ttft_by_hit.png", out / "timeline.png"]
-    paths[0].write_text(report_markdown(summary))
+    write_atomic(paths[0], report_markdown(summary))
     plots.plot(df, paths[1])
     plots.plot_ttft_by_hit(df, paths[2])
     e = summary.emulation
@@ -374,5 +377,5 @@ def write_repetitions(run_dirs: list[Path], out: Path) -> Path:
     runs = [(d, load_run(d)[0]) for d in run_dirs]
     out.mkdir(parents=True, exist_ok=True)
     path = out / "repetitions.md"
-    path.write_text(repetitions_markdown(runs))
+    write_atomic(path, repetitions_markdown(runs))
     return path

@@ -9,12 +9,15 @@ A run directory (``runs/<timestamp>/`` unless ``--out``) holds:
   counters, the fidelity ``Verdict``) and every worker's ``WorkerStats``;
 * ``requests.parquet`` / ``requests.csv``: one row per request and policy
   (``testbed.analysis.metrics.request_rows``; the Parquet file is what reports are rebuilt from);
-* ``report.md`` and the PNG plots (``testbed.analysis.report``), always derived from the two above.
+* ``report.md`` and the PNG plots (``testbed.analysis.report``), always derived from the two above;
+* ``logs/<policy>/``: every process's log, kept at teardown.
+
+Every file is written atomically (``testbed.outputs``); ``new_run_dir`` claims a folder no
+other run has.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,7 @@ from testbed.analysis.metrics import Summary
 from testbed.deploy.fidelity import Verdict
 from testbed.errors import InputError
 from testbed.faults.timeline import AppliedFault
+from testbed.outputs import atomic_path
 from testbed.policies.base import PolicyReport
 from testbed.scenario import Scenario
 
@@ -99,12 +103,10 @@ class RunSummary(_Saved):
         return "host seconds (no emulation)"
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """``text`` into ``path`` whole or not at all: written beside it, then renamed over it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def write_csv(df: pd.DataFrame, path: Path) -> None:
+    """A table as CSV, whole or not at all."""
+    with atomic_path(path) as tmp:
+        df.to_csv(tmp, index=False)
 
 
 def load_run(run_dir: Path) -> tuple[RunSummary, pd.DataFrame]:

@@ -28,10 +28,11 @@ import matplotlib
 matplotlib.use("Agg")  # files only
 import matplotlib.pyplot as plt  # noqa: E402
 
-from testbed.analysis.results import load_run, write_atomic
+from testbed.analysis.results import load_run
 from testbed.deploy.emulation import round_up
 from testbed.errors import InputError
 from testbed.experiments.trace_run import RunOptions, run_trace
+from testbed.outputs import atomic_path, write_atomic
 from testbed.policies.spec import parse_policy
 from testbed.scenario import Role, Scenario, load_scenario
 from testbed.traces import load_trace
@@ -164,7 +165,8 @@ def plot(points: list[ScalePoint], path: Path, rps: float, start_dilation: float
     fig.suptitle(f"bench scale: paper.yaml-shaped PDD, {rps:g} req/s per device, open loop; dilations tried from "
                  f"{start_dilation:g} up (red x: none passed)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
 
 

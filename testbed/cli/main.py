@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 from testbed.bench.net import run_bench
@@ -26,6 +25,7 @@ from testbed.deploy.deployment import network_session
 from testbed.errors import EXIT_INTERRUPTED, InputError, Terminated, TestbedError
 from testbed.faults.timeline import parse_faults
 from testbed.load.verify import run_verify
+from testbed.outputs import new_run_dir
 from testbed.policies.spec import parse_policy_list
 from testbed.traces import load_trace
 from testbed.traces.generate import GenConfig, generate_file
@@ -65,7 +65,7 @@ def cmd_bench_scale(args: argparse.Namespace) -> int:
         sizes = [int(x) for x in args.sizes.split(",")]
     except ValueError:
         raise InputError(f"--sizes: expected comma-separated device counts, got {args.sizes!r}") from None
-    out = args.out or Path("runs") / time.strftime("bench-scale-%Y%m%d-%H%M%S")
+    out = args.out or new_run_dir("bench-scale")
     return run_scale_bench(args.scenario, sizes, out, args.per_device_rps, args.window, args.seed,
                            args.start_dilation)
 

@@ -8,12 +8,12 @@ the policies, the trace (file:line: field on error), ``--limit``/``--window`` an
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from testbed.cli.args import scenario_from_args
 from testbed.errors import InputError
+from testbed.outputs import new_run_dir
 from testbed.policies.spec import PolicySpec, parse_policy_list
 from testbed.scenario import Scenario
 from testbed.traces import load_trace
@@ -57,7 +57,7 @@ def replay_inputs(args: argparse.Namespace) -> tuple[Scenario, list[PolicySpec],
 
 
 def _out(args: argparse.Namespace, kind: str) -> Path:
-    return args.out or Path("runs") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return args.out or new_run_dir(kind)
 
 
 def _draws(args: argparse.Namespace, wl: Workload, out: Path) -> list[Draw]:

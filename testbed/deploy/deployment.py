@@ -21,6 +21,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Protocol, TypeVar
 
@@ -80,10 +81,12 @@ class Deployment:
 
     def __init__(self, scenario: Scenario, policy: PolicySpec, *, emulation: EmulationPlan | None = None,
                  impairment: str = "auto", dtype: str | None = None,
-                 worker_faults: dict[str, WorkerFaults] | None = None, timeline: Sequence[Fault] = ()) -> None:
+                 worker_faults: dict[str, WorkerFaults] | None = None, timeline: Sequence[Fault] = (),
+                 logs_to: Path | None = None) -> None:
         self.scenario, self.policy, self.emulation = scenario, policy, emulation
         self.impairment, self.dtype, self.worker_faults = impairment, dtype, worker_faults
         self.timeline = list(timeline)
+        self.logs_to = logs_to  # the processes' logs are copied here at teardown
         self._stack = contextlib.ExitStack()
         self._net: Network | None = None
         self._cluster: Cluster | None = None
@@ -95,6 +98,7 @@ class Deployment:
         try:
             wire = self.emulation.wire_scenario(self.scenario) if self.emulation else self.scenario
             self._net = self._stack.enter_context(network_session(wire, self.impairment))
+            self._net.logs_to = self.logs_to
             killed = frozenset(f.host for f in self.timeline if f.kind == "kill" and f.host is not None)
             self._cluster = Cluster.start(self._net, self.policy, faults=self.worker_faults, dtype=self.dtype,
                                           emulation=self.emulation, alone=killed)

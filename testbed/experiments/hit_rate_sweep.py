@@ -25,9 +25,10 @@ from pathlib import Path
 import pandas as pd
 from pydantic import BaseModel, ConfigDict
 
-from testbed.analysis.results import load_run
+from testbed.analysis.results import load_run, write_csv
 from testbed.analysis.tables import table_head
 from testbed.experiments.load_sweep import SweepOptions, fixed_dilation
+from testbed.outputs import write_atomic
 from testbed.policies.spec import PolicySpec
 from testbed.scenario import Scenario
 from testbed.traces.stats import hit_rates
@@ -126,8 +127,8 @@ def save_bathtub(points: list[HitPoint], curve: pd.DataFrame, out: Path, base: s
     from testbed.analysis import plots
 
     out.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame([p.model_dump() for p in points]).to_csv(out / "bathtub_points.csv", index=False)
-    curve.to_csv(out / "bathtub.csv", index=False)
+    write_csv(pd.DataFrame([p.model_dump() for p in points]), out / "bathtub_points.csv")
+    write_csv(curve, out / "bathtub.csv")
     plots.plot_bathtub(curve, out / "bathtub.png", base, pdd)
     lines = [f"# {pdd} against {base} across prefix-hit rates", "",
              *table_head(["hit rate", "measured hit", "mean TTFT", "P50 TTFT", "SLO met (points)"], "rrrrr")]
@@ -139,5 +140,5 @@ def save_bathtub(points: list[HitPoint], curve: pd.DataFrame, out: Path, base: s
         slo = "-" if r.slo_points is None or pd.isna(r.slo_points) else f"{r.slo_points:+.1f}"
         lines.append(f"| {r.hit_target:g} | {pct(r.hit_measured, '')} | {pct(r.ttft_mean_change)} | "
                      f"{pct(r.ttft_p50_change)} | {slo} |")
-    (out / "bathtub.md").write_text("\n".join(lines) + "\n")
+    write_atomic(out / "bathtub.md", "\n".join(lines) + "\n")
     return [out / "bathtub_points.csv", out / "bathtub.csv", out / "bathtub.png", out / "bathtub.md"]

@@ -30,11 +30,12 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from testbed.analysis.cost import hardware_cost
-from testbed.analysis.results import PolicySummary, load_run
+from testbed.analysis.results import PolicySummary, load_run, write_csv
 from testbed.analysis.tables import table_head
 from testbed.deploy.dilation import emulation_plan
 from testbed.errors import InputError
 from testbed.experiments.trace_run import RunOptions, run_trace
+from testbed.outputs import write_atomic
 from testbed.policies import make_policy
 from testbed.policies.spec import PolicySpec, parse_policy_list
 from testbed.scenario import Scenario
@@ -224,10 +225,10 @@ def save_sweep(result: SweepResult, out: Path) -> list[Path]:
     from testbed.analysis import plots
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / SWEEP_FILE).write_text(result.model_dump_json(indent=2))
+    write_atomic(out / SWEEP_FILE, result.model_dump_json(indent=2))
     df = pd.DataFrame([p.model_dump() for p in result.points])
-    df.to_csv(out / "sweep.csv", index=False)
-    (out / "sweep.md").write_text(sweep_markdown(result))
+    write_csv(df, out / "sweep.csv")
+    write_atomic(out / "sweep.md", sweep_markdown(result))
     plots.plot_sweep(df, out / "sweep.png", result.share)
     return [out / SWEEP_FILE, out / "sweep.csv", out / "sweep.md", out / "sweep.png"]
 

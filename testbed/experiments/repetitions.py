@@ -22,9 +22,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from testbed.analysis.confidence import mean_ci
+from testbed.analysis.results import write_csv
 from testbed.analysis.tables import table_head
 from testbed.errors import InputError
 from testbed.experiments.load_sweep import Draw, SweepResult
+from testbed.outputs import write_atomic
 from testbed.traces import load_trace
 from testbed.traces.generate import RECIPE_GENERATOR, GenConfig, generate, write_jsonl
 from testbed.traces.workload import Workload
@@ -139,11 +141,11 @@ def write_seeded_sweep(results: list[tuple[int, SweepResult]], out: Path) -> lis
 
     out.mkdir(parents=True, exist_ok=True)
     df = pd.DataFrame([{"seed": s, **p.model_dump()} for s, r in results for p in r.points])
-    df.to_csv(out / "sweep_seeds.csv", index=False)
+    write_csv(df, out / "sweep_seeds.csv")
     means = df.groupby(["load", "policy"], sort=False, as_index=False)[
         ["slo_attainment", "ttft_p50_s", "ttft_p99_s"]].mean()
     plots.plot_sweep(means, out / "sweep.png", results[0][1].share)
-    (out / "sweep.md").write_text(seeded_sweep_markdown(results))
+    write_atomic(out / "sweep.md", seeded_sweep_markdown(results))
     return [out / "sweep.md", out / "sweep_seeds.csv", out / "sweep.png"]
 
 
@@ -176,7 +178,7 @@ def write_seeded_bathtub(curves: list[tuple[int, pd.DataFrame]], out: Path, base
 
     agg = seeded_bathtub(curves)
     out.mkdir(parents=True, exist_ok=True)
-    agg.to_csv(out / "bathtub.csv", index=False)
+    write_csv(agg, out / "bathtub.csv")
     plots.plot_bathtub(agg, out / "bathtub.png", base, pdd)
 
     def cell(r: pd.Series, col: str, scale: float, fmt: str) -> str:
@@ -195,5 +197,5 @@ def write_seeded_bathtub(curves: list[tuple[int, pd.DataFrame]], out: Path, base
         lines.append(f"| {r.hit_target:g} | {hit} | {cell(r, 'ttft_mean_change', 100, '{:+.1f}')} | "
                      f"{cell(r, 'ttft_p50_change', 100, '{:+.1f}')} | {cell(r, 'slo_points', 1, '{:+.1f}')} | "
                      f"{int(r.n)} |")
-    (out / "bathtub.md").write_text("\n".join(lines) + "\n")
+    write_atomic(out / "bathtub.md", "\n".join(lines) + "\n")
     return [out / "bathtub.csv", out / "bathtub.md", out / "bathtub.png"]

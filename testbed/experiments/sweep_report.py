@@ -22,6 +22,7 @@ from testbed.analysis.tables import table_head
 from testbed.experiments.hit_rate_sweep import HitPoint, benefit, compared, save_bathtub
 from testbed.experiments.load_sweep import REPORT_P50_GAP_S, SWEEP_FILE, SweepResult, save_sweep
 from testbed.experiments.repetitions import write_seeded_bathtub, write_seeded_sweep
+from testbed.outputs import write_atomic
 
 CALIBRATION_FILE = "calibration.json"
 POINTS_FILE = "bathtub_points.csv"
@@ -77,8 +78,8 @@ def calibration_markdown(c: Calibration) -> str:
 
 def save_calibration(c: Calibration, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    (out / CALIBRATION_FILE).write_text(c.model_dump_json(indent=2))
-    (out / "calibration.md").write_text(calibration_markdown(c))
+    write_atomic(out / CALIBRATION_FILE, c.model_dump_json(indent=2))
+    write_atomic(out / "calibration.md", calibration_markdown(c))
     return [out / CALIBRATION_FILE, out / "calibration.md"]
 
 

@@ -1,8 +1,9 @@
 """``testbed run``: one trace replayed under each policy, each on a deployment of its own.
 
 The emulation plan (and ``auto`` dilation) is made once; then every policy in turn gets a
-fresh ``Deployment`` driven by a ``TraceReplay``; then the side-by-side tables, the
-fidelity verdicts and the saved run folder (``testbed report`` rebuilds it).
+fresh ``Deployment`` driven by a ``TraceReplay``, its rows and summary saved as it ends and
+its processes' logs kept under ``logs/<policy>/``; then the side-by-side tables, the
+fidelity verdicts, the report and plots (``testbed report`` rebuilds them).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from testbed.deploy.fidelity import format_verdict
 from testbed.errors import EXIT_INFIDELITY
 from testbed.faults.timeline import Fault
 from testbed.load.trace_replay import TraceReplay
+from testbed.outputs import new_run_dir
 from testbed.policies.spec import PolicySpec
 from testbed.scenario import Scenario
 from testbed.traces.workload import Workload
@@ -56,22 +58,33 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
     plan = emulation_plan(sc, wl, wl.specs(opts.speed), opts.dilation)
     d = plan.dilation
     specs = wl.specs(opts.speed / d)  # arrivals and think times stretched by the dilation
-    out = opts.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    out = opts.out or new_run_dir("")
     print(f"trace {wl.source}: {len(specs)} requests ({wl.format}, token scale {wl.token_scale}, "
           f"speed {opts.speed:g}); scenario {sc.name}; policies {', '.join(p.label for p in policies)}", flush=True)
     print(plan.describe(sc), flush=True)
     frames: dict[str, pd.DataFrame] = {}
     summaries: dict[str, PolicySummary] = {}
     workers: dict[str, dict[str, WorkerStats]] = {}
+
+    def summary_so_far() -> RunSummary:
+        return RunSummary(
+            trace=TraceInfo(trace=str(wl.source), format=wl.format, requests=len(wl.requests),
+                            token_scale=wl.token_scale, block_size=wl.block_size, meta=wl.meta),
+            speed=opts.speed, limit=opts.limit, window=opts.window, emulation=plan.summary(sc), scenario=sc,
+            policies=summaries, workers=workers,
+        )  # fmt: skip
+
     for spec in policies:
         t0 = time.monotonic()
-        with Deployment(sc, spec, emulation=plan, impairment=opts.impairment,
-                        timeline=[*sc.faults, *opts.faults]) as dep:
+        with Deployment(sc, spec, emulation=plan, impairment=opts.impairment, timeline=[*sc.faults, *opts.faults],
+                        logs_to=out / "logs" / spec.label) as dep:
             run = dep.run(TraceReplay(specs, opts.timeout_s * d, spec.label))
         name = spec.label
         frames[name], s = measure(sc, spec, plan, run, opts.slo)
         summaries[name] = s
         workers[name] = run.workers
+        # Saved as each policy ends: an interrupted run keeps the policies it finished.
+        report.save_data(out, frames, summary_so_far())
         if len(summaries) == 1:
             print(f"WAN impairment: {run.impairment}", flush=True)
         print(format_summary(name, s) + f"  [{time.monotonic() - t0:.0f} s]", flush=True)
@@ -80,12 +93,7 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
                   flush=True)
         for rid, why in list(s.failures.items())[:5]:
             print(f"    failed {rid}: {why}")
-    summary = RunSummary(
-        trace=TraceInfo(trace=str(wl.source), format=wl.format, requests=len(wl.requests),
-                        token_scale=wl.token_scale, block_size=wl.block_size, meta=wl.meta),
-        speed=opts.speed, limit=opts.limit, window=opts.window, emulation=plan.summary(sc), scenario=sc,
-        policies=summaries, workers=workers,
-    )  # fmt: skip
+    summary = summary_so_far()
     paths = report.save(out, frames, summary)
     print(f"\ntimes in {summary.units}")
     print(report.comparison_table(dict(summaries)))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import random
 import re
 import sys
-import time
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,12 +24,14 @@ import pandas as pd
 from pydantic import BaseModel
 
 from testbed.analysis.plots import plot_rss
+from testbed.analysis.results import write_csv
 from testbed.deploy.deployment import Deployment
 from testbed.deploy.dilation import emulation_plan
 from testbed.deploy.process_sampling import ProcessMemory
 from testbed.errors import InputError
 from testbed.faults.timeline import AppliedFault, Fault
 from testbed.load.trace_replay import TraceReplay
+from testbed.outputs import new_run_dir, write_atomic
 from testbed.policies import parse_policy
 from testbed.scenario import Role, Scenario
 from testbed.traces.workload import RequestSpec, Workload
@@ -162,7 +163,7 @@ def run_soak(sc: Scenario, wl: Workload, opts: SoakOptions) -> int:
     timeout_s = wall_s + 4 * sc.workers.request_timeout_s * d  # the bound every request must end within
     load = SoakLoop(wl, wall_s, opts.load, d, timeout_s)
     faults = random_faults(sc, wall_s, opts.fault_every_s, d, opts.seed)
-    out = opts.out or Path("runs") / time.strftime("soak-%Y%m%d-%H%M%S")
+    out = opts.out or new_run_dir("soak")
     out.mkdir(parents=True, exist_ok=True)
     print(f"soak: {len(load.specs)} requests over {opts.minutes:g} min at {opts.load:g}x the trace's rate, "
           f"policy {spec.label}, D = {d:g}, a fault every {opts.fault_every_s:g} s ({len(faults)})", flush=True)
@@ -182,12 +183,12 @@ def run_soak(sc: Scenario, wl: Workload, opts: SoakOptions) -> int:
         faults_by_kind=dict(Counter(f.kind for f in applied if f.applied_s is not None and not f.error)),
         memory=run.memory, after_faults_sent=len(after), after_faults_completed=sum(r.ok for r in after),
     )  # fmt: skip
-    (out / "soak.json").write_text(report.model_dump_json(indent=2))
-    pd.DataFrame([{"rid": r.rid, "ok": r.ok, "error": r.error, "sent": r.sent, "ended": r.ended,
-                   "tokens": len(r.tokens), "max_new": r.max_new} for r in recs.values()]).to_csv(
-        out / "requests.csv", index=False)
+    write_atomic(out / "soak.json", report.model_dump_json(indent=2))
+    write_csv(pd.DataFrame([{"rid": r.rid, "ok": r.ok, "error": r.error, "sent": r.sent, "ended": r.ended,
+                             "tokens": len(r.tokens), "max_new": r.max_new} for r in recs.values()]),
+              out / "requests.csv")
     rss = pd.DataFrame(run.rss, columns=["t_s", "process", "pid", "rss_mb"])
-    rss.to_csv(out / "rss.csv", index=False)
+    write_csv(rss, out / "rss.csv")
     plot_rss(rss, out / "rss.png")
     print(format_soak(report))
     print(f"saved: {out}/soak.json, requests.csv, rss.csv, rss.png")

@@ -13,6 +13,7 @@ can finish the job after a crash.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -42,6 +43,7 @@ class Network:
     wan: WanImpairment | None = None  # the WAN's delay, jitter and loss (testbed/net/impairment.py)
     timings: dict[str, float] = field(default_factory=dict)
     delayline_stats_final: DelayLineReport | None = None  # last statistics, read at teardown
+    logs_to: Path | None = None  # where the processes' logs are copied at teardown (the run folder)
 
     # ---------------------------------------------------------------- lifecycle
     @classmethod
@@ -69,9 +71,22 @@ class Network:
         self.run.stop_applications()
         if self.wan is not None:
             self.delayline_stats_final = self.wan.close()
+        if self.logs_to is not None:
+            self._keep_logs(self.logs_to)
         self.nodes.close()
         self.run.destroy()
         self.timings["down_s"] = time.monotonic() - t0
+
+    def _keep_logs(self, dest: Path) -> None:
+        """Every process's log, whole, before the run's state folder goes (a log that cannot
+        be copied is reported; teardown goes on)."""
+        try:
+            dest.mkdir(parents=True, exist_ok=True)
+            for log in sorted(self.run.dir.rglob("*.log")):  # the broker's are in broker/
+                if log.is_file() and not log.is_symlink():
+                    shutil.copyfile(log, dest / "-".join(log.relative_to(self.run.dir).parts))
+        except OSError as e:
+            print(f"logs not kept in {dest}: {e}", flush=True)
 
     def __enter__(self) -> Network:
         return self

@@ -15,7 +15,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import least_squares
 
 from testbed.errors import InputError
 from testbed.hardware import DeviceProfile, ModelCard
@@ -74,6 +73,8 @@ def fit(profile: DeviceProfile, card: ModelCard, rows: list[Measurement]) -> tup
     decode compute efficiency that no measurement depends on (no decode pass near the
     compute roof) is left unset: it follows the compute efficiency."""
     decodes = any(m.kind != "prefill" for m in rows)
+    from scipy.optimize import least_squares  # heavy: only ``testbed profile fit`` needs it
+
     free = [f for f in FREE if (f != "allreduce_us" or any(m.devices > 1 for m in rows))
             and (f != "decode_compute_efficiency" or decodes)]
     if len(rows) < len(free):

@@ -22,9 +22,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from testbed.analysis.results import load_run
+from testbed.analysis.results import load_run, write_csv
 from testbed.analysis.tables import table_head
 from testbed.errors import InputError
+from testbed.outputs import write_atomic
 
 MATCH_S = 1.0  # a client's request start and the server's receipt of it, at most this far apart
 QUANTILES = (0.5, 0.9, 0.99)
@@ -113,6 +114,6 @@ def comparison(client: ClientRecords, server: pd.DataFrame, d: float, s: int) ->
 def write_comparison(client: ClientRecords, run_dir: Path, out: Path) -> Path:
     text, pairs = comparison(client, *server_view(run_dir))
     out.mkdir(parents=True, exist_ok=True)
-    pairs.to_csv(out / "client_vs_server.csv", index=False)
-    (out / "client_vs_server.md").write_text(text + "\n")
+    write_csv(pairs, out / "client_vs_server.csv")
+    write_atomic(out / "client_vs_server.md", text + "\n")
     return out / "client_vs_server.md"

@@ -35,6 +35,7 @@ from testbed.deploy.model_files import ensure_model
 from testbed.deploy.run_record import ClientRecord
 from testbed.errors import EXIT_INFIDELITY, InputError, Terminated, TestbedError
 from testbed.net import netns
+from testbed.outputs import new_run_dir
 from testbed.policies.spec import PddSpec, PolicySpec
 from testbed.scenario import Role, Scenario
 from testbed.serve.app import OpenAiFront, Served
@@ -189,7 +190,7 @@ def run_serve(sc: Scenario, opts: ServeOptions) -> int:
     port = sock.getsockname()[1]
     plan = plan_for(sc, opts)
     print(plan.describe(sc), flush=True)
-    out = opts.out or Path("runs") / time.strftime("serve-%Y%m%d-%H%M%S")
+    out = opts.out or new_run_dir("serve")
     if not sc.hosts_with_role(Role.CLIENT):
         raise InputError(f"{sc.source}: scenario has no host with role client (the front end's host)")
     with Deployment(sc, opts.policy, emulation=plan, impairment=opts.impairment, dtype=opts.dtype) as dep:

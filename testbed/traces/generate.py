@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from testbed.errors import InputError
+from testbed.outputs import write_atomic
 from testbed.traces import load_trace
 from testbed.traces.formats import MOONCAKE_BLOCK, SESSIONS_FORMAT, sessions_workload
 from testbed.traces.stats import format_stats, trace_stats
@@ -207,7 +208,7 @@ def same_recipe(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def write_jsonl(path: Path, records: list[dict[str, Any]], header: dict[str, Any] | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = ([json.dumps(header)] if header else []) + [json.dumps(s, separators=(",", ":")) for s in records]
-    path.write_text("\n".join(lines) + "\n")
+    write_atomic(path, "\n".join(lines) + "\n")
 
 
 def mooncake_lines(wl: Workload) -> list[dict[str, Any]]:
