@@ -28,6 +28,7 @@ fails that request alone and goes on serving the others.
 from __future__ import annotations
 
 import json
+import re
 import socket
 from typing import Annotated, Any, Literal
 
@@ -84,6 +85,7 @@ class Topics:
 # and a CSV cell: ``/``, ``+``, ``#``, spaces and control characters would break them.
 SAFE_NAME = r"^[A-Za-z0-9_.:=@-]{1,128}$"
 RequestId = Annotated[str, Field(pattern=SAFE_NAME)]
+_SAFE = re.compile(SAFE_NAME)
 
 
 # ------------------------------------------------------------------------- client -> router
@@ -119,7 +121,7 @@ class PrefillCmd(Contract):
     """Compute the prompt's KV (what the prefix cache lacks) and ship it to every target."""
 
     op: Literal["prefill"] = "prefill"
-    rid: str
+    rid: RequestId
     prompt: list[int] = Field(min_length=1)
     kv_to: list[KVTarget] = []
 
@@ -142,7 +144,7 @@ class DecodeCmd(Contract):
     """Expect the request's KV over TCP, then decode ``max_new`` tokens (or until EOS)."""
 
     op: Literal["decode"] = "decode"
-    rid: str
+    rid: RequestId
     prompt: list[int] = Field(min_length=1)
     max_new: int = Field(ge=1)
     ignore_eos: bool = False  # set by the router from the request, whatever the policy built
@@ -162,7 +164,7 @@ class CancelCmd(Contract):
     to that worker; on a decoder ``keep_kv`` keeps the arriving KV for the cache only."""
 
     op: Literal["cancel"] = "cancel"
-    rid: str
+    rid: RequestId
     target: str | None = None
     keep_kv: bool = False
 
@@ -173,7 +175,7 @@ class HandoffCmd(Contract):
     the request here because the main decoder cannot take it."""
 
     op: Literal["handoff"] = "handoff"
-    rid: str
+    rid: RequestId
     mode: Literal["one-shot", "catch-up", "local"]
     batch: int = Field(default=64, ge=1)
 
@@ -182,7 +184,7 @@ class HandoffAck(Contract):
     """To a relay: the main decoder has extended ``extended`` eager tokens (catch-up)."""
 
     op: Literal["handoff_ack"] = "handoff_ack"
-    rid: str
+    rid: RequestId
     extended: int = Field(ge=0)
 
 
@@ -191,7 +193,7 @@ class ExtendCmd(Contract):
     the stream over."""
 
     op: Literal["extend"] = "extend"
-    rid: str
+    rid: RequestId
     start: int = Field(ge=0)
     tokens: list[int] = []
     final: bool = False
@@ -203,7 +205,7 @@ class WarmCmd(Contract):
     session's next turn finds the whole conversation cached (``workers.cache_outputs``)."""
 
     op: Literal["warm"] = "warm"
-    rid: str
+    rid: RequestId
     tokens: list[int] = Field(min_length=1)
     start: int = Field(ge=1)
 
@@ -220,7 +222,7 @@ def parse_command(payload: bytes | bytearray | str) -> Command:
 
 # ------------------------------------------------------------------------- events
 class _Event(Contract):
-    rid: str
+    rid: RequestId
     worker: str
     t: float
 
@@ -314,7 +316,7 @@ def parse_event(payload: bytes | bytearray | str) -> Event:
 
 # ------------------------------------------------------------------------- streams and status
 class Tokens(Contract):
-    rid: str
+    rid: RequestId
     start: int = Field(ge=0)  # index of the first token in this message within the output
     tokens: list[int]
     worker: str
@@ -335,7 +337,8 @@ class Status(Contract):
 
 
 class RouterStatus(Contract):
-    state: Literal["ready", "stopped"]
+    # "down": the router's last will (its process ended or lost the broker without a word)
+    state: Literal["ready", "stopped", "down"]
     workers: dict[str, WorkerRole]  # name -> role
     policy: str
 
@@ -355,10 +358,11 @@ def why_invalid(error: ValidationError) -> str:
 
 
 def rid_of(payload: bytes | bytearray | str) -> str | None:
-    """The request id a (possibly malformed) message names, if it names one."""
+    """The request id a (possibly malformed) message names, if it names a well-formed one
+    (an id with ``#`` or ``/`` must never become a topic, a file name or a reply)."""
     try:
         data = json.loads(payload)
     except ValueError:
         return None
     rid = data.get("rid") if isinstance(data, dict) else None
-    return rid if isinstance(rid, str) and rid else None
+    return rid if isinstance(rid, str) and _SAFE.fullmatch(rid) else None

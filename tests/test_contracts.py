@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
+import os
+import signal
 import threading
 import time
 from typing import Any
@@ -38,6 +41,7 @@ from protocol.messages import (
     Status,
     Tokens,
     Topics,
+    WarmCmd,
     parse_command,
     parse_event,
     rid_of,
@@ -82,6 +86,7 @@ COMMANDS = [
     CancelCmd(rid="r1", target="decode-b"), CancelCmd(rid="r1", keep_kv=True),
     HandoffCmd(rid="r1", mode="catch-up", batch=16), HandoffCmd(rid="r1", mode="local"),
     HandoffAck(rid="r1", extended=16), ExtendCmd(rid="r1", start=4, tokens=[9, 10], final=True),
+    WarmCmd(rid="r1", tokens=[5, 6, 7, 8], start=2),
 ]  # fmt: skip
 
 EVENTS = [
@@ -104,7 +109,7 @@ def test_every_command_and_event_round_trips_through_its_union() -> None:
     for cmd in COMMANDS:
         assert parse_command(cmd.dump()) == cmd
     assert {type(c).__name__ for c in COMMANDS} >= {"PrefillCmd", "DecodeCmd", "CancelCmd", "HandoffCmd",
-                                                    "HandoffAck", "ExtendCmd"}
+                                                    "HandoffAck", "ExtendCmd", "WarmCmd"}
     for ev in EVENTS:
         assert parse_event(ev.dump()) == ev
     assert len({type(e) for e in EVENTS}) == 7
@@ -171,6 +176,22 @@ def test_malformed_events_and_requests_are_rejected() -> None:
     assert rid_of(b"\xff not json") is None and rid_of(b"[1, 2]") is None and rid_of(b'{"rid": 3}') is None
 
 
+@pytest.mark.parametrize("rid", ["a#b", "a+b", "a/b", "a b", "", "x" * 129, "\u00e9t\u00e9"])
+def test_an_id_that_cannot_be_a_topic_or_a_file_name_is_refused_everywhere(rid: str) -> None:
+    """A request id becomes a topic (tokens/<rid>), a file name and a CSV cell: every
+    message that carries one refuses a malformed one, and a rejected message's id is not
+    reused to answer it."""
+    for payload in ({"op": "prefill", "rid": rid, "prompt": [1]}, {"op": "cancel", "rid": rid},
+                    {"op": "warm", "rid": rid, "tokens": [1, 2], "start": 1}):
+        with pytest.raises(ValidationError, match="rid"):
+            parse_command(json.dumps(payload))
+    with pytest.raises(ValidationError, match="rid"):
+        parse_event(json.dumps({"kind": "failed", "rid": rid, "worker": "w", "t": 1, "reason": "x"}))
+    with pytest.raises(ValidationError, match="rid"):
+        Tokens.model_validate_json(json.dumps({"rid": rid, "start": 0, "tokens": [], "worker": "w", "t": 1}))
+    assert rid_of(json.dumps({"rid": rid, "op": "cancel"})) is None
+
+
 def test_policy_spec_is_parsed_once_and_crosses_as_a_typed_spec() -> None:
     specs = parse_policy_list("same-dc,pdd:handoff=catch-up,threshold=32,cross-dc")
     assert [s.label for s in specs] == ["same-dc", "pdd:handoff=catch-up,threshold=32", "cross-dc"]
@@ -212,6 +233,10 @@ def _inject_when_streaming(cl: Cluster, victim: str, worker: str, seen: dict[str
                         await c.publish(topics.requests, b'{"rid": "bad-req", "prompt": "text", "max_new": 3}',
                                         qos=QOS)
                         await c.publish(topics.cmd("prefill"), b"\xff not json", qos=QOS)
+                        # Ids that cannot be topics, and a repeat of a request in flight.
+                        await c.publish(topics.requests, b'{"rid": "a#b", "prompt": [5], "max_new": 3}', qos=QOS)
+                        await c.publish(topics.cmd(worker), b'{"op": "cancel", "rid": "x#y"}', qos=QOS)
+                        await c.publish(topics.requests, Request(rid=victim, prompt=[5, 6], max_new=2).dump(), qos=QOS)
                         # Malformed token messages: one naming a request of the client, one not.
                         await c.publish(topics.tokens("victim2"), b'{"rid": "victim2", "start": "x"}', qos=QOS)
                         await c.publish(topics.tokens("ghost"), b"[1, 2", qos=QOS)
@@ -272,3 +297,26 @@ def test_a_malformed_message_fails_only_the_request_it_names() -> None:
     assert "rejected a command for victim" in logs["worker-decode-a"]
     assert "rejected a command for no request" in logs["worker-prefill"]
     assert "rejected a message on" in logs["router"] and "bad-req" in logs["router"]
+    assert "rejected a message on" in logs["router"] and "for no request: rid:" in logs["router"]  # a#b
+    assert "rejected a command for no request: cancel.rid:" in logs["worker-decode-a"]  # x#y
+    assert "dropped a repeated request victim" in logs["router"]  # the victim kept its own state
+
+
+@needs_root
+def test_a_router_that_dies_is_announced_by_its_will_and_its_requests_fail_at_once() -> None:
+    specs = [RequestSpec(f"r{i}", synth_tokens(f"r-{i}", 100), 3000, at=0.1 * i) for i in range(3)]
+    with Deployment(scenario_with(), parse_policy("same-dc")) as dep:
+        router = dep.cluster.router
+        assert router is not None
+
+        def kill_when_started(t0: float) -> None:
+            threading.Timer(2.0, os.kill, (router.pid, signal.SIGKILL)).start()
+
+        t0 = time.monotonic()
+        _, recs = TraceReplay(specs, timeout_s=300).drive(dep, kill_when_started)
+        took = time.monotonic() - t0
+    # The broker publishes the will ~1.5 keepalives (5 s) after the router went silent; the
+    # client waits ROUTER_GRACE_S for a "ready" (a broker restart) before failing.
+    assert took < 60, took
+    assert all(not r.ok and r.error == "router down: not answered" for r in recs.values()), \
+        {rid: r.error for rid, r in recs.items()}

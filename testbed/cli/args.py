@@ -140,6 +140,11 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=1, metavar="N",
                    help="repeat over N draws of a generated trace's recipe (seeds s..s+N-1, s the file's): "
                         "mean and 95%% interval (default 1)")
+    p.add_argument("--final-limit", type=int, metavar="N",
+                   help="at the load found, every policy replays N requests (default: --limit; the bisection "
+                        "needs fewer than the figures)")
+    p.add_argument("--final-seeds", type=int, metavar="N",
+                   help="at the load found, over N draws of the recipe (default: --seeds)")
     p.add_argument("--out", type=Path, help="results folder (default runs/calibrate-<timestamp>)")
     p.set_defaults(command="calibrate")
 

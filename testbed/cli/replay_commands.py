@@ -133,13 +133,24 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise InputError(f"--range: expected 0 < LOW < HIGH, got {args.range!r}")
     if args.tolerance <= 0 or args.steps < 2:
         raise InputError("--tolerance must be positive and --steps at least 2")
+    if min(x for x in (args.final_limit, args.final_seeds, 1) if x is not None) < 1:
+        raise InputError("--final-limit and --final-seeds must be at least 1")
     sc, policies, wl, opts = replay_inputs(args)
     out = _out(args, "calibrate")
     ds = _draws(args, wl, out)
-    b, gaps, finals = calibrate(sc, ds, policies, lo_f, hi_f, args.tolerance, args.steps, SweepOptions(opts, out))
+    final_ds = None
+    if args.final_limit is not None or args.final_seeds is not None:
+        from testbed.experiments.repetitions import draws
+
+        limit = args.final_limit or args.limit
+        whole = load_trace(args.trace, args.format, args.token_scale).select(limit, _window(args.window))
+        final_ds = draws(whole, args.final_seeds or args.seeds, out, limit, _window(args.window))
+    b, gaps, finals = calibrate(sc, ds, policies, lo_f, hi_f, args.tolerance, args.steps, SweepOptions(opts, out),
+                                final_ds)
     cal = Calibration(range=args.range, tolerance_s=args.tolerance, seeds=[d.seed for d in ds], steps=b.steps,
                       gaps={f"{load:g}": g for load, g in gaps.items()}, load=b.load, gap_s=b.value,
-                      reached=b.reached, finals=[str(f) for f in finals])
+                      reached=b.reached, finals=[str(f) for f in finals],
+                      final_requests=len(final_ds[0].workload.requests) if final_ds else len(ds[0].workload.requests))
     save_calibration(cal, out)
     print("\n" + (out / "calibration.md").read_text())
     print(f"saved: {out}/calibration.md, calibration.json; the bisection's runs in {out}/bisection/")

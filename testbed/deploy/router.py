@@ -66,6 +66,7 @@ class Router:
         self.pending: set[asyncio.Task[None]] = set()
         self.last_up: dict[str, float] = {}  # worker -> time.monotonic() of its last "up" status
         self.suspects: set[str] = set()  # workers whose "dead" status is being confirmed
+        self.repeated_requests = 0
 
     async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
         assert self.session is not None
@@ -77,7 +78,12 @@ class Router:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         b = self.cfg.broker
-        client = Session.client_for(b.host, b.port, b.username, b.password, f"{self.cfg.run_id}-router", keepalive=5)
+        # The last will: a router that dies (or loses the broker) says so, retained, instead of
+        # leaving its "ready" for clients to wait on until their timeout.
+        down = RouterStatus(state="down", workers={}, policy=self.policy.describe()).dump()
+        will = aiomqtt.Will(self.topics.router_status, down, qos=1, retain=True)
+        client = Session.client_for(b.host, b.port, b.username, b.password, f"{self.cfg.run_id}-router", keepalive=5,
+                                    will=will)
         self.session = Session(client, [self.topics.requests, self.topics.all_status, self.topics.events], "router")
 
         async def on_connect(first: bool) -> None:
@@ -211,6 +217,12 @@ class Router:
         await self.publish(self.topics.cmd(req.plan.decode), CancelCmd(rid=req.rid).dump())
 
     async def _admit(self, r: Request) -> None:
+        if r.rid in self.inflight or r.rid in self.finished:
+            # QoS 1 delivers at least once: a client's repeat after a broker restart must not
+            # replace a request in flight nor turn a finished one into a failure.
+            self.repeated_requests += 1
+            print(f"router: dropped a repeated request {r.rid}", file=sys.stderr, flush=True)
+            return
         req = RequestState(r.rid, r.prompt, r.max_new, time.time(), r.hints)
         self.inflight[r.rid] = req
         try:

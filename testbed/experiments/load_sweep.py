@@ -289,11 +289,14 @@ def p50_gap(points: list[LoadPoint]) -> float:
 
 
 def calibrate(sc: Scenario, draws: list[Draw], policies: list[PolicySpec], lo: float, hi: float, tol_s: float,
-              max_steps: int, opts: SweepOptions) -> tuple[Bisection, dict[float, list[float]], list[Path]]:
+              max_steps: int, opts: SweepOptions,
+              final_draws: list[Draw] | None = None) -> tuple[Bisection, dict[float, list[float]], list[Path]]:
     """Bisect the load for cross-dc minus same-dc P50 TTFT = +2.5 s (same-dc and cross-dc
     only; over several draws of the trace, their mean gap), then run ``policies`` at the load
     found. Returns the bisection, every load's gap per draw, and the final run folder of
-    each draw (``load-<x>/``, or ``seed-<s>/load-<x>/`` over several draws)."""
+    each draw (``load-<x>/``, or ``seed-<s>/load-<x>/`` over several draws). ``final_draws``
+    (more requests, more draws than the bisection needs): every policy runs on those at the
+    load found instead, in ``final/``."""
     import statistics
 
     from testbed.analysis.report import merge_runs
@@ -318,6 +321,13 @@ def calibrate(sc: Scenario, draws: list[Draw], policies: list[PolicySpec], lo: f
         return g
 
     b = bisect_increasing(gap, REPORT_P50_GAP_S, lo, hi, tol_s, max_steps)
+    if final_draws is not None:
+        finals = []
+        for d in final_draws:
+            base = opts.out / "final" / d.tag if len(final_draws) > 1 else opts.out / "final"
+            run_point(sc, d.workload, policies, b.load, run, base)
+            finals.append(base / f"load-{b.load:g}")
+        return b, gaps, finals
     # The baselines already ran at that load; only the other policies run again, and the
     # point's folder holds them all.
     finals = []

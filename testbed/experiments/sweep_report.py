@@ -43,6 +43,7 @@ class Calibration(BaseModel):
     gap_s: float
     reached: bool
     finals: list[str]  # run folder of each draw at ``load``
+    final_requests: int = 0  # requests per draw at ``load`` (0: not recorded)
 
 
 def calibration_markdown(c: Calibration) -> str:
@@ -66,9 +67,12 @@ def calibration_markdown(c: Calibration) -> str:
         lines += ["", f"NOT REACHED: no load in {c.range} gives +{REPORT_P50_GAP_S:g} s; the closest is "
                       f"{c.load:g} ({c.gap_s:+.2f} s), used below."]
     finals = [Path(f) for f in c.finals]
+    many = len(finals) > 1
     if many:
         runs = [(d, load_run(d)[0]) for d in finals]
-        lines += ["", f"## Every policy at that load, over the draws ({', '.join(f'`{d}`' for d in finals)})", "",
+        per = f", {c.final_requests} requests each" if c.final_requests else ""
+        lines += ["", f"## Every policy at that load, over {len(finals)} draws{per} "
+                      f"({', '.join(f'`{d}`' for d in finals)})", "",
                   repetitions_markdown(runs).split("\n", 1)[1].strip()]
     else:
         lines += ["", f"## The report's figures beside this testbed's at that load (`{finals[0]}`)", "",

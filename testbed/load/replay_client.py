@@ -60,6 +60,11 @@ async def connect_when_ready(session: Session, on_message: Callable[[aiomqtt.Mes
     return connection
 
 
+# A broker that restarts sends the router's will, then the router reconnects and says
+# "ready" again (1-3 s here): only a router silent this long after "down" is gone.
+ROUTER_GRACE_S = 10.0
+
+
 async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[RequestSpec], timeout_s: float,
                   progress: Callable[[int, int, int], None] | None,
                   on_start: Callable[[float], None] | None = None) -> dict[str, ClientRecord]:
@@ -83,14 +88,31 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
     session = Session(client, [topics.all_streams, topics.all_tokens, topics.router_status], "client")
     ready = asyncio.Event()
 
+    router_gone: asyncio.TimerHandle | None = None
+
+    def router_lost(state: str) -> None:
+        """The router said "down" (its last will) or "stopped" and did not come back: every
+        request still open fails now, with that reason, instead of at the client's timeout."""
+        for r in recs.values():
+            if not r.done:
+                r.error, r.done = f"router {state}: not answered", True
+                complete(r)
+
     async def on_message(msg: aiomqtt.Message) -> None:
+        nonlocal router_gone
         now = time.time()
         payload = msg.payload if isinstance(msg.payload, (bytes, bytearray)) else b""
         topic = str(msg.topic)
         try:
             if topic == topics.router_status:
-                if RouterStatus.model_validate_json(payload).state == "ready":
+                state = RouterStatus.model_validate_json(payload).state
+                if state == "ready":
                     ready.set()
+                    if router_gone is not None:  # back (a broker restart sent its will)
+                        router_gone.cancel()
+                        router_gone = None
+                elif ready.is_set() and router_gone is None:
+                    router_gone = asyncio.get_running_loop().call_later(ROUTER_GRACE_S, router_lost, state)
                 return
             chunks = token_stream.read(topics, topic, payload)
         except (ValidationError, TokenStreamError) as e:

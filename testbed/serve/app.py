@@ -123,8 +123,8 @@ class OpenAiFront:
 
     async def health(self, _request: web.Request) -> web.Response:
         ok = self.gw.ready
-        return _json(Health(status="ok" if ok else "starting", policy=self.served.policy, model=self.served.model),
-                     200 if ok else 503)
+        status = "ok" if ok else "starting" if self.gw.router_state == "starting" else "router down"
+        return _json(Health(status=status, policy=self.served.policy, model=self.served.model), 200 if ok else 503)
 
     async def prometheus(self, _request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -180,7 +180,8 @@ class OpenAiFront:
                         chat: bool) -> web.StreamResponse:
         self._check_length(prompt, max_new)
         if not self.gw.ready:
-            raise ApiError(503, "the emulation is still starting", type_="server_error")
+            why = "is still starting" if self.gw.router_state == "starting" else "has no router (it went down)"
+            raise ApiError(503, f"the emulation {why}", type_="server_error")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
         self.metrics.running.inc()
         try:

@@ -57,6 +57,7 @@ class Gateway:
         self.t0 = time.time()
         self._pending: dict[str, _Pending] = {}
         self._ready = asyncio.Event()
+        self.router_state = "starting"  # or the router's last word: ready, stopped, down
         self._stop = asyncio.Event()
         client = Session.client_for(broker.host, broker.port, broker.username, broker.password,
                                     f"{topics.root}-serve-{secrets.token_hex(4)}", keepalive=10)
@@ -88,8 +89,12 @@ class Gateway:
         topic = str(msg.topic)
         try:
             if topic == self.topics.router_status:
-                if RouterStatus.model_validate_json(payload).state == "ready":
+                # /health and new requests follow the router: "down" is its last will.
+                self.router_state = RouterStatus.model_validate_json(payload).state
+                if self.router_state == "ready":
                     self._ready.set()
+                else:
+                    self._ready.clear()
                 return
             chunks = token_stream.read(self.topics, topic, payload)
         except (ValidationError, TokenStreamError) as e:

@@ -251,6 +251,6 @@ class ModelList(_Api):
 
 
 class Health(_Api):
-    status: Literal["ok", "starting"]
+    status: Literal["ok", "starting", "router down"]
     policy: str
     model: str
