@@ -70,7 +70,7 @@ def test_a_calibration_is_rebuilt_from_its_saved_bisection(tmp_path: Path, monke
     save_calibration(cal, tmp_path)
     before = (tmp_path / "calibration.md").read_text()
     assert "Calibrated load: 2 x the trace's rate (gap +2.40 s)." in before
-    assert ("over the draws" in before) == (len(seeds) > 1)
+    assert ("draws (" in before) == (len(seeds) > 1)
     (tmp_path / "calibration.md").unlink()
     assert rebuild_folder(tmp_path) is not None
     assert (tmp_path / "calibration.md").read_text() == before
@@ -94,10 +94,13 @@ def test_calibrate_saves_what_it_found_and_says_when_not_reached(tmp_path: Path,
     from .test_report import _saved_run
 
     monkeypatch.setattr(report, "rebuild", lambda run_dir: [])
+    seen_final: list[list | None] = []
 
     def calibrate(sc: object, ds: list, policies: list, lo: float, hi: float, tol: float, steps: int,
-                  opts: sweep.SweepOptions) -> tuple[sweep.Bisection, dict[float, list[float]], list[Path]]:
-        finals = [opts.out / d.tag / "load-4" for d in ds]
+                  opts: sweep.SweepOptions, final_ds: list | None) -> tuple[sweep.Bisection, dict[float, list[float]],
+                                                                           list[Path]]:
+        seen_final.append(final_ds)
+        finals = [opts.out / d.tag / "load-4" for d in (final_ds or ds)]
         for f in finals:
             _saved_run(f)
         gaps = {1.0: [0.5 + 0.1 * i for i in range(len(ds))], 4.0: [1.9 + 0.1 * i for i in range(len(ds))]}
@@ -116,6 +119,18 @@ def test_calibrate_saves_what_it_found_and_says_when_not_reached(tmp_path: Path,
     assert "NOT REACHED: no load in 1:4 gives +2.5 s; the closest is 4 (+1.95 s), used below." in text
     assert "| 4.000 | +1.95 s | ± 0.64 s; +1.90, +2.00 |" in text  # t(0.975, 1) x 0.0707 / sqrt(2)
     assert (out / "traces" / "seed-3.jsonl").exists()
+    assert seen_final == [None]
+    # The figures on more requests and draws than the bisection: 6 requests x 3 draws.
+    args = build_parser().parse_args(["calibrate", "--trace", str(ROOT / "traces" / "agentic-quick.jsonl"),
+                                      "--token-scale", "16", "--limit", "4", "--range", "1:4", "--final-limit", "6",
+                                      "--final-seeds", "3", "--out", str(tmp_path / "cal2")])
+    assert cli_replay.cmd_calibrate(args) == 1
+    final = seen_final[-1]
+    assert final is not None and [d.seed for d in final] == [2, 3, 4]
+    assert {len(d.workload.requests) for d in final} == {6}
+    cal = Calibration.model_validate_json((tmp_path / "cal2" / "calibration.json").read_text())
+    assert cal.seeds == [2] and cal.final_requests == 6 and len(cal.finals) == 3
+    assert "over 3 draws, 6 requests each" in (tmp_path / "cal2" / "calibration.md").read_text()
 
 
 @pytest.mark.parametrize("hit_rate", [None, "0:1:0.5"])

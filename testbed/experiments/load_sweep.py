@@ -295,8 +295,9 @@ def calibrate(sc: Scenario, draws: list[Draw], policies: list[PolicySpec], lo: f
     only; over several draws of the trace, their mean gap), then run ``policies`` at the load
     found. Returns the bisection, every load's gap per draw, and the final run folder of
     each draw (``load-<x>/``, or ``seed-<s>/load-<x>/`` over several draws). ``final_draws``
-    (more requests, more draws than the bisection needs): every policy runs on those at the
-    load found instead, in ``final/``."""
+    (more requests, more draws than the bisection needs): the policies run on those at the
+    load found instead, in ``final/`` (on a draw the bisection replayed, only the policies it
+    did not run)."""
     import statistics
 
     from testbed.analysis.report import merge_runs
@@ -321,24 +322,25 @@ def calibrate(sc: Scenario, draws: list[Draw], policies: list[PolicySpec], lo: f
         return g
 
     b = bisect_increasing(gap, REPORT_P50_GAP_S, lo, hi, tol_s, max_steps)
-    if final_draws is not None:
-        finals = []
-        for d in final_draws:
-            base = opts.out / "final" / d.tag if len(final_draws) > 1 else opts.out / "final"
-            run_point(sc, d.workload, policies, b.load, run, base)
-            finals.append(base / f"load-{b.load:g}")
-        return b, gaps, finals
-    # The baselines already ran at that load; only the other policies run again, and the
-    # point's folder holds them all.
     finals = []
-    for d in draws:
+    for d in final_draws if final_draws is not None else draws:
+        final_dir, same = where(d), True
+        if final_draws is not None:
+            final_dir = opts.out / "final" / d.tag if len(final_draws) > 1 else opts.out / "final"
+            replayed = next((x.workload for x in draws if x.seed == d.seed), None)
+            same = replayed is not None and [r.rid for r in replayed.requests] == [r.rid for r in d.workload.requests]
+        if not same:  # requests the bisection did not replay: every policy runs
+            run_point(sc, d.workload, policies, b.load, run, final_dir)
+            finals.append(final_dir / f"load-{b.load:g}")
+            continue
+        # The baselines already ran on these requests at that load; only the other policies
+        # run again, and the point's folder holds them all.
         done = seen[b.load, d.seed]
         dirs = [Path(done[0].run_dir)]
         rest = [p for p in policies if p.label not in {pt.policy for pt in done}]
         if rest:
             run_point(sc, d.workload, rest, b.load, run, where(d, "rest"))
             dirs.append(where(d, "rest") / f"load-{b.load:g}")
-        final_dir = where(d) / f"load-{b.load:g}"
-        merge_runs(dirs, final_dir)
-        finals.append(final_dir)
+        merge_runs(dirs, final_dir / f"load-{b.load:g}")
+        finals.append(final_dir / f"load-{b.load:g}")
     return b, gaps, finals
