@@ -1,7 +1,7 @@
 """Invariants of the emulation (root): what a run reports depends on the emulated system, not
 on how it was emulated. Modeled compute reports what real compute reports (both are paced
 to the same device; only the tokens differ), and a modeled cluster reports the same faster
-than real time (D 0.5) as slower (D 2)."""
+than real time (D 0.75) as slower (D 2)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _scenario(compute: str) -> Scenario:
     # A buffer of 4 round trips, which slow start does not overflow: a dropped frame would be
     # recovered on the kernel's timers, which no dilation stretches (docs/emulated-time.md).
     # 500 Mbit/s: TTFTs of ~0.3 s, next to which the host's own few milliseconds per request
-    # (not dilated either: 12 ms at D 0.5) stay small.
+    # (not dilated either: 8 ms at D 0.75) stay small.
     line = {"rate_mbit": 500, "delay_ms": 15.0, "jitter_ms": 0.0, "queue_bytes": 4 * 500_000_000 // 8 * 30 // 1000}
     return scenario_with({"wan": {"forward": line, "reverse": line},
                           "datacenters": {"a": {"lan": {"rate_mbit": 400000}, "hosts": hosts},
@@ -71,8 +71,13 @@ def _latencies(compute: str, dilation: float) -> tuple[dict[str, tuple[float, fl
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, Any]:
-    return {"real D 6": _latencies("real", 6.0), "modeled D 2": _latencies("modeled", 2.0),
-            "modeled D 0.5": _latencies("modeled", 0.5)}
+    # D 8 for real compute: a first prefill of a prompt family (200-220 tokens, nothing cached)
+    # takes 43-49 ms of this host's CPU against 39 ms modeled at D 6 (one or two of seven
+    # steps overran); 52 ms at D 8 leaves it room.
+    return {"real D 8": _latencies("real", 8.0), "modeled D 2": _latencies("modeled", 2.0),
+            # D 0.75, not 0.5: at 0.5 this VM's late wake-ups (5-16 % of the delay line's frames
+            # over 1 ms late) moved a P50 TTFT by 12 % in one run of four
+            "modeled D 0.75": _latencies("modeled", 0.75)}
 
 
 def _same(a: dict[str, tuple[float, float]], b: dict[str, tuple[float, float]], rel: float) -> list[str]:
@@ -82,11 +87,11 @@ def _same(a: dict[str, tuple[float, float]], b: dict[str, tuple[float, float]], 
 
 @needs_root
 def test_modeled_compute_reports_what_real_compute_reports(runs: dict[str, Any]) -> None:
-    (real, _), (modeled, _) = runs["real D 6"], runs["modeled D 2"]
+    (real, _), (modeled, _) = runs["real D 8"], runs["modeled D 2"]
     assert _same(real, modeled, 0.10) == [], runs
 
 
 @needs_root
 def test_a_modeled_cluster_reports_the_same_faster_and_slower_than_real_time(runs: dict[str, Any]) -> None:
-    (fast, _), (slow, _) = runs["modeled D 0.5"], runs["modeled D 2"]
+    (fast, _), (slow, _) = runs["modeled D 0.75"], runs["modeled D 2"]
     assert _same(fast, slow, 0.10) == [], runs

@@ -129,7 +129,7 @@ def test_modeled_cluster_replays_with_balanced_instances_that_keep_their_pace(tm
     sc_path = tmp_path / "small-cluster.yaml"
     sc_path.write_text(yaml.safe_dump(raw))
     sessions = [{"session": f"s{i}", "start_s": 0.3 * i, "shared_prefix": {"id": f"tools-{i % 2}", "tokens": 3000},
-                 "turns": [{"new_tokens": 400, "output_tokens": 480},
+                 "turns": [{"new_tokens": 400, "output_tokens": 320},
                            {"new_tokens": 200, "output_tokens": 160, "delay_s": 0.5}]} for i in range(6)]
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps(s) + "\n" for s in sessions))
@@ -157,8 +157,8 @@ def test_modeled_cluster_replays_with_balanced_instances_that_keep_their_pace(tm
             turns = rows[rows.session == f"s{i}"]
             assert turns.prefill_worker.nunique() == 1, turns[["rid", "prefill_worker"]]
             # paper.yaml keeps answers cached: the second turn finds the first turn's prompt
-            # (188 + 25 replayed tokens) and its answer (30) cached, 15 blocks of 16, not 13.
-            assert turns[turns.turn == 1].prefill_hit_tokens.iloc[0] == 15 * 16, turns
+            # (188 + 25 replayed tokens) and its answer (20) cached, 14 blocks of 16, not 13.
+            assert turns[turns.turn == 1].prefill_hit_tokens.iloc[0] == 14 * 16, turns
     # KV of the real model's size: 4096 B per replayed token the decoder lacked (+ framing).
     sent = df[df.kv_tokens_sent > 0]
     assert len(sent) > 0

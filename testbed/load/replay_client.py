@@ -67,7 +67,8 @@ ROUTER_GRACE_S = 10.0
 
 async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[RequestSpec], timeout_s: float,
                   progress: Callable[[int, int, int], None] | None,
-                  on_start: Callable[[float], None] | None = None) -> dict[str, ClientRecord]:
+                  on_start: Callable[[float], None] | None = None,
+                  router_grace_s: float = ROUTER_GRACE_S) -> dict[str, ClientRecord]:
     # aiomqtt connects from an executor thread: those threads must live in the namespace too.
     asyncio.get_running_loop().set_default_executor(
         concurrent.futures.ThreadPoolExecutor(2, initializer=netns.join, initargs=(ns,))
@@ -112,7 +113,7 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
                         router_gone.cancel()
                         router_gone = None
                 elif ready.is_set() and router_gone is None:
-                    router_gone = asyncio.get_running_loop().call_later(ROUTER_GRACE_S, router_lost, state)
+                    router_gone = asyncio.get_running_loop().call_later(router_grace_s, router_lost, state)
                 return
             chunks = token_stream.read(topics, topic, payload)
         except (ValidationError, TokenStreamError) as e:
@@ -192,7 +193,8 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
 
 def replay_in_namespace(ns: str, broker: BrokerInfo, topics: Topics, specs: list[RequestSpec],
                         timeout_s: float, progress: Callable[[int, int, int], None] | None = None,
-                        on_start: Callable[[float], None] | None = None) -> dict[str, ClientRecord]:
+                        on_start: Callable[[float], None] | None = None,
+                        router_grace_s: float = ROUTER_GRACE_S) -> dict[str, ClientRecord]:
     """Run the client on a thread inside namespace ``ns`` and wait for it."""
     result: dict[str, dict[str, ClientRecord]] = {}
     error: list[BaseException] = []
@@ -200,7 +202,8 @@ def replay_in_namespace(ns: str, broker: BrokerInfo, topics: Topics, specs: list
     def body() -> None:
         try:
             with netns.entered(ns):
-                result["r"] = asyncio.run(_replay(ns, broker, topics, specs, timeout_s, progress, on_start))
+                result["r"] = asyncio.run(_replay(ns, broker, topics, specs, timeout_s, progress, on_start,
+                                                  router_grace_s))
         except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
             error.append(e)
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from testbed.deploy.deployment import Deployment
 from testbed.deploy.run_record import ClientRecord
 from testbed.load.progress import Progress
-from testbed.load.replay_client import replay_in_namespace
+from testbed.load.replay_client import ROUTER_GRACE_S, replay_in_namespace
 from testbed.traces.workload import RequestSpec
 
 
@@ -22,15 +22,16 @@ class TraceReplay:
     samples_memory = False
 
     def __init__(self, specs: list[RequestSpec], timeout_s: float = 1800.0, label: str = "replay",
-                 show_progress: bool = True) -> None:
+                 show_progress: bool = True, router_grace_s: float = ROUTER_GRACE_S) -> None:
         self.specs, self.timeout_s, self.label, self.show_progress = specs, timeout_s, label, show_progress
+        self.router_grace_s = router_grace_s  # after the router's "down", how long to wait for its "ready"
 
     def drive(self, dep: Deployment, begin: Callable[[float], None]) -> tuple[list[RequestSpec],
                                                                             dict[str, ClientRecord]]:
         progress = Progress(self.label) if self.show_progress else None
         try:
             recs = replay_in_namespace(dep.client_ns, dep.client_broker, dep.topics, self.specs, self.timeout_s,
-                                       progress, begin)
+                                       progress, begin, self.router_grace_s)
         finally:
             if progress is not None:
                 progress.close()
