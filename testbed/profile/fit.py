@@ -72,9 +72,9 @@ def fit(profile: DeviceProfile, card: ModelCard, rows: list[Measurement]) -> tup
     devices) all-reduce latency fitted; datasheet peak, bandwidth, link and chunk stay. A
     decode compute efficiency that no measurement depends on (no decode pass near the
     compute roof) is left unset: it follows the compute efficiency."""
-    decodes = any(m.kind != "prefill" for m in rows)
     from scipy.optimize import least_squares  # heavy: only ``testbed profile fit`` needs it
 
+    decodes = any(m.kind != "prefill" for m in rows)
     free = [f for f in FREE if (f != "allreduce_us" or any(m.devices > 1 for m in rows))
             and (f != "decode_compute_efficiency" or decodes)]
     if len(rows) < len(free):
@@ -98,13 +98,9 @@ def fit(profile: DeviceProfile, card: ModelCard, rows: list[Measurement]) -> tup
     assert best is not None
     fitted = with_params(best.x)
     if "decode_compute_efficiency" in free:
-        i = free.index("decode_compute_efficiency")
-        unset = profile.model_copy(update={**{f: float(v) for f, v in zip(free, best.x, strict=True)},
-                                           "decode_compute_efficiency": None})
+        unset = fitted.model_copy(update={"decode_compute_efficiency": None})
         if np.allclose(residuals(best.x), [math.log(predict_ms(unset, card, m) / m.ms) for m in rows], atol=1e-3):
             fitted = unset
-        elif best.x[i] >= BOUNDS["decode_compute_efficiency"][1] - 1e-6:
-            fitted = unset.model_copy(update={"decode_compute_efficiency": float(best.x[i])})
     return fitted, check(fitted, card, rows)
 
 
