@@ -106,9 +106,11 @@ class PrefillWorker(Worker):
         block = self.cfg.block_size
         path = self.cache.match_prefix(cmd.tokens)
         hit = len(path) * block
-        if hit < (cmd.start // block) * block or len(cmd.tokens) - hit < block:
-            self.warm_skipped += hit < (cmd.start // block) * block
-            return  # the prompt was evicted, or no full block of the answer is left to add
+        if hit < (cmd.start // block) * block:  # the prompt was evicted meanwhile
+            self.warm_skipped += 1
+            return
+        if len(cmd.tokens) - hit < block:  # no full block of the answer left to add
+            return
         self.busy = 1
         self.cache.lock(path)
         try:
