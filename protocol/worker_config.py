@@ -109,6 +109,8 @@ class WorkerConfig(Contract):
     max_batch: int = Field(default=32, ge=1)
     kv_capacity_tokens: int | None = Field(default=None, ge=1)  # decoders: KV of admitted requests (replayed tokens)
     kv_timeout_s: float = Field(default=120.0, gt=0)
+    kv_read_timeout_s: float = Field(default=60.0, gt=0)  # a KV peer silent this long broke the transfer
+    kv_hello_wait_s: float = Field(default=2.0, gt=0)  # a HELLO's wait for its request's command
     kv_streams_per_peer: int = Field(default=1, ge=1)
     device: DeviceSpec = DeviceSpec()
     cost: ModelCost | None = None  # the emulated model; None: price the real model's own work

@@ -102,6 +102,12 @@ class WorkerSettings(_Strict):
         "when emulating): a request whose KV arrived waits for room, its first token unsent; null: "
         "bounded by max_batch only"))
     kv_timeout_s: float = Field(default=120.0, gt=0)
+    kv_read_timeout_s: float = Field(default=60.0, gt=0, description=(
+        "a KV transfer whose peer sends, takes or acknowledges nothing for this long is broken (its reads and "
+        "writes time out, TCP gives up on unacknowledged data, keepalive probes idle connections)"))
+    kv_hello_wait_s: float = Field(default=2.0, gt=0, description=(
+        "how long a decoder holds a KV HELLO whose request's command has not arrived (the two take different "
+        "paths); then the transfer is refused"))
     kv_streams_per_peer: int = Field(
         default=1, ge=1, le=64,
         description="KV transfers a sender runs at once to one receiver; later ones wait their turn in "

@@ -234,7 +234,7 @@ def test_an_instances_kv_sockets_live_in_its_own_hosts_namespace() -> None:
                     here = True
                 except OSError:
                     here = False
-                _, w = await kv_wire._connect("127.0.0.1", 7071, ns)  # from inside it: the listener
+                _, w = await kv_wire.connect("127.0.0.1", 7071, ns)  # from inside it: the listener
                 w.close()
                 return here, True
             finally:

@@ -47,6 +47,7 @@ from protocol.messages import (
 )
 from protocol.worker_config import DecodeCounters, WorkerConfig, WorkerStats
 from workers import kv_wire
+from workers.expected import Expected
 from workers.handoff import HandoffMixin
 from workers.model import DecodeBatch
 from workers.modeled import ModeledBatch, ModeledRunner
@@ -68,7 +69,7 @@ class DecodeWorker(HandoffMixin, Worker):
         self.running: dict[str, Seq] = {}
         self.held: dict[str, Seq] = {}  # main decoder: KV here, stream still on the relay
         self.admission: dict[str, tuple[Seq, float]] = {}  # KV arrived, no room yet: (seq, since), FIFO
-        self.registered: dict[str, asyncio.Event] = {}
+        self.expected = Expected()  # requests whose KV may arrive here
         self.wake = asyncio.Event()
         self.step_log: deque[tuple[int, float]] = deque(maxlen=2000)  # (batch size, real seconds), recent
         self.server: asyncio.Server | None = None
@@ -86,7 +87,8 @@ class DecodeWorker(HandoffMixin, Worker):
     async def start(self) -> None:
         self.server = await kv_wire.serve_kv(self.cfg.host_ip, self.cfg.kv_port, self._offer, self._arrived,
                                              self._transfer_failed, expect=self.runner.shape,
-                                             token=self.cfg.kv_token, zeros=self._zero_kv(), netns=self.cfg.netns)
+                                             token=self.cfg.kv_token, zeros=self._zero_kv(), netns=self.cfg.netns,
+                                             timeout_s=self.cfg.kv_read_timeout_s)
         self.spawn(self._loop())
 
     def _zero_kv(self) -> Callable[[int], torch.Tensor] | None:
@@ -143,7 +145,7 @@ class DecodeWorker(HandoffMixin, Worker):
                       zeros=self._zero_kv())
             self.setup_handoff(seq, cmd)
             self.waiting[cmd.rid] = seq
-            self.registered.setdefault(cmd.rid, asyncio.Event()).set()
+            self.expected.expect(cmd.rid)
             self.spawn(self._kv_deadline(seq))
         elif isinstance(cmd, CancelCmd):
             seq = self.waiting.get(cmd.rid)
@@ -165,11 +167,9 @@ class DecodeWorker(HandoffMixin, Worker):
 
     # ----------------------------------------------------------------- KV receive
     async def _offer(self, rid: str, tokens: list[int]) -> int:
-        ev = self.registered.setdefault(rid, asyncio.Event())
-        try:
-            await asyncio.wait_for(ev.wait(), timeout=self.cfg.kv_timeout_s)
-        except TimeoutError as e:
-            raise kv_wire.KVTransferError(f"{rid} is not a request of {self.cfg.name}") from e
+        why = await self.expected.wait(rid, self.cfg.kv_hello_wait_s)
+        if why is not None:
+            raise kv_wire.KVTransferError(f"{rid} is not a request of {self.cfg.name}: {why}")
         seq = self.waiting.get(rid)
         if seq is None:
             raise kv_wire.KVTransferError(f"{rid} is no longer waiting for KV on {self.cfg.name}")
@@ -197,7 +197,7 @@ class DecodeWorker(HandoffMixin, Worker):
         received = KvReceived(**self.stamp(seq.rid), bytes=inc.bytes_received, had=inc.have, start=inc.start,
                               end=inc.end, cache_only=seq.cache_only)
         if seq.cache_only:  # the request ended on a relay; its KV was only wanted for the cache
-            self.registered.pop(seq.rid, None)
+            self.expected.forget(seq.rid)
             self.emit(received)
             return
         seq.load(kv)
@@ -321,7 +321,7 @@ class DecodeWorker(HandoffMixin, Worker):
         return self.dbatch, list(wanted)
 
     def complete(self, seq: Seq) -> None:
-        self.registered.pop(seq.rid, None)
+        self.expected.forget(seq.rid)
         relayed = seq.relay is not None  # finished here, on the relay: no handoff
         self.emit(Done(**self.stamp(seq.rid), output_tokens=len(seq.out), kv_bytes=seq.kv_bytes,
                        handed_off=False if relayed else None, eager=seq.streamed if relayed else None,
@@ -330,7 +330,7 @@ class DecodeWorker(HandoffMixin, Worker):
     async def drop(self, rid: str) -> Seq | None:
         seq = (self.waiting.pop(rid, None) or self.running.pop(rid, None) or self.held.pop(rid, None)
                or self.admission.pop(rid, (None, 0.0))[0])
-        self.registered.pop(rid, None)
+        self.expected.forget(rid)
         if seq is not None and seq.path:
             self.cache.unlock(seq.path)
             seq.path = []

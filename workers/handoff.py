@@ -50,6 +50,7 @@ from protocol.messages import (
 )
 from protocol.worker_config import WorkerConfig
 from workers.device import Pacer
+from workers.expected import Expected
 from workers.model import ModelRunner
 from workers.seq import MainState, RelayState, Seq
 
@@ -67,7 +68,7 @@ class DecodeSide(Protocol):
     waiting: dict[str, Seq]
     running: dict[str, Seq]
     held: dict[str, Seq]
-    registered: dict[str, asyncio.Event]
+    expected: Expected
     wake: asyncio.Event
     tokens_out: int
     handoffs_sent: int
@@ -153,7 +154,7 @@ class HandoffMixin:
             del self.running[seq.rid]
             self.spawn(self.admit_queued())  # the relay's row is free
             await self._send_extend(seq, pending, final=True)
-            self.registered.pop(seq.rid, None)
+            self.expected.forget(seq.rid)
             self.emit(Done(**self.stamp(seq.rid), handed_off=True, eager=seq.streamed, batches=rs.batches,
                            output_tokens=seq.streamed))
         else:

@@ -13,6 +13,14 @@ still queued in the sender's socket buffer are discarded instead of crossing the
 ``bytes_acked`` (from the kernel's ``tcp_info``) says how much the receiver really got.
 PDD cuts off useless WAN transfers this way.
 
+Nothing waits forever on a peer (``timeout_s``, emulated seconds stretched by the dilation,
+like every time a worker is given): within a transfer every read and every write that
+drains the socket must make progress within it, the kernel gives up on data the peer does
+not acknowledge (``TCP_USER_TIMEOUT``) and probes an idle connection (keepalive) on both
+sides, so a peer that vanished, or a reset lost on a line that was down, ends the transfer
+and frees its buffer. A receiver closes a kept connection idle for ``IDLE_FACTOR`` x that
+long and serves at most ``MAX_CONNECTIONS`` at once (more are told so and closed).
+
 Connections persist (``Connections``): a sender keeps its connection to each receiver open
 between transfers and the receiver serves transfer after transfer on it, as a transfer
 engine's connection would. A fresh TCP connection per transfer costs a handshake and a slow
@@ -69,6 +77,18 @@ from protocol.kv_format import (  # noqa: F401 - the format's names are part of 
     recv_frame,
     send_frame,
 )
+from workers.kv_conn import (  # noqa: F401 - Connections and the limits are part of this module's interface
+    IDLE_FACTOR,
+    MAX_CONNECTIONS,
+    Conn,
+    Connections,
+    PeerSilent,
+    bytes_acked,
+    connect,
+    read_frame,
+    tune_socket,
+    write_frame,
+)
 from workers.namespace import tcp_socket
 
 
@@ -88,53 +108,6 @@ class TransferStats:
     error: str | None = None
 
 
-async def _write(w: asyncio.StreamWriter, ftype: int, payload: bytes) -> int:
-    w.write(HDR.pack(MAGIC, VERSION, ftype, 0, len(payload)))
-    w.write(payload)
-    await w.drain()
-    return HDR.size + len(payload)
-
-
-async def _read(r: asyncio.StreamReader, max_len: int = MAX_CONTROL_FRAME) -> tuple[int, bytes]:
-    """One frame; its announced length is checked against ``max_len`` before anything is read."""
-    hdr = await r.readexactly(HDR.size)
-    magic, ver, ftype, _, n = HDR.unpack(hdr)
-    if magic != MAGIC or ver != VERSION:
-        raise KVTransferError(f"bad frame header {hdr[:8]!r}")
-    if n > max_len:
-        raise KVTransferError(f"frame type {ftype} announces {n} bytes (at most {max_len} expected)")
-    return ftype, await r.readexactly(n)
-
-
-Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
-
-
-class Connections:
-    """Idle connections to receivers, by address; a connection is out of the pool while a
-    transfer uses it, so it carries one transfer at a time."""
-
-    def __init__(self) -> None:
-        self._idle: dict[tuple[str, int], list[Conn]] = {}
-
-    def take(self, host: str, port: int) -> Conn | None:
-        idle = self._idle.get((host, port))
-        while idle:
-            conn = idle.pop()
-            if not conn[1].is_closing() and not conn[0].at_eof():
-                return conn
-            conn[1].close()
-        return None
-
-    def give_back(self, host: str, port: int, conn: Conn) -> None:
-        self._idle.setdefault((host, port), []).append(conn)
-
-    def close(self) -> None:
-        for conns in self._idle.values():
-            for _, writer in conns:
-                writer.close()
-        self._idle.clear()
-
-
 class _StaleConnection(Exception):
     """A reused connection was dead before the receiver answered HELLO."""
 
@@ -143,47 +116,38 @@ async def send_kv(
     host: str, port: int, request_id: str, tokens: list[int], kv: torch.Tensor, first_token: int,
     block_size: int, cancel: asyncio.Event | None = None, corrupt_block: int | None = None,
     on_progress: Callable[[TransferStats], None] | None = None, frame_tokens: int = 0, token: str = "",
-    pool: Connections | None = None, zeros: bool = False, netns: str | None = None,
+    pool: Connections | None = None, zeros: bool = False, netns: str | None = None, timeout_s: float | None = None,
 ) -> TransferStats:
     """Send the part of ``kv`` (for ``tokens``) the receiver lacks, in frames of whole blocks
     (``frame_tokens``, default ``FRAME_TOKENS``), over a connection from ``pool`` if it has
     one (and back into it afterwards). ``zeros``: the KV is a modeled worker's, all zeros
     (its frames are built from cached payloads); ``netns``: the sender's namespace, when its
-    process stands for several hosts. Raises KVTransferError."""
+    process stands for several hosts; ``timeout_s``: how long the receiver may take nothing
+    (or answer nothing) before the transfer is broken. Raises KVTransferError."""
     if pool is not None and (conn := pool.take(host, port)) is not None:
         try:
             return await _send(conn, host, port, request_id, tokens, kv, first_token, block_size, cancel,
-                               corrupt_block, on_progress, frame_tokens, token, pool, zeros, reused=True)
+                               corrupt_block, on_progress, frame_tokens, token, pool, zeros, True, timeout_s)
         except _StaleConnection:
             pass  # the receiver closed it while idle: one fresh connection
     try:
-        conn = await _connect(host, port, netns)
-    except OSError as e:
-        raise KVTransferError(f"connect to {host}:{port}: {e}") from e
+        async with asyncio.timeout(timeout_s):
+            conn = await connect(host, port, netns)
+    except (OSError, TimeoutError) as e:
+        raise KVTransferError(f"connect to {host}:{port}: {e or 'timed out'}") from e
+    tune_socket(conn[1].get_extra_info("socket"), timeout_s)
     try:
         return await _send(conn, host, port, request_id, tokens, kv, first_token, block_size, cancel, corrupt_block,
-                           on_progress, frame_tokens, token, pool, zeros, reused=False)
+                           on_progress, frame_tokens, token, pool, zeros, False, timeout_s)
     except _StaleConnection as e:  # not reused: a plain broken transfer
         raise KVTransferError(f"transfer to {host}:{port} broke: {e}") from e
-
-
-async def _connect(host: str, port: int, netns: str | None) -> Conn:
-    if netns is None:
-        return await asyncio.open_connection(host, port)
-    sock = tcp_socket(netns)
-    try:
-        await asyncio.get_running_loop().sock_connect(sock, (host, port))
-    except BaseException:
-        sock.close()
-        raise
-    return await asyncio.open_connection(sock=sock)
 
 
 async def _send(
     conn: Conn, host: str, port: int, request_id: str, tokens: list[int], kv: torch.Tensor, first_token: int,
     block_size: int, cancel: asyncio.Event | None, corrupt_block: int | None,
     on_progress: Callable[[TransferStats], None] | None, frame_tokens: int, token: str, pool: Connections | None,
-    zeros: bool, reused: bool,
+    zeros: bool, reused: bool, timeout_s: float | None,
 ) -> TransferStats:
     # The sender's event loop runs beside a compute thread that needs the GIL after every
     # torch op: Python work per frame is time taken from a paced step (see FRAME_TOKENS).
@@ -198,7 +162,7 @@ async def _send(
         assert cancel is not None
         await cancel.wait()
         st.cancelled = True
-        st.bytes_acked = _bytes_acked(sock)
+        st.bytes_acked = bytes_acked(sock)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         writer.transport.abort()  # RST: queued bytes are dropped, not sent
 
@@ -207,8 +171,8 @@ async def _send(
         hello = Hello(rid=request_id, tokens=tokens, dtype=str(kv.dtype), layers=layers,  # type: ignore[arg-type]
                       kv_heads=heads, head_dim=head_dim, block_size=block_size, token=token)
         try:
-            st.bytes_sent += await _write(writer, HELLO, hello.model_dump_json().encode())
-            ftype, payload = await _read(reader)
+            st.bytes_sent += await write_frame(writer, HELLO, hello.model_dump_json().encode(), timeout_s)
+            ftype, payload = await read_frame(reader, timeout_s=timeout_s)
         except (OSError, asyncio.IncompleteReadError) as e:
             if reused and not st.cancelled:
                 raise _StaleConnection(str(e)) from e
@@ -230,15 +194,16 @@ async def _send(
             # Fault injection names a block; its frame is the one corrupted.
             hit = corrupt_block is not None and start <= corrupt_block * block_size < start + per_frame
             frame, nbytes = (encode_zero_block if zeros else encode_block)(idx, start, part, corrupt=hit)
-            st.bytes_sent += await _write(writer, BLOCK, frame)
+            st.bytes_sent += await write_frame(writer, BLOCK, frame, timeout_s)
             st.payload_bytes += nbytes
             st.tokens_sent += part.shape[3]
             if on_progress:
                 on_progress(st)
             await asyncio.sleep(0)  # drain() returns at once below the buffer's mark: yield (see the receiver)
         if not st.cancelled:
-            st.bytes_sent += await _write(writer, END, End(first_token=first_token, n=n).model_dump_json().encode())
-            ftype, payload = await _read(reader)
+            end = End(first_token=first_token, n=n).model_dump_json().encode()
+            st.bytes_sent += await write_frame(writer, END, end, timeout_s)
+            ftype, payload = await read_frame(reader, timeout_s=timeout_s)
             ack = parse_frame(Ack, payload, "ACK")
             if ftype != ACK or not ack.ok:
                 raise KVTransferError(f"receiver rejected the transfer: {ack.error or f'frame type {ftype}'}")
@@ -258,15 +223,6 @@ async def _send(
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
     return st
-
-
-def _bytes_acked(sock: socket.socket) -> int:
-    """tcp_info.tcpi_bytes_acked (Linux >= 4.1): bytes the peer acknowledged."""
-    try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
-    except OSError:
-        return 0
-    return int(struct.unpack_from("Q", info, 120)[0])
 
 
 @dataclass
@@ -290,15 +246,28 @@ FailFn = Callable[[str, str], Awaitable[None]]
 
 async def serve_kv(host: str, port: int, offer: OfferFn, done: DoneFn, fail: FailFn,
                    expect: ModelShape | None = None, token: str = "",
-                   zeros: Callable[[int], torch.Tensor] | None = None, netns: str | None = None) -> asyncio.Server:
-    """Accept transfers (``receive_kv`` for each connection); ``netns``: listen inside that
-    namespace (a process standing for several hosts)."""
+                   zeros: Callable[[int], torch.Tensor] | None = None, netns: str | None = None,
+                   timeout_s: float | None = None, max_connections: int = MAX_CONNECTIONS) -> asyncio.Server:
+    """Accept transfers (``receive_kv`` for each connection, at most ``max_connections`` at
+    once); ``netns``: listen inside that namespace (a process standing for several hosts)."""
+    open_conns = 0
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal open_conns
+        if open_conns >= max_connections:
+            with contextlib.suppress(Exception):
+                refusal = Ack(error=f"{max_connections} connections already open")
+                await write_frame(writer, ACK, refusal.model_dump_json().encode(), timeout_s)
+            writer.close()
+            return
+        open_conns += 1
+        tune_socket(writer.get_extra_info("socket"), timeout_s)
         try:
-            while await receive_kv(reader, writer, offer, done, fail, expect, token, keep_open=True, zeros=zeros):
+            while await receive_kv(reader, writer, offer, done, fail, expect, token, keep_open=True, zeros=zeros,
+                                   timeout_s=timeout_s):
                 pass  # the sender may send its next transfer on this connection
         finally:
+            open_conns -= 1
             writer.close()
 
     if netns is None:
@@ -311,7 +280,7 @@ async def serve_kv(host: str, port: int, offer: OfferFn, done: DoneFn, fail: Fai
 
 async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, offer: OfferFn, done: DoneFn,
                      fail: FailFn, expect: ModelShape | None = None, token: str = "", keep_open: bool = False,
-                     zeros: Callable[[int], torch.Tensor] | None = None) -> bool:
+                     zeros: Callable[[int], torch.Tensor] | None = None, timeout_s: float | None = None) -> bool:
     """One transfer, receiver side. ``offer(rid, tokens)`` returns the cached prefix length to
     claim; ``expect`` (the receiver's own model) is the only KV layout accepted, and with a
     ``token`` only a HELLO carrying it (a sender of this run) is served. Never raises:
@@ -320,17 +289,21 @@ async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
     ``keep_open``, the connection stays open for the sender's next transfer; otherwise the
     connection is closed. A sender that closes an idle connection is no failure. A modeled
     receiver passes ``zeros`` (KV of n tokens as a zero view): every block is checked as
-    always, but its content is not copied, and the transfer hands over ``zeros(n)``."""
+    always, but its content is not copied, and the transfer hands over ``zeros(n)``. With
+    ``timeout_s`` every frame of a transfer must come within it, and a kept connection idle
+    for ``IDLE_FACTOR`` times as long is closed."""
     rid: str | None = None
     received = 0
     ok = False
     try:
         try:
-            ftype, payload = await _read(reader, MAX_HELLO)
+            ftype, payload = await read_frame(reader, MAX_HELLO, None if timeout_s is None else IDLE_FACTOR * timeout_s)
         except asyncio.IncompleteReadError as e:
             if e.partial:
                 raise
             return False  # the sender closed the connection between transfers
+        except PeerSilent:
+            return False  # idle too long: closed without a word (a sender finds it closed and reconnects)
         start = time.time()  # the transfer's start (a kept connection may idle before it)
         received += HDR.size + len(payload)
         if ftype != HELLO:
@@ -344,9 +317,9 @@ async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
         try:
             have = await offer(rid, tokens)
         except Exception as e:  # noqa: BLE001 - reported to the sender
-            await _write(writer, OFFER, Offer(error=str(e)).model_dump_json().encode())
+            await write_frame(writer, OFFER, Offer(error=str(e)).model_dump_json().encode())
             raise KVTransferError(str(e)) from e
-        await _write(writer, OFFER, Offer(have=have).model_dump_json().encode())
+        await write_frame(writer, OFFER, Offer(have=have).model_dump_json().encode(), timeout_s)
         n = len(tokens)
         kv = (zeros(n - have) if zeros is not None
               else torch.empty((shape.layers, 2, shape.kv_heads, n - have, shape.head_dim), dtype=shape.dtype))
@@ -354,13 +327,13 @@ async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
         while True:
             # A block holds at most the KV still missing.
             limit = BLOCK_HDR.size + (n - pos) * shape.kv_bytes_per_token if pos < n else MAX_CONTROL_FRAME
-            ftype, payload = await _read(reader, max(limit, MAX_CONTROL_FRAME))
+            ftype, payload = await read_frame(reader, max(limit, MAX_CONTROL_FRAME), timeout_s)
             received += HDR.size + len(payload)
             if ftype == END:
                 end = parse_frame(End, payload, "END")
                 if pos != n or end.n != n:
                     raise KVTransferError(f"transfer ended at token {pos} of {n}")
-                await _write(writer, ACK, b'{"ok": true}')
+                await write_frame(writer, ACK, b'{"ok": true}', timeout_s)
                 ok = True
                 await done(Incoming(rid, tokens, have, kv, end.first_token, received, start, time.time()))
                 return keep_open
@@ -382,7 +355,8 @@ async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
     except Exception as e:  # noqa: BLE001 - a bad peer fails its transfer, never the server
         msg = f"KV transfer for {rid or '?'} failed: {e or type(e).__name__}"
         with contextlib.suppress(Exception):
-            await _write(writer, ACK, Ack(error=msg).model_dump_json().encode())
+            async with asyncio.timeout(1.0):  # a courtesy: a peer that takes nothing is not waited for
+                await write_frame(writer, ACK, Ack(error=msg).model_dump_json().encode())
         if rid is not None:
             await fail(rid, msg)
         return False

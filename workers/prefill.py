@@ -193,7 +193,8 @@ class PrefillWorker(Worker):
                 st = await kv_wire.send_kv(target.host, target.port, cmd.rid, cmd.prompt, kv, first,
                                            self.cfg.block_size, cancel=cancel, corrupt_block=corrupt,
                                            token=self.cfg.kv_token, pool=self.kv_conns,
-                                           zeros=self.cfg.compute == "modeled", netns=self.cfg.netns)
+                                           zeros=self.cfg.compute == "modeled", netns=self.cfg.netns,
+                                           timeout_s=self.cfg.kv_read_timeout_s)
             finally:
                 self.peers.release(target.worker)
         except kv_wire.KVTransferError as e:

@@ -64,6 +64,7 @@ def worker_configs(sc: Scenario, net: Network, broker: BrokerInfo | dict[str, Br
                 block_size=ws.block_size, prefill_chunk=ws.prefill_chunk,
                 cache_tokens=ws.prefill_cache_tokens if role == "prefill" else ws.decode_cache_tokens,
                 max_batch=ws.max_batch, kv_timeout_s=ws.kv_timeout_s * d, kv_streams_per_peer=ws.kv_streams_per_peer,
+                kv_read_timeout_s=ws.kv_read_timeout_s * d, kv_hello_wait_s=ws.kv_hello_wait_s * d,
                 kv_capacity_tokens=(None if role == "prefill" or ws.decode_kv_tokens is None
                                     else -(-ws.decode_kv_tokens // (emulation.scales.s_in if emulation else 1))),
                 device=device,

@@ -1,0 +1,108 @@
+"""The KV wire's connections: frames in and out with time limits, socket options that let
+the kernel end a connection whose peer is gone, and the pool of kept connections (the
+transfers themselves: ``workers/kv_wire.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+from protocol.kv_format import HDR, MAGIC, MAX_CONTROL_FRAME, VERSION, KVTransferError
+from workers.namespace import tcp_socket
+
+MAX_CONNECTIONS = 256  # a receiver's open connections (senders keep kv_streams_per_peer each)
+IDLE_FACTOR = 5  # a kept connection idle for IDLE_FACTOR x the timeout is closed by the receiver
+
+
+class PeerSilent(KVTransferError):
+    """The peer sent nothing within the timeout."""
+
+
+async def write_frame(w: asyncio.StreamWriter, ftype: int, payload: bytes, timeout_s: float | None = None) -> int:
+    w.write(HDR.pack(MAGIC, VERSION, ftype, 0, len(payload)))
+    w.write(payload)
+    try:
+        async with asyncio.timeout(timeout_s):
+            await w.drain()
+    except TimeoutError as e:
+        raise KVTransferError(f"the peer took nothing for {timeout_s:g} s") from e
+    return HDR.size + len(payload)
+
+
+async def read_frame(r: asyncio.StreamReader, max_len: int = MAX_CONTROL_FRAME,
+                timeout_s: float | None = None) -> tuple[int, bytes]:
+    """One frame; its announced length is checked against ``max_len`` before anything is read."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            hdr = await r.readexactly(HDR.size)
+            magic, ver, ftype, _, n = HDR.unpack(hdr)
+            if magic != MAGIC or ver != VERSION:
+                raise KVTransferError(f"bad frame header {hdr[:8]!r}")
+            if n > max_len:
+                raise KVTransferError(f"frame type {ftype} announces {n} bytes (at most {max_len} expected)")
+            return ftype, await r.readexactly(n)
+    except TimeoutError as e:
+        raise PeerSilent(f"nothing from the peer for {timeout_s:g} s") from e
+
+
+def tune_socket(sock: socket.socket | None, timeout_s: float | None) -> None:
+    """Keepalive probes on an idle connection and a bound on unacknowledged data, both within
+    ``timeout_s``: the kernel ends a connection whose peer is gone."""
+    if sock is None or timeout_s is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(timeout_s / 4)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, int(timeout_s / 8)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 4)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(timeout_s * 1000)))
+
+
+Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+class Connections:
+    """Idle connections to receivers, by address; a connection is out of the pool while a
+    transfer uses it, so it carries one transfer at a time."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple[str, int], list[Conn]] = {}
+
+    def take(self, host: str, port: int) -> Conn | None:
+        idle = self._idle.get((host, port))
+        while idle:
+            conn = idle.pop()
+            if not conn[1].is_closing() and not conn[0].at_eof():
+                return conn
+            conn[1].close()
+        return None
+
+    def give_back(self, host: str, port: int, conn: Conn) -> None:
+        self._idle.setdefault((host, port), []).append(conn)
+
+    def close(self) -> None:
+        for conns in self._idle.values():
+            for _, writer in conns:
+                writer.close()
+        self._idle.clear()
+
+
+async def connect(host: str, port: int, netns: str | None) -> Conn:
+    if netns is None:
+        return await asyncio.open_connection(host, port)
+    sock = tcp_socket(netns)
+    try:
+        await asyncio.get_running_loop().sock_connect(sock, (host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return await asyncio.open_connection(sock=sock)
+
+
+def bytes_acked(sock: socket.socket) -> int:
+    """tcp_info.tcpi_bytes_acked (Linux >= 4.1): bytes the peer acknowledged."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    except OSError:
+        return 0
+    return int(struct.unpack_from("Q", info, 120)[0])
