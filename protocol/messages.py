@@ -48,6 +48,10 @@ class Topics:
     def requests(self) -> str:
         return f"{self.root}/client/requests"
 
+    @property
+    def cancels(self) -> str:
+        return f"{self.root}/client/cancels"
+
     def cmd(self, worker: str) -> str:
         return f"{self.root}/worker/{worker}/cmd"
 
@@ -108,6 +112,14 @@ class Request(Contract):
     max_new: int = Field(ge=1)
     hints: RequestHints = RequestHints()
     ignore_eos: bool = False  # decode all ``max_new`` tokens even past the end-of-sequence token
+
+
+class CancelRequest(Contract):
+    """A client no longer wants request ``rid`` (its HTTP client went away): the router ends
+    it everywhere it runs."""
+
+    rid: RequestId
+    reason: str = Field(max_length=200)
 
 
 # ------------------------------------------------------------------------- commands

@@ -202,6 +202,8 @@ def test_stop_saves_the_served_requests_and_leaves_nothing(server: Server) -> No
     rows = pd.read_csv(server.out / "requests.csv")
     gone = rows[~rows.ok]
     assert len(rows) >= 8 and list(gone.error) == ["the HTTP client disconnected"], log
+    # The disconnect reached the emulation: the router ended the request on its workers.
+    assert list(gone.router_error) == ["cancelled by the client: the HTTP client disconnected"], log
     summary = json.loads((server.out / "summary.json").read_text())
     assert summary["trace"]["format"] == "openai-http" and summary["trace"]["requests"] == len(rows)
     assert not [n for n in netns.list_namespaces() if n.startswith(f"pdd{server.run_id}-")]

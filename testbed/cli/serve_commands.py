@@ -17,8 +17,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port: must be 0..65535, got {args.port}")
+    if args.max_concurrency < 1:
+        raise InputError(f"--max-concurrency: must be >= 1, got {args.max_concurrency}")
+    if args.default_max_tokens < 1:
+        raise InputError(f"--default-max-tokens: must be >= 1, got {args.default_max_tokens}")
     opts = ServeOptions(parse_policy(args.policy), args.port, args.token_scale, args.dilation, args.shape_trace,
-                        args.dtype, args.impairment, args.served_model_name, args.out, args.allow_infidelity)
+                        args.dtype, args.impairment, args.served_model_name, args.out, args.allow_infidelity,
+                        args.max_concurrency, args.default_max_tokens)
     return run_serve(scenario_from_args(args), opts)
 
 

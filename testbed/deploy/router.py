@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from protocol.messages import (
     CancelCmd,
+    CancelRequest,
     Done,
     Event,
     Failed,
@@ -84,7 +85,8 @@ class Router:
         will = aiomqtt.Will(self.topics.router_status, down, qos=1, retain=True)
         client = Session.client_for(b.host, b.port, b.username, b.password, f"{self.cfg.run_id}-router", keepalive=5,
                                     will=will)
-        self.session = Session(client, [self.topics.requests, self.topics.all_status, self.topics.events], "router")
+        self.session = Session(client, [self.topics.requests, self.topics.cancels, self.topics.all_status,
+                                        self.topics.events], "router")
 
         async def on_connect(first: bool) -> None:
             if self.ready:  # retained: a restarted broker may have lost it
@@ -110,6 +112,9 @@ class Router:
         try:
             if topic == self.topics.requests:
                 await self._admit(Request.model_validate_json(payload))
+            elif topic == self.topics.cancels:
+                cancel = CancelRequest.model_validate_json(payload)
+                await self._fail(cancel.rid, f"cancelled by the client: {cancel.reason}")
             elif topic == self.topics.events:
                 await self._on_event(parse_event(payload))
             elif topic.endswith("/status"):

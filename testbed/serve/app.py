@@ -9,13 +9,22 @@ serves on. The tokens come from ``Gateway.generate`` (the emulated datacenters).
 A failure after a stream has started (a worker died, the request timed out) cannot change
 the status any more: it is sent as a ``data: {"error": ...}`` event before ``[DONE]``, as
 vLLM does.
+
+Bounds, checked before any work (the loop that serves HTTP also timestamps every token):
+a body over ``body_limit`` is refused with 413 before it is parsed; a text prompt longer
+than ``MAX_CHARS_PER_TOKEN`` characters per token of context with 400 before it is
+tokenized, and tokenizing happens on a thread of its own; beyond ``max_concurrency``
+requests at once the answer is 429 (the OpenAI SDK backs off and retries); a chat request
+without ``max_tokens`` gets ``default_max_tokens`` (at most what the context leaves).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +56,10 @@ from testbed.serve.prometheus import CONTENT_TYPE, ServeMetrics
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+# No tokenizer makes a token of more characters than this in text anyone sends (a run of
+# spaces in code is the longest usual case): a longer prompt cannot fit the context.
+MAX_CHARS_PER_TOKEN = 16
+
 
 @dataclass(frozen=True)
 class Served:
@@ -58,6 +71,13 @@ class Served:
     eos: int | None
     policy: str
     created: int
+    max_concurrency: int = 256  # requests at once; more are answered 429
+    default_max_tokens: int = 1024  # a chat request's when it sets none (bounded by the context left)
+
+    @property
+    def body_limit(self) -> int:
+        """Bytes of a request body: a whole context of token ids as JSON, or of text, with room."""
+        return max(1 << 20, 8 * MAX_CHARS_PER_TOKEN * self.max_len)
 
 
 def _json(model: BaseModel, status: int = 200) -> web.Response:
@@ -95,9 +115,12 @@ class Detokenizer:
 class OpenAiFront:
     def __init__(self, gateway: Gateway, tokenizer: Any, served: Served, metrics: ServeMetrics) -> None:
         self.gw, self.tok, self.served, self.metrics = gateway, tokenizer, served, metrics
+        self.active = 0  # requests being tokenized or generated
+        self._tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=64 * 1024 * 1024)
+        app = web.Application(middlewares=[self._errors], client_max_size=self.served.body_limit)
+        app.on_cleanup.append(self._close)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
@@ -129,11 +152,43 @@ class OpenAiFront:
     async def prometheus(self, _request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
+    async def _close(self, _app: web.Application) -> None:
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
+
+    @contextlib.asynccontextmanager
+    async def _admitted(self) -> AsyncIterator[None]:
+        """One of at most ``max_concurrency`` requests in progress, or a 429."""
+        if self.active >= self.served.max_concurrency:
+            raise ApiError(429, f"{self.active} requests in progress, at most {self.served.max_concurrency} at once: "
+                           "retry later", type_="rate_limit_error", code="rate_limit_exceeded")
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+
+    async def _tokenize(self, texts: list[str], encode: Callable[[], list[int]]) -> list[int]:
+        """``encode()`` on the tokenizing thread, once the text could fit the context at all."""
+        chars = sum(len(t) for t in texts)
+        if chars > MAX_CHARS_PER_TOKEN * self.served.max_len:
+            raise ApiError(400, f"prompt: {chars} characters cannot fit this model's context of {self.served.max_len} "
+                           "tokens", param="prompt", code="context_length_exceeded")
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, encode)
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        async with self._admitted():
+            return await self._completion(request)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        async with self._admitted():
+            return await self._chat(request)
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
         body = await self._parse(request, CompletionRequest)
         assert isinstance(body, CompletionRequest)
         if isinstance(body.prompt, str):
-            prompt = self.tok.encode(body.prompt, add_special_tokens=False)
+            text = body.prompt
+            prompt = await self._tokenize([text], lambda: self.tok.encode(text, add_special_tokens=False))
         else:
             prompt = list(body.prompt)  # type: ignore[arg-type]
             bad = next((t for t in prompt if not 0 <= t < self.served.vocab), None)
@@ -142,14 +197,17 @@ class OpenAiFront:
                                param="prompt")
         return await self._generate(request, body, prompt, body.max_tokens or DEFAULT_MAX_TOKENS, chat=False)
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._parse(request, ChatCompletionRequest)
         assert isinstance(body, ChatCompletionRequest)
         messages = [{"role": m.role, "content": m.text} for m in body.messages]
-        prompt = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        if not isinstance(prompt, list):  # a BatchEncoding from some tokenizers
-            prompt = list(prompt["input_ids"])
-        max_new = body.max_new or max(1, self.served.max_len - len(prompt))
+
+        def encode() -> list[int]:
+            ids = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+            return ids if isinstance(ids, list) else list(ids["input_ids"])  # a BatchEncoding from some tokenizers
+
+        prompt = await self._tokenize([str(m["content"]) for m in messages], encode)
+        max_new = body.max_new or max(1, min(self.served.default_max_tokens, self.served.max_len - len(prompt)))
         return await self._generate(request, body, prompt, max_new, chat=True)
 
     # ------------------------------------------------------------------ shared

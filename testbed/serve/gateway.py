@@ -10,6 +10,8 @@ the same code as a replayed one (``testbed.analysis.metrics.request_rows``).
 Guarantees: a stream yields its tokens once each, in order (``ClientRecord.accept``); it
 ends with the request's completion, its failure (``RequestFailed``, with the reason the
 router or a worker gave) or, when neither comes within ``timeout_s``, a timeout failure.
+A stream closed before its end (the HTTP client went away) cancels the request in the
+emulation: the router ends it on every worker it runs on.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import aiomqtt
 from pydantic import ValidationError
 
 from protocol import token_stream
-from protocol.messages import Request, RequestHints, RouterStatus, Topics, why_invalid
+from protocol.messages import CancelRequest, Request, RequestHints, RouterStatus, Topics, why_invalid
 from protocol.mqtt_session import Session
 from protocol.token_stream import TokenStreamError
 from protocol.worker_config import BrokerInfo
@@ -63,6 +65,7 @@ class Gateway:
                                     f"{topics.root}-serve-{secrets.token_hex(4)}", keepalive=10)
         self._session = Session(client, [topics.all_streams, topics.all_tokens, topics.router_status], "serve")
         self._task: asyncio.Task[None] | None = None
+        self._cancels: set[asyncio.Task[None]] = set()
 
     @property
     def ready(self) -> bool:
@@ -146,7 +149,17 @@ class Gateway:
                 except TimeoutError:
                     rec.error, rec.done, rec.ended = (f"no completion within the server's timeout "
                                                       f"({self.timeout_s:g} s)"), True, time.time()
+                    self._cancel(rid, rec.error)
         finally:
             self._pending.pop(rid, None)
-            if not rec.done:  # the HTTP client went away: the request runs on, unread
+            if not rec.done:  # the HTTP client went away: the emulation stops working on it
                 rec.error, rec.done, rec.ended = "the HTTP client disconnected", True, time.time()
+                self._cancel(rid, rec.error)
+
+    def _cancel(self, rid: str, reason: str) -> None:
+        """Tell the router to end ``rid`` everywhere (a task of its own: this may run while the
+        request's handler is being cancelled)."""
+        task = asyncio.create_task(self._session.publish(self.topics.cancels,
+                                                         CancelRequest(rid=rid, reason=reason).dump()))
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)

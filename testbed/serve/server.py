@@ -60,6 +60,8 @@ class ServeOptions:
     model_name: str | None = None  # default: the model directory's name
     out: Path | None = None
     allow_infidelity: bool = False
+    max_concurrency: int = 256  # requests at once; more get 429
+    default_max_tokens: int = 1024  # a chat request's when it sets none
 
 
 def listen(port: int) -> socket.socket:
@@ -185,7 +187,8 @@ def run_serve(sc: Scenario, opts: ServeOptions) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     cfg = AutoConfig.from_pretrained(model_dir)
     served = Served(model=opts.model_name or model_dir.name, max_len=cfg.max_position_embeddings,
-                    vocab=cfg.vocab_size, eos=cfg.eos_token_id, policy=opts.policy.label, created=int(time.time()))
+                    vocab=cfg.vocab_size, eos=cfg.eos_token_id, policy=opts.policy.label, created=int(time.time()),
+                    max_concurrency=opts.max_concurrency, default_max_tokens=opts.default_max_tokens)
     sock = listen(opts.port)
     port = sock.getsockname()[1]
     plan = plan_for(sc, opts)

@@ -1,0 +1,117 @@
+"""``testbed serve``'s bounds, on the HTTP front end alone (a stand-in gateway, no network):
+a body too large and a text that cannot fit are refused before any work, requests beyond
+the concurrency limit get 429, and a chat request without ``max_tokens`` gets a bounded
+one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from testbed.serve.app import MAX_CHARS_PER_TOKEN, OpenAiFront, Served
+
+MODEL = "m"
+
+
+class _Tokenizer:
+    def __init__(self) -> None:
+        self.encoded = 0
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        self.encoded += 1
+        return [5 + ord(c) % 50 for c in text]
+
+    def apply_chat_template(self, messages: list[dict[str, str]], **_: Any) -> list[int]:
+        return self.encode("".join(m["content"] for m in messages))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "x" * len(ids)
+
+
+class _Gateway:
+    """Streams ``max_new`` tokens, each once ``release`` is set."""
+
+    ready, router_state = True, "ready"
+
+    def __init__(self) -> None:
+        self.records: dict[str, Any] = {}
+        self.release = asyncio.Event()
+        self.asked: list[int] = []
+
+    async def generate(self, prompt: list[int], max_new: int, ignore_eos: bool, rid: str) -> AsyncIterator[list[int]]:
+        self.asked.append(max_new)
+        for _ in range(max_new):
+            await self.release.wait()
+            yield [7]
+
+
+class _Metrics:
+    class _Gauge:
+        def inc(self) -> None: ...
+        def dec(self) -> None: ...
+
+    running = _Gauge()
+
+    def ended(self, rec: Any) -> None: ...
+
+
+def _served(**kw: Any) -> Served:
+    return Served(model=MODEL, max_len=256, vocab=100, eos=None, policy="pdd", created=0, **kw)
+
+
+async def _with_client(served: Served, body: Any) -> Any:
+    tok, gw = _Tokenizer(), _Gateway()
+    front = OpenAiFront(gw, tok, served, _Metrics())  # type: ignore[arg-type]
+    async with TestClient(TestServer(front.app())) as client:
+        return await body(client, tok, gw)
+
+
+def test_a_body_too_large_and_a_text_that_cannot_fit_are_refused_before_any_work() -> None:
+    served = _served()
+
+    async def body(client: TestClient, tok: _Tokenizer, gw: _Gateway) -> None:
+        huge = json.dumps({"model": MODEL, "prompt": "a" * (served.body_limit + 10)})
+        r = await client.post("/v1/completions", data=huge, headers={"Content-Type": "application/json"})
+        assert r.status == 413 and "error" in await r.json()
+        long = "a" * (MAX_CHARS_PER_TOKEN * served.max_len + 1)
+        for path, req in (("/v1/completions", {"model": MODEL, "prompt": long, "max_tokens": 2}),
+                          ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": long}]})):
+            r = await client.post(path, json=req)
+            err = (await r.json())["error"]
+            assert r.status == 400 and "cannot fit" in err["message"] and err["code"] == "context_length_exceeded"
+        assert tok.encoded == 0 and gw.asked == []  # nothing tokenized, nothing sent
+
+    asyncio.run(_with_client(served, body))
+
+
+def test_requests_beyond_the_concurrency_limit_get_429_and_later_ones_are_served() -> None:
+    async def body(client: TestClient, tok: _Tokenizer, gw: _Gateway) -> None:
+        first = asyncio.create_task(client.post("/v1/completions", json={"model": MODEL, "prompt": "hi",
+                                                                         "max_tokens": 3}))
+        while not gw.asked:
+            await asyncio.sleep(0.01)
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
+        err = (await r.json())["error"]
+        assert r.status == 429 and err["code"] == "rate_limit_exceeded" and "at most 1 at once" in err["message"]
+        gw.release.set()
+        assert (await first).status == 200
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
+        assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 3
+
+    asyncio.run(_with_client(_served(max_concurrency=1), body))
+
+
+def test_a_chat_request_without_max_tokens_gets_a_bounded_default() -> None:
+    async def body(client: TestClient, tok: _Tokenizer, gw: _Gateway) -> None:
+        gw.release.set()
+        for content in ("short", "y" * 250):
+            r = await client.post("/v1/chat/completions", json={"model": MODEL,
+                                                                "messages": [{"role": "user", "content": content}]})
+            assert r.status == 200, await r.text()
+        assert gw.asked == [20, 256 - 250]  # the default, then what the context leaves
+
+    asyncio.run(_with_client(_served(default_max_tokens=20), body))
