@@ -15,6 +15,7 @@ import pytest
 
 from testbed.deploy.deployment import Deployment
 from testbed.faults.timeline import parse_fault
+from testbed.load.retry import NO_RETRY, RetryPolicy, attempt_rid
 from testbed.load.trace_replay import TraceReplay
 from testbed.load.verify import compare, verification_prompts
 from testbed.net import measure
@@ -80,10 +81,11 @@ def spread_prompts() -> tuple[list[RequestSpec], dict[str, list[int]]]:
     return specs, {s.rid: runner.reference(s.prompt, s.max_new) for s in specs}
 
 
-def _run(policy: str, faults: list[str], specs: list[RequestSpec], timeout_s: float = 90):
+def _run(policy: str, faults: list[str], specs: list[RequestSpec], timeout_s: float = 90,
+         retry: RetryPolicy = NO_RETRY):
     sc = scenario_with()
     with Deployment(sc, parse_policy(policy), dtype="float64", timeline=[parse_fault(f) for f in faults]) as dep:
-        run = dep.run(TraceReplay(specs, timeout_s=timeout_s))
+        run = dep.run(TraceReplay(specs, timeout_s=timeout_s, retry=retry))
     return run.recs, run.router, run.faults, run.wall_s
 
 
@@ -101,24 +103,29 @@ def test_wan_outage_and_broker_restart_lose_nothing(spread_prompts) -> None:
 
 
 def test_a_dead_main_decoder_leaves_the_relay_to_finish_and_new_requests_to_it(spread_prompts) -> None:
+    """The client retries (as an agent's SDK does): a request the kill failed is sent again
+    and served by the relay alone, so every request ends with the reference tokens."""
     specs, refs = spread_prompts
     kill_at = 1.5
-    recs, router, log, _ = _run("pdd:relay_s=0", [f"kill@{kill_at}:host=decode-b"], specs)
+    recs, router, log, _ = _run("pdd:relay_s=0", [f"kill@{kill_at}:host=decode-b"], specs,
+                                retry=RetryPolicy(retries=2, initial_s=0.2))
     assert log[0].applied_s is not None
-    assert all(r.done for r in recs.values())
-    ok = [s for s in specs if recs[s.rid].ok]
-    assert compare(ok, refs, recs) == []
-    failed = {rid: r.error for rid, r in recs.items() if r.error}
-    # Only requests the relay had begun to hand over may fail, naming the dead decoder.
-    for rid, why in failed.items():
-        events = router[rid].events
-        assert "decode-b" in (why or ""), why
-        assert router[rid].pipeline == "P-RLD-MD" and any(e.kind in ("handoff", "extended") for e in events), \
-            (rid, why, [(e.kind, e.worker) for e in events])
+    assert {rid: r.error for rid, r in recs.items() if not r.ok} == {}
+    assert compare(specs, refs, recs) == []
+    retried = {rid: r for rid, r in recs.items() if r.retried}
+    for rid, rec in retried.items():
+        # Only requests the relay had begun to hand over failed, naming the dead decoder; the
+        # retry went to the relay alone.
+        for attempt in rec.retried:
+            events = router[attempt.rid].events
+            assert "decode-b" in attempt.error, attempt
+            assert router[attempt.rid].pipeline == "P-RLD-MD" and any(e.kind in ("handoff", "extended")
+                                                                     for e in events), (attempt, events)
+        assert rec.last_rid == attempt_rid(rid, len(rec.retried)) and router[rec.last_rid].pipeline == "P-RLD"
     rescued = [rid for rid, rec in router.items() if rec.md_failed and recs[rid].ok]
     later = [s.rid for s in specs if s.at > kill_at + 1.0]
-    assert later and all(recs[rid].ok and router[rid].pipeline == "P-RLD" for rid in later)
-    assert rescued or failed  # the kill landed on requests in flight
+    assert later and all(router[rid].pipeline == "P-RLD" for rid in later)
+    assert rescued or retried  # the kill landed on requests in flight
 
 
 def test_a_dead_relay_after_handoff_affects_nothing(spread_prompts) -> None:
@@ -159,3 +166,8 @@ def test_run_with_faults_accounts_for_every_request_and_saves_the_timeline(tmp_p
     assert (rows.ok | rows.error.astype("string").fillna("").str.len().gt(0)).all()  # completed, or failed: why
     for why in rows.error.dropna():
         assert "(during fault" in why or why.startswith("not sent: previous turn"), why
+    # Retried by default (two retries, as the OpenAI SDK): each retried attempt says why it failed.
+    retried = rows[rows.attempts > 1]
+    assert (rows.attempts <= 3).all()
+    assert (retried.retried_errors.astype("string").str.count(" \\| ") == retried.attempts - 2).all()
+    assert summary["policies"]["pdd"]["failed_attempts"] == int((rows.attempts - 1).sum())

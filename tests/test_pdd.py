@@ -324,6 +324,10 @@ def test_kv_kept_off_the_wan_by_a_cut_off_in_the_queue_or_mid_transfer() -> None
 
     queued = _kv_sent("q", "decode-b", 1.0, 1.0).model_copy(update={"cancelled": True})
     assert _kept_off(queued, 5000) == 5000  # never started: the router's planned delta stands in
+    # HELLO on the line, no answer yet: nothing of the KV went either (a relay that finished
+    # within one round trip; this test's live twin hit it one run in three).
+    hello = queued.model_copy(update={"written": 9000, "bytes": 1})
+    assert _kept_off(hello, 5000) == 5000
     mid = queued.model_copy(update={"written": 3000, "payload": 2900, "bytes": 3000, "planned_payload": 8000})
     assert _kept_off(mid, 5000) == 5100  # what the receiver lacked minus what crossed
     # Written into the socket but reset before it crossed: only the acknowledged bytes count.

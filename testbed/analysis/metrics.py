@@ -38,9 +38,10 @@ class Slo:
 def _kept_off(e: KvSent, planned_delta: int | None) -> int:
     """KV bytes a cut-off kept off the line: what the receiver lacked minus what crossed (the
     receiver's TCP acknowledged; bytes still in the sender's socket buffer were discarded by
-    the reset). A transfer cut off while it waited in the sender's queue never asked the
-    receiver what it lacked; the router's estimate at planning time stands in."""
-    if e.written == 0 and e.planned_payload == 0:
+    the reset). A transfer cut off before the receiver's answer to HELLO (waiting in the
+    sender's queue, or with HELLO on the line) never learnt what the receiver lacked, and
+    sent none of it: the router's estimate at planning time stands in."""
+    if e.planned_payload == 0:
         return planned_delta or 0
     return max(0, e.planned_payload - min(e.payload, e.bytes))
 
@@ -94,6 +95,9 @@ class RequestRow:
     md_kv_to_handoff_s: float
     handoff_mismatches: int
     md_failed: str | None
+    router_error: str | None  # how the router ended it, when it failed there (a client's cancel included)
+    attempts: int  # 1 + the failed attempts retried before the last
+    retried_errors: str  # why each retried attempt failed, " | "-joined
     plan: dict[str, Any] = field(default_factory=dict)  # the router's routing inputs: plan_* columns
 
     def columns(self) -> dict[str, Any]:
@@ -141,18 +145,21 @@ def request_row(r: ClientRecord, rr: RequestRecord, h: RequestHints, sc: Scales,
         handoffs=len(handoffs), handoff_sizes="+".join(str(e.tokens * sc.s_out) for e in handoffs),
         md_kv_to_handoff_s=final_extend.since_kv_s / d if final_extend else NAN,
         handoff_mismatches=final_extend.mismatches if final_extend else 0, md_failed=rr.md_failed,
+        router_error=rr.error, attempts=1 + len(r.retried), retried_errors=" | ".join(a.error for a in r.retried),
         plan=rr.plan_info.model_dump(exclude_none=True),
     )  # fmt: skip
 
 
 def request_rows(recs: dict[str, ClientRecord], router: dict[str, RequestRecord],
                  specs: list[RequestSpec] | None = None, scales: Scales | None = None) -> pd.DataFrame:
-    """Every request's ``RequestRow`` as the run's DataFrame (``requests.csv``/``.parquet``)."""
+    """Every request's ``RequestRow`` as the run's DataFrame (``requests.csv``/``.parquet``): the
+    router's side is its record of the request's last attempt."""
     sc = scales or Scales()
     hints = {s.rid: s.hints for s in specs or []}
     t0 = min((r.sent for r in recs.values() if r.sent), default=0.0)
-    return pd.DataFrame([request_row(r, router.get(rid) or RequestRecord(rid=rid), hints.get(rid) or RequestHints(),
-                                     sc, t0).columns() for rid, r in recs.items()])
+    return pd.DataFrame([request_row(r, router.get(r.last_rid) or RequestRecord(rid=r.last_rid),
+                                     hints.get(rid) or RequestHints(), sc, t0).columns()
+                         for rid, r in recs.items()])
 
 
 def itls(recs: dict[str, ClientRecord], scales: Scales | None = None) -> list[float]:
@@ -183,6 +190,13 @@ class Summary(BaseModel):
     completed: int
     failed: int
     failures: dict[str, str | None]
+    # Retries (a failed attempt sent again): how many requests needed one, how many attempts
+    # failed, their share of all attempts, and the goodput the failures cost: requests that
+    # missed the SLO (or failed) after a failed attempt, per second of the run.
+    retried: int = 0
+    failed_attempts: int = 0
+    retry_share: float | None = None
+    goodput_lost_rps: float | None = None
     ttft_mean_s: float | None
     ttft_p50_s: float | None
     ttft_p90_s: float | None
@@ -234,6 +248,10 @@ def summarize(df: pd.DataFrame, itl: list[float], slo: Slo | None = None,
         duration_s=span, goodput_rps=len(met) / span if span else None,
         requests=len(df), completed=int(len(ok)), failed=int(len(failed)),
         failures={r.rid: r.error for r in failed.itertuples()},
+        retried=int((df.attempts > 1).sum()), failed_attempts=int((df.attempts - 1).sum()),
+        retry_share=float((df.attempts - 1).sum() / df.attempts.sum()) if len(df) else None,
+        goodput_lost_rps=(int(((df.attempts > 1) | ~df.ok).sum()) - int((met.attempts > 1).sum())) / span
+        if span else None,
         ttft_mean_s=float(ok.ttft_s.mean()) if ok.ttft_s.notna().any() else None,
         ttft_p50_s=_pct(ok.ttft_s, 50), ttft_p90_s=_pct(ok.ttft_s, 90), ttft_p99_s=_pct(ok.ttft_s, 99),
         tpot_p50_s=_pct(ok.tpot_s, 50), tpot_p99_s=_pct(ok.tpot_s, 99),
@@ -275,4 +293,5 @@ def format_summary(name: str, s: Summary) -> str:
         f"TPOT ms p50 {ms(s.tpot_p50_s):>5} p99 {ms(s.tpot_p99_s):>5} | "
         f"E2E ms p50 {ms(s.e2e_p50_s):>6} p99 {ms(s.e2e_p99_s):>6} | WAN KV {s.wan_kv_bytes / 1e6:.1f} MB"
         + (f" | SLO met {100 * s.slo_attainment:.0f}%" if s.slo_attainment is not None else "")
+        + (f" | retried {s.retried} ({s.failed_attempts} failed attempts)" if s.failed_attempts else "")
     )

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from protocol.messages import why_invalid
 from testbed.errors import InputError
+from testbed.load.retry import RetryPolicy
 from testbed.net.topo_import import load_topo_scenario
 from testbed.scenario import Scenario, load_scenario
 from testbed.traces.formats import FORMATS
@@ -82,6 +83,14 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="also tear down runs that are still alive")
     p.set_defaults(command="clean")
 
+    def retry_opts(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--retries", type=int, default=2, metavar="N",
+                       help="send a failed request again up to N times, as an agent's client would (default 2, "
+                            "the OpenAI SDK's); its session goes on once a retry succeeds")
+        p.add_argument("--retry-backoff", type=float, default=0.5, metavar="S",
+                       help="emulated seconds before the first retry, doubling for each next one up to 8 s, "
+                            "less up to a quarter at random (default 0.5)")
+
     def trace_opts(p: argparse.ArgumentParser) -> None:
         p.add_argument("--format", default="auto", help=f"auto | {' | '.join(FORMATS)} (default: auto)")
         p.add_argument("--token-scale", type=int, default=1, metavar="N",
@@ -102,6 +111,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                        help="give up on a replay after this many (emulated) seconds")
         p.add_argument("--dilation", metavar="D|auto",
                        help="real seconds per emulated second (default: the scenario's emulation.time_dilation)")
+        retry_opts(p)
 
     p = sub.add_parser("run", help="replay a trace under one or more policies; save, plot and compare")
     replay_opts(p, "same-dc,cross-dc")
@@ -220,6 +230,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    help="a fault of a random kind every S wall seconds (default 60)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--dilation", metavar="D|auto", help="default: the scenario's")
+    retry_opts(p)
     p.add_argument("--out", type=Path, help="results folder (default runs/soak-<timestamp>)")
     p.set_defaults(command="soak")
 
@@ -237,6 +248,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "float64", "bfloat16"],
                    help="the real model's dtype (default: the scenario's; float64 as verify)")
     p.add_argument("--served-model-name", help="the model name clients send (default: the model directory's name)")
+    p.add_argument("--max-concurrency", type=int, default=256, metavar="N",
+                   help="requests in progress at once; more are answered 429 (default 256)")
+    p.add_argument("--default-max-tokens", type=int, default=1024, metavar="N",
+                   help="max_tokens of a chat request that sets none, at most what the context leaves (default 1024)")
     p.add_argument("--allow-infidelity", action="store_true",
                    help="exit 0 even when the fidelity verdict fails (it is still printed and saved)")
     p.add_argument("--out", type=Path, help="results folder (default runs/serve-<timestamp>)")
@@ -300,3 +315,12 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="results folder (default runs/bench-scale-<timestamp>)")
     p.set_defaults(command="bench scale")
     return ap
+
+
+def retry_policy(args: argparse.Namespace) -> RetryPolicy:
+    """``--retries``/``--retry-backoff`` as the replayer's retry policy."""
+    if args.retries < 0:
+        raise InputError(f"--retries: must be 0 or more, got {args.retries}")
+    if not 0 <= args.retry_backoff <= 8:
+        raise InputError(f"--retry-backoff: seconds in [0, 8], got {args.retry_backoff}")
+    return RetryPolicy(retries=args.retries, initial_s=args.retry_backoff)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from testbed.bench.net import run_bench
 from testbed.cli import net_commands, profile_commands, replay_commands, serve_commands
-from testbed.cli.args import build_parser, scenario_from_args
+from testbed.cli.args import build_parser, retry_policy, scenario_from_args
 from testbed.cli.net_commands import require_root, wire_scenario
 from testbed.cli.replay_commands import replay_inputs
 from testbed.deploy import forkserver
@@ -138,7 +138,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_soak(args: argparse.Namespace) -> int:
     from testbed.load.soak import SoakOptions, run_soak
 
-    opts = SoakOptions(args.minutes, args.load, args.policy, args.fault_every, args.seed, args.dilation, args.out)
+    opts = SoakOptions(args.minutes, args.load, args.policy, args.fault_every, args.seed, args.dilation, args.out,
+                       retry_policy(args))
     return run_soak(scenario_from_args(args), load_trace(args.trace, args.format, args.token_scale), opts)
 
 

@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from testbed.cli.args import scenario_from_args
+from testbed.cli.args import retry_policy, scenario_from_args
 from testbed.errors import InputError
 from testbed.outputs import new_run_dir
 from testbed.policies.spec import PolicySpec, parse_policy_list
@@ -52,7 +52,7 @@ def replay_inputs(args: argparse.Namespace) -> tuple[Scenario, list[PolicySpec],
     if not wl.requests:
         raise InputError(f"{args.trace}: --window/--limit leave no request")
     opts = RunOptions(args.impairment, args.dilation, False, 1.0, args.limit, args.window,
-                      Slo(args.slo_ttft, args.slo_tpot), args.timeout)
+                      Slo(args.slo_ttft, args.slo_tpot), args.timeout, retry=retry_policy(args))
     return sc, policies, wl, opts
 
 

@@ -19,12 +19,22 @@ from testbed.faults.timeline import AppliedFault
 from testbed.traces.workload import RequestSpec
 
 
+@dataclass(frozen=True)
+class FailedAttempt:
+    """One attempt of a request that failed and was retried (client clock)."""
+
+    rid: str  # the id it was sent under
+    sent: float
+    ended: float
+    error: str
+
+
 @dataclass
 class ClientRecord:
     rid: str
     prompt_len: int
     max_new: int
-    sent: float = 0.0
+    sent: float = 0.0  # the first attempt's send: latencies include every retry, as a user waits through them
     ended: float | None = None  # when the request finished (completed or failed), client clock
     token_times: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
@@ -34,10 +44,25 @@ class ClientRecord:
     by_worker: dict[str, int] = field(default_factory=dict)  # tokens streamed by each worker
     early: dict[int, TokenChunk] = field(default_factory=dict)  # chunks past a gap, by start index
     conflicts: int = 0  # chunks that disagreed with tokens already received at their indices
+    retried: list[FailedAttempt] = field(default_factory=list)  # the failed attempts before the last one
+    attempt_rid: str = ""  # the id the last attempt was sent under ("" : ``rid``)
+    attempt_sent: float = 0.0  # when the last attempt was sent
 
     @property
     def ok(self) -> bool:
         return self.done and self.error is None
+
+    @property
+    def last_rid(self) -> str:
+        return self.attempt_rid or self.rid
+
+    def retry(self, rid: str, now: float) -> None:
+        """This attempt failed: keep it in ``retried`` and start over as request ``rid``."""
+        assert self.error is not None
+        self.retried.append(FailedAttempt(self.last_rid, self.attempt_sent or self.sent, now, self.error))
+        self.attempt_rid, self.attempt_sent = rid, 0.0
+        self.token_times, self.tokens, self.workers, self.by_worker, self.early = [], [], [], {}, {}
+        self.error, self.done = None, False
 
     def accept(self, t: TokenChunk, now: float) -> int:
         """Take one message of this request's token stream (received at ``now``); returns how

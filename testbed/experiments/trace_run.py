@@ -27,6 +27,7 @@ from testbed.deploy.dilation import emulation_plan
 from testbed.deploy.fidelity import format_verdict
 from testbed.errors import EXIT_INFIDELITY
 from testbed.faults.timeline import Fault
+from testbed.load.retry import RetryPolicy
 from testbed.load.trace_replay import TraceReplay
 from testbed.outputs import new_run_dir
 from testbed.policies.spec import PolicySpec
@@ -48,6 +49,7 @@ class RunOptions:
     timeout_s: float = 1800.0
     out: Path | None = None
     faults: tuple[Fault, ...] = ()  # from the command line; the scenario's own come first
+    retry: RetryPolicy = RetryPolicy()  # the client's, as an agent's SDK retries
 
 
 def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunOptions) -> int:
@@ -78,7 +80,7 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
         t0 = time.monotonic()
         with Deployment(sc, spec, emulation=plan, impairment=opts.impairment, timeline=[*sc.faults, *opts.faults],
                         logs_to=out / "logs" / spec.label) as dep:
-            run = dep.run(TraceReplay(specs, opts.timeout_s * d, spec.label))
+            run = dep.run(TraceReplay(specs, opts.timeout_s * d, spec.label, retry=opts.retry))
         name = spec.label
         frames[name], s = measure(sc, spec, plan, run, opts.slo)
         summaries[name] = s

@@ -19,7 +19,9 @@ import secrets
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
 
 import aiomqtt
 from pydantic import ValidationError
@@ -30,6 +32,7 @@ from protocol.mqtt_session import Session
 from protocol.token_stream import TokenStreamError
 from protocol.worker_config import BrokerInfo
 from testbed.deploy.run_record import ClientRecord
+from testbed.load.retry import NO_RETRY, RetryPolicy, attempt_rid, retryable
 from testbed.net import netns
 from testbed.traces.workload import RequestSpec
 
@@ -65,15 +68,23 @@ async def connect_when_ready(session: Session, on_message: Callable[[aiomqtt.Mes
 ROUTER_GRACE_S = 10.0
 
 
-async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[RequestSpec], timeout_s: float,
+@dataclass(frozen=True)
+class ClientOptions:
+    timeout_s: float  # real seconds: the whole replay's bound
+    router_grace_s: float = ROUTER_GRACE_S  # real seconds after the router's "down"
+    retry: RetryPolicy = NO_RETRY
+    backoff_scale: float = 1.0  # real seconds per second of the retry policy's backoff (the dilation)
+
+
+async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[RequestSpec], opts: ClientOptions,
                   progress: Callable[[int, int, int], None] | None,
-                  on_start: Callable[[float], None] | None = None,
-                  router_grace_s: float = ROUTER_GRACE_S) -> dict[str, ClientRecord]:
+                  on_start: Callable[[float], None] | None = None) -> dict[str, ClientRecord]:
     # aiomqtt connects from an executor thread: those threads must live in the namespace too.
     asyncio.get_running_loop().set_default_executor(
         concurrent.futures.ThreadPoolExecutor(2, initializer=netns.join, initargs=(ns,))
     )
     recs = {s.rid: ClientRecord(s.rid, len(s.prompt), s.max_new) for s in specs}
+    live = dict(recs)  # by the id of each request's current attempt
     by_rid = {s.rid: s for s in specs}
     followers: dict[str, list[RequestSpec]] = {}
     for s in specs:
@@ -113,7 +124,7 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
                         router_gone.cancel()
                         router_gone = None
                 elif ready.is_set() and router_gone is None:
-                    router_gone = asyncio.get_running_loop().call_later(router_grace_s, router_lost, state)
+                    router_gone = asyncio.get_running_loop().call_later(opts.router_grace_s, router_lost, state)
                 return
             chunks = token_stream.read(topics, topic, payload)
         except (ValidationError, TokenStreamError) as e:
@@ -122,18 +133,36 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
             why = why_invalid(e) if isinstance(e, ValidationError) else str(e)
             print(f"client: rejected a message on {topic}: {why}", file=sys.stderr, flush=True)
             for rid in e.rids if isinstance(e, TokenStreamError) else []:
-                bad = recs.get(rid)
+                bad = live.get(rid)
                 if bad is not None and not bad.done:
                     bad.error, bad.done = f"client rejected a token message: {why}", True
-                    complete(bad)
+                    ended(bad)
             return
         for t in chunks:
-            rec = recs.get(t.rid)
+            rec = live.get(t.rid)
             if rec is None or rec.done:
                 continue
             rec.accept(t, now)
             if rec.done:
-                complete(rec)
+                ended(rec)
+
+    def ended(rec: ClientRecord) -> None:
+        """An attempt ended: the request is complete, or failed and is sent again after the
+        retry policy's backoff (under a new id) while it has retries left."""
+        tries = len(rec.retried)
+        if rec.error is None or tries >= opts.retry.retries or not retryable(rec.error):
+            complete(rec)
+            return
+        nxt = attempt_rid(rec.rid, tries + 1)
+        del live[rec.last_rid]  # what still comes for the failed attempt is dropped
+        rec.retry(nxt, time.time())
+        live[nxt] = rec
+        later(send(by_rid[rec.rid], opts.retry.backoff_s(rec.rid, tries) * opts.backoff_scale))
+
+    def later(coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        pending.add(task)
+        task.add_done_callback(pending.discard)
 
     def complete(rec: ClientRecord) -> None:
         nonlocal n_done
@@ -143,11 +172,9 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
             finished.set()
         for nxt in followers.get(rec.rid, []):
             if rec.ok:
-                task = asyncio.create_task(send(nxt, nxt.delay))
-                pending.add(task)
-                task.add_done_callback(pending.discard)
+                later(send(nxt, nxt.delay))
             else:
-                # An agent cannot take its next turn without this turn's answer.
+                # An agent cannot take its next turn without this turn's answer (its retries spent).
                 f = recs[nxt.rid]
                 f.error, f.done = f"not sent: previous turn {rec.rid} failed", True
                 complete(f)
@@ -155,8 +182,10 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
     async def send(spec: RequestSpec, delay: float) -> None:
         if delay > 0:
             await asyncio.sleep(delay)
-        recs[spec.rid].sent = time.time()
-        req = Request(rid=spec.rid, prompt=spec.prompt, max_new=spec.max_new, hints=spec.hints)
+        rec = recs[spec.rid]
+        rec.attempt_sent = time.time()
+        rec.sent = rec.sent or rec.attempt_sent
+        req = Request(rid=rec.last_rid, prompt=spec.prompt, max_new=spec.max_new, hints=spec.hints)
         await session.publish(topics.requests, req.dump())
 
     stop = asyncio.Event()
@@ -176,12 +205,12 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
     for spec in sorted((s for s in specs if s.after is None), key=lambda s: s.at):
         await send(spec, t0 + spec.at - time.time())
     try:
-        await asyncio.wait_for(finished.wait(), timeout=timeout_s)
+        await asyncio.wait_for(finished.wait(), timeout=opts.timeout_s)
     except TimeoutError:
         for r in recs.values():
             if not r.done:
                 what = "no completion" if r.sent else "not sent (waiting for its previous turn)"
-                r.error, r.done, r.ended = f"{what} within the client timeout ({timeout_s} s)", True, time.time()
+                r.error, r.done, r.ended = f"{what} within the client timeout ({opts.timeout_s} s)", True, time.time()
     tick.cancel()
     for task in list(pending):
         task.cancel()
@@ -192,9 +221,8 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
 
 
 def replay_in_namespace(ns: str, broker: BrokerInfo, topics: Topics, specs: list[RequestSpec],
-                        timeout_s: float, progress: Callable[[int, int, int], None] | None = None,
-                        on_start: Callable[[float], None] | None = None,
-                        router_grace_s: float = ROUTER_GRACE_S) -> dict[str, ClientRecord]:
+                        opts: ClientOptions, progress: Callable[[int, int, int], None] | None = None,
+                        on_start: Callable[[float], None] | None = None) -> dict[str, ClientRecord]:
     """Run the client on a thread inside namespace ``ns`` and wait for it."""
     result: dict[str, dict[str, ClientRecord]] = {}
     error: list[BaseException] = []
@@ -202,8 +230,7 @@ def replay_in_namespace(ns: str, broker: BrokerInfo, topics: Topics, specs: list
     def body() -> None:
         try:
             with netns.entered(ns):
-                result["r"] = asyncio.run(_replay(ns, broker, topics, specs, timeout_s, progress, on_start,
-                                                  router_grace_s))
+                result["r"] = asyncio.run(_replay(ns, broker, topics, specs, opts, progress, on_start))
         except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
             error.append(e)
 

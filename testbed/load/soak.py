@@ -30,6 +30,7 @@ from testbed.deploy.dilation import emulation_plan
 from testbed.deploy.process_sampling import ProcessMemory
 from testbed.errors import InputError
 from testbed.faults.timeline import AppliedFault, Fault
+from testbed.load.retry import RetryPolicy
 from testbed.load.trace_replay import TraceReplay
 from testbed.outputs import new_run_dir, write_atomic
 from testbed.policies import parse_policy
@@ -48,6 +49,7 @@ class SoakOptions:
     seed: int = 1
     dilation: float | str | None = None  # None: the scenario's
     out: Path | None = None
+    retry: RetryPolicy = RetryPolicy()  # the client's, as an agent's SDK retries
 
 
 class SoakReport(BaseModel):
@@ -60,7 +62,13 @@ class SoakReport(BaseModel):
     failed: int
     hung: int
     lost: int
+    # Attempts that failed and were sent again (a session goes on when a retry succeeds), and
+    # their share of all attempts; requests that completed only thanks to a retry.
+    failed_attempts: int = 0
+    retry_share: float = 0.0
+    rescued_by_retry: int = 0
     failures_by_reason: dict[str, int]
+    retried_by_reason: dict[str, int] = {}
     faults: list[AppliedFault]
     faults_by_kind: dict[str, int]  # applied without error
     memory: list[ProcessMemory]
@@ -140,8 +148,9 @@ class SoakLoop(TraceReplay):
 
     samples_memory = True
 
-    def __init__(self, wl: Workload, wall_s: float, load: float, dilation: float, timeout_s: float) -> None:
-        super().__init__(soak_specs(wl, wall_s, load, dilation), timeout_s, "soak")
+    def __init__(self, wl: Workload, wall_s: float, load: float, dilation: float, timeout_s: float,
+                 retry: RetryPolicy) -> None:
+        super().__init__(soak_specs(wl, wall_s, load, dilation), timeout_s, "soak", retry=retry)
 
 
 def _reason_kind(why: str) -> str:
@@ -161,7 +170,7 @@ def run_soak(sc: Scenario, wl: Workload, opts: SoakOptions) -> int:
     plan = emulation_plan(sc, wl, wl.specs(opts.load), opts.dilation)
     d = plan.dilation
     timeout_s = wall_s + 4 * sc.workers.request_timeout_s * d  # the bound every request must end within
-    load = SoakLoop(wl, wall_s, opts.load, d, timeout_s)
+    load = SoakLoop(wl, wall_s, opts.load, d, timeout_s, opts.retry)
     faults = random_faults(sc, wall_s, opts.fault_every_s, d, opts.seed)
     out = opts.out or new_run_dir("soak")
     out.mkdir(parents=True, exist_ok=True)
@@ -171,21 +180,26 @@ def run_soak(sc: Scenario, wl: Workload, opts: SoakOptions) -> int:
         run = dep.run(load)
     recs, router, applied = run.recs, run.router, run.faults
     hung = [r for r in recs.values() if (r.error or "").startswith("no completion within the client timeout")]
-    lost = [r for r in recs.values() if r.sent and r.rid not in router and not r.ok]
+    lost = [r for r in recs.values() if r.sent and r.last_rid not in router and not r.ok]
+    retried = [a for r in recs.values() for a in r.retried]
     last_clear = max((f.cleared_s or f.applied_s or 0.0 for f in applied), default=0.0)
     after = [r for r in recs.values() if r.sent and (r.sent - run.fault_t0_wall) / d > last_clear]
     report = SoakReport(
         minutes=opts.minutes, load=opts.load, policy=spec.label, dilation=d, requests=len(recs),
         completed=sum(r.ok for r in recs.values()), failed=sum(not r.ok for r in recs.values()),
-        hung=len(hung), lost=len(lost),
+        hung=len(hung), lost=len(lost), failed_attempts=len(retried),
+        retry_share=len(retried) / max(1, len(retried) + sum(1 for r in recs.values() if r.sent)),
+        rescued_by_retry=sum(1 for r in recs.values() if r.ok and r.retried),
         failures_by_reason=dict(Counter(_reason_kind(r.error) for r in recs.values() if r.error).most_common()),
+        retried_by_reason=dict(Counter(_reason_kind(a.error) for a in retried).most_common()),
         faults=applied,
         faults_by_kind=dict(Counter(f.kind for f in applied if f.applied_s is not None and not f.error)),
         memory=run.memory, after_faults_sent=len(after), after_faults_completed=sum(r.ok for r in after),
     )  # fmt: skip
     write_atomic(out / "soak.json", report.model_dump_json(indent=2))
     write_csv(pd.DataFrame([{"rid": r.rid, "ok": r.ok, "error": r.error, "sent": r.sent, "ended": r.ended,
-                             "tokens": len(r.tokens), "max_new": r.max_new} for r in recs.values()]),
+                             "tokens": len(r.tokens), "max_new": r.max_new, "attempts": 1 + len(r.retried),
+                             "retried_errors": " | ".join(a.error for a in r.retried)} for r in recs.values()]),
               out / "requests.csv")
     rss = pd.DataFrame(run.rss, columns=["t_s", "process", "pid", "rss_mb"])
     write_csv(rss, out / "rss.csv")
@@ -205,8 +219,11 @@ def format_soak(r: SoakReport) -> str:
              f"hung {r.hung}, lost {r.lost}",
              "faults applied: " + (", ".join(f"{k} {n}" for k, n in sorted(r.faults_by_kind.items())) or "none"),
              f"after the last fault cleared: {r.after_faults_completed} of {r.after_faults_sent} requests sent "
-             "completed"]
+             "completed",
+             f"retries: {r.failed_attempts} failed attempts sent again ({100 * r.retry_share:.1f} % of attempts), "
+             f"{r.rescued_by_retry} requests completed thanks to one"]
     lines += [f"  failed {n:5d}  {why}" for why, n in list(r.failures_by_reason.items())[:12]]
+    lines += [f"  retried {n:5d}  {why}" for why, n in list(r.retried_by_reason.items())[:8]]
     lines.append(f"{'process':28s} {'pid':>7s} {'peak MB':>8s} {'first MB':>9s} {'last MB':>8s} {'growth':>7s}")
     lines += [f"{m.name:28s} {m.pid:7d} {m.rss_peak_mb:8.1f} {m.rss_first_mb:9.1f} {m.rss_last_mb:8.1f} "
               f"{m.growth_mb:+7.1f}" for m in r.memory]

@@ -2,7 +2,9 @@
 
 ``TraceReplay`` sends a list of ``RequestSpec`` (times already in real seconds) through
 the replay client inside the deployment's client host, with progress on stderr, and
-returns the client's record of each request.
+returns the client's record of each request. A failed request is retried as the
+``RetryPolicy`` says (none unless given: the commands pass the OpenAI SDK's default), its
+backoff stretched by the deployment's dilation.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from collections.abc import Callable
 from testbed.deploy.deployment import Deployment
 from testbed.deploy.run_record import ClientRecord
 from testbed.load.progress import Progress
-from testbed.load.replay_client import ROUTER_GRACE_S, replay_in_namespace
+from testbed.load.replay_client import ROUTER_GRACE_S, ClientOptions, replay_in_namespace
+from testbed.load.retry import NO_RETRY, RetryPolicy
 from testbed.traces.workload import RequestSpec
 
 
@@ -22,16 +25,19 @@ class TraceReplay:
     samples_memory = False
 
     def __init__(self, specs: list[RequestSpec], timeout_s: float = 1800.0, label: str = "replay",
-                 show_progress: bool = True, router_grace_s: float = ROUTER_GRACE_S) -> None:
+                 show_progress: bool = True, router_grace_s: float = ROUTER_GRACE_S,
+                 retry: RetryPolicy = NO_RETRY) -> None:
         self.specs, self.timeout_s, self.label, self.show_progress = specs, timeout_s, label, show_progress
         self.router_grace_s = router_grace_s  # after the router's "down", how long to wait for its "ready"
+        self.retry = retry
 
     def drive(self, dep: Deployment, begin: Callable[[float], None]) -> tuple[list[RequestSpec],
                                                                             dict[str, ClientRecord]]:
         progress = Progress(self.label) if self.show_progress else None
         try:
-            recs = replay_in_namespace(dep.client_ns, dep.client_broker, dep.topics, self.specs, self.timeout_s,
-                                       progress, begin, self.router_grace_s)
+            opts = ClientOptions(self.timeout_s, self.router_grace_s, self.retry, dep.dilation)
+            recs = replay_in_namespace(dep.client_ns, dep.client_broker, dep.topics, self.specs, opts, progress,
+                                       begin)
         finally:
             if progress is not None:
                 progress.close()
