@@ -63,6 +63,8 @@ class Costs(_Strict):
     unit: str = Field(default="cost units", min_length=1)
     devices: dict[str, float] = Field(description="price of one accelerator, per device profile")
     wan_line: float = Field(default=0.0, ge=0, description="price of the inter-datacenter line")
+    wan_egress_per_gb: float = Field(default=0.0, ge=0, description=(
+        "price of one GB (1e9 bytes) of emulated KV sent over the inter-datacenter line, either direction"))
 
     @field_validator("devices")
     @classmethod

@@ -15,7 +15,7 @@ import yaml
 
 from testbed.analysis import report
 from testbed.analysis.confidence import mean_ci, t975
-from testbed.analysis.cost import HardwareCost, cost_per_million_tokens, hardware_cost
+from testbed.analysis.cost import HardwareCost, cost_per_million_tokens, egress_price, hardware_cost
 from testbed.analysis.metrics import Slo, summarize
 from testbed.analysis.results import PolicySummary, RunSummary, TraceInfo, load_run
 from testbed.analysis.tables import markdown_table, table_head
@@ -47,7 +47,7 @@ def _rows(ttfts: list[float], wan_s: float | None = None, relay: bool = False) -
         "wan_end_s": [i + wan_s * (1 + i) if wan_s else np.nan for i in range(n)],
         "eager_tokens": 8 if relay else 0, "handoffs": 1 if relay else 0,
         "md_kv_to_handoff_s": 0.1 if relay else np.nan, "handoff_mismatches": 0,
-        "handoff_at_s": [i + t + 0.5 if relay else np.nan for i, t in enumerate(ttfts)],
+        "handoff_at_s": [i + t + 0.5 if relay else np.nan for i, t in enumerate(ttfts)], "attempts": 1,
     })  # fmt: skip
 
 
@@ -158,6 +158,11 @@ def test_hardware_cost_of_the_reports_deployment() -> None:
     # 83.35 per hour for 2 hours over 1M tokens.
     assert cost_per_million_tokens(pdd, 7200.0, 1_000_000) == pytest.approx(2 * 83.35)
     assert cost_per_million_tokens(pdd, None, 10) is None
+    # Egress: 500 GB over the line at the scenario's price per GB, added to the run's hardware.
+    egress = egress_price(sc, 500.0)
+    assert egress == pytest.approx(500 * sc.costs.wan_egress_per_gb) and egress > 0  # type: ignore[union-attr]
+    assert cost_per_million_tokens(pdd, 7200.0, 1_000_000, egress) == pytest.approx(2 * 83.35 + egress)
+    assert egress_price(sc.model_copy(update={"costs": None}), 500.0) is None
 
 
 @pytest.mark.parametrize(("change", "complaint"), [
@@ -182,9 +187,11 @@ def test_cost_table_in_the_report(tmp_path: Path) -> None:
         return HardwareCost(unit="GPU-A hours", devices={"h100": 2}, wan_line=line, total=2.0 + 0.5 * line)
 
     priced = summary.model_copy(update={"policies": {
-        name: s.model_copy(update={"cost": cost(name), "cost_per_mtok": 1.5}) for name, s in summary.policies.items()}})
+        name: s.model_copy(update={"cost": cost(name), "cost_per_mtok": 1.5, "wan_gb": 12.5, "egress": 0.1,
+                                   "cost_per_mtok_with_egress": 1.625}) for name, s in summary.policies.items()}})
     table = report.cost_table(priced)
-    assert table is not None and "| pdd | 2 x h100 + line | 2.50 | +25.0 % | 1.500 |" in table
+    assert table is not None and "| pdd | 2 x h100 + line | 2.50 | +25.0 % | 1.500 | 12.500 | 0.1000 | 1.625 |" \
+        in table
     assert "## Hardware cost" in report.report_markdown(priced)
 
 

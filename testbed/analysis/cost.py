@@ -8,7 +8,8 @@ host of those roles there (``Host.devices`` x the host's device profile), priced
 deployment (``topologies/paper.yaml``) that gives 88 GPU-A for same-dc and
 43 GPU-A + 32 GPU-B + the line for PDD. Cost per output token divides the deployment's
 price for the run's (emulated) duration by the emulated output tokens: prices are per
-device-hour.
+device-hour. Egress (``costs.wan_egress_per_gb``) is priced per GB of emulated KV that
+crossed the line in the run, and added to the hardware's price for the run.
 """
 
 from __future__ import annotations
@@ -47,8 +48,15 @@ def hardware_cost(sc: Scenario, policy: type[Policy] | Policy) -> HardwareCost |
     return HardwareCost(unit=sc.costs.unit, devices=devices, wan_line=policy.crosses_wan, total=total)
 
 
-def cost_per_million_tokens(cost: HardwareCost, duration_s: float | None, output_tokens: int) -> float | None:
-    """The deployment's price for the run's duration per million (emulated) output tokens."""
+def cost_per_million_tokens(cost: HardwareCost, duration_s: float | None, output_tokens: int,
+                            egress: float = 0.0) -> float | None:
+    """The deployment's price for the run's duration (plus ``egress``, the run's WAN bytes
+    priced) per million (emulated) output tokens."""
     if not duration_s or not output_tokens:
         return None
-    return cost.total * duration_s / 3600 / (output_tokens / 1e6)
+    return (cost.total * duration_s / 3600 + egress) / (output_tokens / 1e6)
+
+
+def egress_price(sc: Scenario, wan_gb: float) -> float | None:
+    """What ``wan_gb`` emulated GB over the line cost; ``None`` without prices."""
+    return None if sc.costs is None else sc.costs.wan_egress_per_gb * wan_gb

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from testbed.analysis.cost import cost_per_million_tokens, hardware_cost
+from testbed.analysis.cost import cost_per_million_tokens, egress_price, hardware_cost
 from testbed.analysis.metrics import Slo, itls, request_rows, summarize
 from testbed.analysis.results import PolicySummary
 from testbed.deploy.emulation import EmulationPlan
@@ -20,6 +20,11 @@ def measure(sc: Scenario, spec: PolicySpec, plan: EmulationPlan, run: PolicyRun,
     df = request_rows(run.recs, run.router, run.specs, plan.scales)
     measured = summarize(df, itls(run.recs, plan.scales), slo, run.recs, plan.scales)
     cost = hardware_cost(sc, make_policy(spec))
-    per_mtok = cost_per_million_tokens(cost, measured.duration_s, measured.output_tokens_emulated) if cost else None
+    wan_gb = measured.wan_kv_bytes / plan.byte_factor / 1e9  # wire bytes back to the emulated model's
+    egress = egress_price(sc, wan_gb)
+    tokens = measured.output_tokens_emulated
+    per_mtok = cost_per_million_tokens(cost, measured.duration_s, tokens) if cost else None
+    with_egress = cost_per_million_tokens(cost, measured.duration_s, tokens, egress or 0.0) if cost else None
     return df, PolicySummary(**dict(measured), policy_stats=run.policy, fidelity=run.verdict, cost=cost,
-                             cost_per_mtok=per_mtok, impairment=run.impairment, faults=run.faults)
+                             cost_per_mtok=per_mtok, wan_gb=wan_gb, egress=egress,
+                             cost_per_mtok_with_egress=with_egress, impairment=run.impairment, faults=run.faults)

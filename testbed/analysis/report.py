@@ -130,13 +130,18 @@ def cost_table(summary: RunSummary) -> str | None:
     base_cost = base.cost.total if base is not None and base.cost is not None else None
     unit = next(iter(priced.values())).cost.unit  # type: ignore[union-attr]
     lines = table_head(["policy", "deploys", f"price ({unit})", "vs same-dc", "per 1M output tokens",
-                        "goodput rps per price"], "llrrrr")
+                        "WAN GB", "egress", "per 1M with egress", "goodput rps per price"], "llrrrrrrr")
+
+    def num(v: float | None, spec: str = ".3f") -> str:
+        return "-" if v is None else f"{v:{spec}}"
+
     for name, s in priced.items():
         c = s.cost
         assert c is not None
         per_price = f"{s.goodput_rps / c.total:.4f}" if s.goodput_rps is not None and c.total else "-"
         lines.append(f"| {name} | {c.describe()} | {c.total:.2f} | {_change(c.total, base_cost)} | "
-                     f"{'-' if s.cost_per_mtok is None else f'{s.cost_per_mtok:.3f}'} | {per_price} |")
+                     f"{num(s.cost_per_mtok)} | {s.wan_gb:.3f} | {num(s.egress, '.4f')} | "
+                     f"{num(s.cost_per_mtok_with_egress)} | {per_price} |")
     lines += [
         "",
         "The report: 88 GPU-A (same-datacenter baseline) against 43 GPU-A + 32 GPU-B + one line (PDD); with "

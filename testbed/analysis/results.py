@@ -82,6 +82,9 @@ class PolicySummary(Summary):
     impairment: str = ""  # the WAN impairment backend that ran (netem or the delay line) and why
     cost: HardwareCost | None = None  # None: the scenario states no prices
     cost_per_mtok: float | None = None  # the deployment's price for the run per 1M emulated output tokens
+    wan_gb: float = 0.0  # emulated GB of KV that crossed the WAN (both directions)
+    egress: float | None = None  # their price (costs.wan_egress_per_gb); None: no prices
+    cost_per_mtok_with_egress: float | None = None  # hardware and egress per 1M emulated output tokens
     faults: list[AppliedFault] = []  # the fault timeline as it was applied
 
 

@@ -90,6 +90,7 @@ class LoadPoint(BaseModel):
     ttft_p99_s: float | None
     tpot_p50_s: float | None
     fidelity_passed: bool
+    egress_per_h: float | None = None  # the WAN's KV priced (costs.wan_egress_per_gb), per emulated hour
 
     @classmethod
     def of(cls, load: float, policy: str, s: PolicySummary, run_dir: Path) -> LoadPoint:
@@ -97,7 +98,8 @@ class LoadPoint(BaseModel):
         return cls(load=load, policy=policy, run_dir=str(run_dir), requests=s.requests, completed=s.completed,
                    failed=s.failed, rps=rps, slo_attainment=s.slo_attainment, ttft_p50_s=s.ttft_p50_s,
                    ttft_p90_s=s.ttft_p90_s, ttft_p99_s=s.ttft_p99_s, tpot_p50_s=s.tpot_p50_s,
-                   fidelity_passed=s.fidelity.passed)
+                   fidelity_passed=s.fidelity.passed,
+                   egress_per_h=s.egress * 3600 / s.duration_s if s.egress is not None and s.duration_s else None)
 
     def meets(self, share: float) -> bool:
         return self.slo_attainment is not None and self.slo_attainment >= share
@@ -112,6 +114,8 @@ class SlaThroughput(BaseModel):
     rps: float | None
     cost: float | None = None  # the deployment's price (scenario costs), None without prices
     bcr: float | None = None  # SLA throughput per price
+    egress_per_h: float | None = None  # at the SLA point: its WAN KV priced, per hour
+    bcr_with_egress: float | None = None  # SLA throughput per (price + egress per hour)
 
 
 class SweepResult(BaseModel):
@@ -133,7 +137,7 @@ def sla_throughput(points: list[LoadPoint], policy: str, share: float) -> SlaThr
             break
         best = p
     return SlaThroughput(policy=policy, share=share, load=best.load if best else None,
-                         rps=best.rps if best else None)
+                         rps=best.rps if best else None, egress_per_h=best.egress_per_h if best else None)
 
 
 @dataclass
@@ -211,6 +215,8 @@ def load_sweep(sc: Scenario, wl: Workload, policies: list[PolicySpec], loads: li
         if cost is not None:
             t.cost = cost.total
             t.bcr = t.rps / cost.total if t.rps is not None and cost.total else None
+            with_egress = cost.total + (t.egress_per_h or 0.0)
+            t.bcr_with_egress = t.rps / with_egress if t.rps is not None and with_egress else None
         sla.append(t)
     assert isinstance(run.dilation, float)
     result = SweepResult(dilation=run.dilation, slo_ttft_s=run.slo.ttft_s, slo_tpot_s=run.slo.tpot_s,
@@ -248,10 +254,11 @@ def sweep_markdown(r: SweepResult) -> str:
                      f"{_fmt(p.rps, '.3f')} | {met} | {_fmt(p.ttft_p50_s)} | {_fmt(p.ttft_p90_s)} | "
                      f"{_fmt(p.ttft_p99_s)} | {'ok' if p.fidelity_passed else 'FAILED'} |")
     lines += ["", "## SLA throughput", "",
-              *table_head(["policy", "highest load meeting the SLO", "rps", "price", "BCR (rps per price)"], "lrrrr")]
+              *table_head(["policy", "highest load meeting the SLO", "rps", "price", "BCR (rps per price)",
+                           "egress per hour", "BCR with egress"], "lrrrrrr")]
     for t in r.sla:
         lines.append(f"| {t.policy} | {_fmt(t.load, 'g')} | {_fmt(t.rps, '.3f')} | {_fmt(t.cost)} | "
-                     f"{_fmt(t.bcr, '.5f')} |")
+                     f"{_fmt(t.bcr, '.5f')} | {_fmt(t.egress_per_h, '.4f')} | {_fmt(t.bcr_with_egress, '.5f')} |")
     base = next((t for t in r.sla if t.policy.startswith("same-dc")), None)
     pdd = next((t for t in r.sla if t.policy.startswith("pdd")), None)
     if base and pdd and base.rps and pdd.rps is not None:
@@ -260,6 +267,8 @@ def sweep_markdown(r: SweepResult) -> str:
                       f"+{100 * REPORT_SLA_GAIN:.1f} %); the step of the sweep bounds the precision."]
         if base.bcr and pdd.bcr is not None:
             lines.append(f"BCR over same-dc: {100 * (pdd.bcr / base.bcr - 1):+.1f} % (the report: up to +37.5 %).")
+        if base.bcr_with_egress and pdd.bcr_with_egress is not None and (pdd.egress_per_h or base.egress_per_h):
+            lines.append(f"With egress: {100 * (pdd.bcr_with_egress / base.bcr_with_egress - 1):+.1f} %.")
     caveat = unbounded(r)
     if caveat:
         lines += ["", caveat]
