@@ -39,6 +39,10 @@ class RouterConfig(Contract):
     policy: PolicySpec
     workers: dict[str, WorkerEndpoint]
     request_timeout_s: float = Field(default=600.0, gt=0)
+    # Real seconds per emulated second: the router's own timers (settling a will, a broker
+    # restart's grace, probing) are emulated times stretched by it, like every other.
+    dilation: float = Field(default=1.0, gt=0)
+    unreachable_grace_s: float = Field(default=30.0, ge=0)  # real seconds (scaled): unreachable, not yet dead
     cache_outputs: bool = False  # after a request, its prefill instance caches its answer (WarmCmd)
     records_path: str
     context: PolicyContext = PolicyContext()

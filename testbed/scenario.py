@@ -115,6 +115,10 @@ class WorkerSettings(_Strict):
         description="KV transfers a sender runs at once to one receiver; later ones wait their turn in "
                     "arrival order (a transfer engine's queue per peer)")
     request_timeout_s: float = Field(default=600.0, gt=0)
+    unreachable_grace_s: float = Field(default=30.0, ge=0, description=(
+        "a worker whose broker session lapsed while the router cannot reach it (a WAN outage) keeps its "
+        "requests this long; they resume when it is back, and only then is it dead. A worker whose host "
+        "refuses the router's probe (the process is gone) is dead at once"))
     cache_outputs: bool = Field(default=False, description=(
         "after a request completes, the prefill instance that served it computes the KV of its answer when "
         "no prefill waits, so the session's next turn finds the whole conversation cached (docs/scenarios.md)"))

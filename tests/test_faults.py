@@ -22,7 +22,7 @@ from testbed.net import measure
 from testbed.net.delayline import STATS_PERIOD_S
 from testbed.net.delayline_contract import DirectionOverride
 from testbed.policies import parse_policy
-from testbed.traces.workload import RequestSpec
+from testbed.traces.workload import RequestSpec, synth_tokens
 from workers.model import ModelRunner, ensure_default_model
 
 from .conftest import ROOT, built, needs_root, scenario_with, small_wan
@@ -100,6 +100,27 @@ def test_wan_outage_and_broker_restart_lose_nothing(spread_prompts) -> None:
     assert compare(specs, refs, recs) == []  # no token missing, repeated or out of order
     assert all(r.token_times == sorted(r.token_times) for r in recs.values())
     assert {router[s.rid].pipeline for s in specs} == {"P-RLD-MD"}
+
+
+def test_a_wan_outage_past_the_broker_keepalive_makes_the_decoder_unreachable_not_dead(spread_prompts,
+                                                                                      tmp_path: Path) -> None:
+    """10 s without a line lapses decode-b's broker session (7.5 s) and its last will goes
+    out; the router's probe gets no answer, so decode-b is unreachable, not dead: it keeps
+    its requests, which resume when the line is back. No retry: nothing may fail."""
+    specs, refs = spread_prompts
+    late = RequestSpec("after-the-line", synth_tokens("after-the-line", 200), 8, at=12.5)  # the replay outlasts it
+    refs = {**refs, late.rid: ModelRunner(ensure_default_model(), "float64").reference(late.prompt, late.max_new)}
+    specs = [*specs, late]
+    sc = scenario_with()
+    with Deployment(sc, parse_policy("pdd:relay_s=0"), dtype="float64", timeline=[parse_fault("wan-down@1+10")],
+                    logs_to=tmp_path) as dep:
+        run = dep.run(TraceReplay(specs, timeout_s=120))
+    log = (tmp_path / "router.log").read_text()
+    assert "worker decode-b is unreachable (no answer)" in log and "worker decode-b is back after" in log, log
+    assert "is gone" not in log, log
+    assert {rid: r.error for rid, r in run.recs.items() if not r.ok} == {}
+    assert compare(specs, refs, run.recs) == []
+    assert not any(r.md_failed for r in run.router.values())
 
 
 def test_a_dead_main_decoder_leaves_the_relay_to_finish_and_new_requests_to_it(spread_prompts) -> None:

@@ -106,3 +106,18 @@ def bytes_acked(sock: socket.socket) -> int:
     except OSError:
         return 0
     return int(struct.unpack_from("Q", info, 120)[0])
+
+
+async def serve_liveness(host: str, port: int, netns: str | None) -> asyncio.Server:
+    """A listener that only says this process is alive (a worker without a KV server of its
+    own: a prefill): the router's probe connects, a dead process's host refuses."""
+
+    async def close(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    if netns is None:
+        return await asyncio.start_server(close, host, port)
+    sock = tcp_socket(netns)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return await asyncio.start_server(close, sock=sock)

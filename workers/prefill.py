@@ -19,7 +19,7 @@ import torch
 
 from protocol.messages import CancelCmd, Command, Failed, KvSent, KVTarget, PrefillCmd, PrefillDone, WarmCmd
 from protocol.worker_config import PrefillCounters, TransferTotals, WorkerConfig, WorkerStats
-from workers import kv_wire
+from workers import kv_conn, kv_wire
 from workers.kv_queue import PeerQueues
 from workers.radix_cache import RadixCache
 from workers.runtime import Worker
@@ -44,9 +44,12 @@ class PrefillWorker(Worker):
         self.pending_ships: dict[str, int] = {}  # transfers of a request still running
         self.peers = PeerQueues(cfg.kv_streams_per_peer)  # transfers to one receiver take turns
         self.kv_conns = kv_wire.Connections()  # kept open between transfers, per receiver
+        self.liveness: asyncio.Server | None = None
         self.busy = 0
 
     async def start(self) -> None:
+        # The KV port answers the router's liveness probe (decoders serve KV on theirs).
+        self.liveness = await kv_conn.serve_liveness(self.cfg.host_ip, self.cfg.kv_port, self.cfg.netns)
         self.spawn(self._loop())
 
     async def handle(self, cmd: Command) -> None:

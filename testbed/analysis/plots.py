@@ -7,6 +7,7 @@
 * ``plot_hit_rates`` -> ``hit_rates.png``: every worker's prefix-cache hit rate over time.
 * ``plot_sweep`` -> ``sweep.png``: SLO attainment and TTFT against offered load (a sweep).
 * ``plot_bathtub`` -> ``bathtub.png``: PDD's benefit against the baseline per prefix-hit rate.
+* ``plot_tornado`` -> ``tornado.png``: how far each unknown moves each headline figure.
 """
 
 from __future__ import annotations
@@ -223,6 +224,30 @@ def plot_bathtub(curve: pd.DataFrame, path: Path, base: str, policy: str) -> Non
     fig.tight_layout()
     _save(fig, path, 110)
     plt.close(fig)
+
+
+def plot_tornado(rows: list[tuple[str, str, float | None, float | None]], figures: list[tuple[str, str, str]],
+                 path: Path) -> None:
+    """One panel per figure (``figures``: field, label, "s" or "pp"); per unknown a bar from 0
+    to its change at the low end and one to the high end (``rows``: field, unknown, low, high),
+    the unknown that moves the figure most on top."""
+    fig, axes = plt.subplots(2, (len(figures) + 1) // 2, figsize=(14, 6), squeeze=False)
+    for ax, (field, label, unit) in zip(axes.flat, figures, strict=False):
+        scale = 1.0 if unit == "s" else 100.0
+        mine = [(u, scale * (lo or 0.0), scale * (hi or 0.0)) for f, u, lo, hi in rows if f == field]
+        mine.sort(key=lambda x: max(abs(x[1]), abs(x[2])))
+        y = np.arange(len(mine))
+        ax.barh(y, [lo for _, lo, _ in mine], color="tab:blue", label="low end")
+        ax.barh(y, [hi for _, _, hi in mine], color="tab:orange", alpha=0.7, label="high end")
+        ax.set_yticks(y, [u for u, _, _ in mine])
+        ax.axvline(0, color="black", linewidth=0.8)
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("change from the baseline (" + ("s" if unit == "s" else "percentage points") + ")")
+    for ax in list(axes.flat)[len(figures):]:
+        ax.set_visible(False)
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    _save(fig, path, 110)
 
 
 def _save(fig: Any, path: Path, dpi: int) -> None:

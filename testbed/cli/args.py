@@ -158,6 +158,14 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="results folder (default runs/calibrate-<timestamp>)")
     p.set_defaults(command="calibrate")
 
+    p = sub.add_parser("sensitivity", help="the headline figures across the report's unknowns (line, RTT, mean "
+                                           "hit, load), one at a time, with a tornado plot")
+    replay_opts(p, "same-dc,cross-dc,pdd")
+    p.add_argument("--load", type=float, required=True, metavar="X",
+                   help="the baseline load, x the trace's rate (the calibrated one: calibration.json's load)")
+    p.add_argument("--out", type=Path, help="results folder (default runs/sensitivity-<timestamp>)")
+    p.set_defaults(command="sensitivity")
+
     trace = sub.add_parser("trace", help="trace statistics and generation")
     tsub = trace.add_subparsers(dest="trace_cmd", required=True)
     p = tsub.add_parser("stats", help="lengths, arrival rate, prefix-hit distribution of a trace")

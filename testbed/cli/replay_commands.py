@@ -155,3 +155,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print("\n" + (out / "calibration.md").read_text())
     print(f"saved: {out}/calibration.md, calibration.json; the bisection's runs in {out}/bisection/")
     return 0 if b.reached else 1
+
+
+def cmd_sensitivity(args: argparse.Namespace) -> int:
+    from testbed.experiments.sensitivity import sensitivity
+
+    sc, policies, wl, opts = replay_inputs(args)
+    names = {p.label.split(":")[0] for p in policies}
+    if not {"same-dc", "cross-dc", "pdd"} <= names:
+        raise InputError(f"--policies: the figures need same-dc, cross-dc and pdd, got {args.policies!r}")
+    out = _out(args, "sensitivity")
+    sensitivity(sc, wl, args.load, opts, out, policies=policies)
+    print("\n" + (out / "sensitivity.md").read_text())
+    print(f"written: {out}/sensitivity.json, sensitivity.md, tornado.png; each row's run under {out}/<row>/")
+    return 0

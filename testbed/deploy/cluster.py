@@ -155,6 +155,7 @@ class Cluster:
                      for h, c in cl.workers.items()}
         rcfg = RouterConfig(run_id=net.run.run_id, broker=access.router, policy=policy, workers=endpoints,
                             request_timeout_s=ws.request_timeout_s * d, records_path=str(cl.records_path),
+                            dilation=d, unreachable_grace_s=ws.unreachable_grace_s * d,
                             context=context, cache_outputs=ws.cache_outputs)
         rpath = net.run.dir / "router.cfg.json"
         runstate.write_private(rpath, rcfg.model_dump_json())

@@ -45,8 +45,11 @@ from protocol.router_config import RequestRecord, RouterConfig
 from testbed.policies import ClusterView, Policy, RequestState, make_policy
 from testbed.policies.base import WorkerView
 
+# Emulated seconds (x the dilation, as every timer here):
 WILL_SETTLE_S = 0.3  # a worker's death is acted on this long after its will (a broker restart shows first)
 RESTART_GRACE_S = 3.0  # after the router reconnects, how long a worker has to say "up" again
+PROBE_TIMEOUT_S = 0.5  # a worker's host that answers no connection within this is unreachable
+PROBE_EVERY_S = 1.0  # how often an unreachable worker is probed again
 ENDED_KEPT = 4096  # finished requests whose late events (cut-off transfers, cache-only KV) still count
 
 
@@ -67,6 +70,7 @@ class Router:
         self.pending: set[asyncio.Task[None]] = set()
         self.last_up: dict[str, float] = {}  # worker -> time.monotonic() of its last "up" status
         self.suspects: set[str] = set()  # workers whose "dead" status is being confirmed
+        self.unreachable: dict[str, float] = {}  # worker -> since (monotonic): requests kept, none routed
         self.repeated_requests = 0
 
     async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
@@ -165,26 +169,66 @@ class Router:
         it drops the router too (and a restarted one hands the retained wills out again):
         if the router's connection goes within WILL_SETTLE_S, or came back within
         RESTART_GRACE_S, the worker has until RESTART_GRACE_S after the reconnection to
-        say "up" again. Otherwise it is gone, WILL_SETTLE_S after the news."""
+        say "up" again. Otherwise the router probes the worker's host (``_probe``): a
+        refusal means the process is gone, and the worker is dead at once. A host that does
+        not answer is unreachable (a WAN outage lapsed its broker session): it keeps its
+        requests, gets no new ones, and is probed until it says "up" again (its requests
+        resume) or ``unreachable_grace_s`` has passed (then it is dead)."""
         session = self.session
         assert session is not None
+        d = self.cfg.dilation
         losses = session.losses
-        await asyncio.sleep(WILL_SETTLE_S)
-        if session.losses != losses or not session.connected.is_set() or session.since_reconnect() < RESTART_GRACE_S:
+        await asyncio.sleep(WILL_SETTLE_S * d)
+        if (session.losses != losses or not session.connected.is_set()
+                or session.since_reconnect() < RESTART_GRACE_S * d):
             await session.connected.wait()
-            await asyncio.sleep(max(0.0, RESTART_GRACE_S - session.since_reconnect()))
+            await asyncio.sleep(max(0.0, RESTART_GRACE_S * d - session.since_reconnect()))
+        w = self.view.workers[name]
+        deadline = time.monotonic() + self.cfg.unreachable_grace_s
+        why = "died"
+        while self.last_up.get(name, 0.0) <= news_at:  # no "up" since the news
+            answer = await self._probe(w)
+            if answer == "refused":
+                break
+            if time.monotonic() >= deadline:
+                why = f"unreachable for {self.cfg.unreachable_grace_s / d:g} s"
+                break
+            if name not in self.unreachable:
+                self.unreachable[name] = time.monotonic()
+                w.up = False  # no new requests; those it holds wait for the line
+                print(f"router: worker {name} is unreachable ({answer}); its requests wait", file=sys.stderr,
+                      flush=True)
+            await asyncio.sleep(PROBE_EVERY_S * d)
         self.suspects.discard(name)
-        if self.last_up.get(name, 0.0) <= news_at:  # no "up" since the news: gone
-            self.view.workers[name].up = False
-            await self._worker_died(name)
+        since = self.unreachable.pop(name, None)
+        if self.last_up.get(name, 0.0) > news_at:
+            if since is not None:
+                print(f"router: worker {name} is back after {(time.monotonic() - since) / d:.1f} s", file=sys.stderr,
+                      flush=True)
+            return
+        w.up = False
+        await self._worker_died(name, why)
 
-    async def _worker_died(self, name: str) -> None:
-        print(f"router: worker {name} is gone", file=sys.stderr, flush=True)
+    async def _probe(self, w: WorkerView) -> str:
+        """"refused" when the worker's host answers that nothing listens on its port (the
+        process is gone), "no answer" when it does not answer in time, else "alive"."""
+        try:
+            async with asyncio.timeout(PROBE_TIMEOUT_S * self.cfg.dilation):
+                _, writer = await asyncio.open_connection(w.host, w.kv_port)
+        except ConnectionRefusedError:
+            return "refused"
+        except (OSError, TimeoutError):
+            return "no answer"
+        writer.close()
+        return "alive"
+
+    async def _worker_died(self, name: str, why: str = "died") -> None:
+        print(f"router: worker {name} is gone ({why})", file=sys.stderr, flush=True)
         for req in list(self.inflight.values()):
             if req.plan and name in req.plan.workers:
-                await self._on_worker_death(req, name)
+                await self._on_worker_death(req, name, why)
 
-    async def _on_worker_death(self, req: RequestState, dead: str) -> None:
+    async def _on_worker_death(self, req: RequestState, dead: str, why: str = "died") -> None:
         """What a dead worker means for one request that named it: nothing when the request
         no longer needs it (a prefill whose KV every decoder holds, a relay that handed over);
         the relay finishes alone when the main decoder (or the prefill that still owed it KV)
@@ -195,7 +239,7 @@ class Router:
         relay = plan.relay
         relay_can_finish = (relay is not None and relay != dead and self.view.workers[relay].up
                             and not req.handed_off)
-        reason = f"worker {dead} died"
+        reason = f"worker {dead} {why}"
         if dead == plan.prefill:
             if plan.decode in received and (relay is None or relay in received):
                 return

@@ -28,14 +28,14 @@ class TraceReplay:
                  show_progress: bool = True, router_grace_s: float = ROUTER_GRACE_S,
                  retry: RetryPolicy = NO_RETRY) -> None:
         self.specs, self.timeout_s, self.label, self.show_progress = specs, timeout_s, label, show_progress
-        self.router_grace_s = router_grace_s  # after the router's "down", how long to wait for its "ready"
+        self.router_grace_s = router_grace_s  # emulated s after the router's "down" to wait for its "ready"
         self.retry = retry
 
     def drive(self, dep: Deployment, begin: Callable[[float], None]) -> tuple[list[RequestSpec],
                                                                             dict[str, ClientRecord]]:
         progress = Progress(self.label) if self.show_progress else None
         try:
-            opts = ClientOptions(self.timeout_s, self.router_grace_s, self.retry, dep.dilation)
+            opts = ClientOptions(self.timeout_s, self.router_grace_s * dep.dilation, self.retry, dep.dilation)
             recs = replay_in_namespace(dep.client_ns, dep.client_broker, dep.topics, self.specs, opts, progress,
                                        begin)
         finally:
