@@ -104,7 +104,7 @@ def test_wan_outage_and_broker_restart_lose_nothing(spread_prompts) -> None:
 
 def test_a_wan_outage_past_the_broker_keepalive_makes_the_decoder_unreachable_not_dead(spread_prompts,
                                                                                       tmp_path: Path) -> None:
-    """14 s without a line lapse decode-b's broker session (after 7.5-9 s) and its last will goes
+    """14 s without a line lapses decode-b's broker session (after 7.5-9 s) and its last will goes
     out; the router's probe gets no answer, so decode-b is unreachable, not dead: it keeps
     its requests, which resume when the line is back. No retry: nothing may fail."""
     specs, refs = spread_prompts
