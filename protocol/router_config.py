@@ -4,8 +4,9 @@
   validated by ``python -m testbed.deploy.router CONFIG.json``. It embeds one ``BrokerInfo``, the
   parsed ``PolicySpec`` (never the policy string), the workers' endpoints and the
   ``PolicyContext``.
-* ``RequestRecord``: one per request, written by the router when it stops (JSON lines) and
-  read by ``testbed.analysis.metrics``: the plan, why it was chosen (``PlanInfo``), every worker
+* ``RequestRecord``: one per request, written by the router as the request leaves its memory
+  (JSON lines: all but the latest 4,096 while it runs, those when it stops) and read by
+  ``testbed.analysis.metrics``: the plan, why it was chosen (``PlanInfo``), every worker
   event, and how the request ended.
 * ``PolicyReport``: the policy's own counters, written next to the records.
 

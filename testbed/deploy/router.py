@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 import aiomqtt
 from pydantic import ValidationError
@@ -50,7 +51,9 @@ WILL_SETTLE_S = 0.3  # a worker's death is acted on this long after its will (a 
 RESTART_GRACE_S = 3.0  # after the router reconnects, how long a worker has to say "up" again
 PROBE_TIMEOUT_S = 0.5  # a worker's host that answers no connection within this is unreachable
 PROBE_EVERY_S = 1.0  # how often an unreachable worker is probed again
-ENDED_KEPT = 4096  # finished requests whose late events (cut-off transfers, cache-only KV) still count
+# Finished requests kept in memory, for their late events (cut-off transfers, cache-only KV,
+# within seconds) and to drop a repeated request; older ones are on disk, in the records file.
+ENDED_KEPT = 4096
 
 
 class Router:
@@ -63,7 +66,8 @@ class Router:
                                 block_size=cfg.context.block_size,
                                 cache_tokens=cfg.context.decode_cache_tokens or 262144)
         self.inflight: dict[str, RequestState] = {}
-        self.finished: dict[str, RequestRecord] = {}  # rid -> record (late events still land)
+        self.finished: dict[str, RequestRecord] = {}  # the latest ENDED_KEPT: rid -> record (late events land)
+        self.records: TextIO | None = None  # one JSON line per finished request, as it leaves memory
         self.ended: dict[str, RequestState] = {}  # finished requests, for the policy's late events
         self.session: Session | None = None
         self.ready = False
@@ -101,12 +105,12 @@ class Router:
                 await self._fail(rid, "router stopped")
             await self._publish_state("stopped")
 
-        sweeper = asyncio.create_task(self._sweep())
-        await self.session.run(self._on_message, on_connect, stop, on_stop)
-        sweeper.cancel()
-        tmp = Path(self.cfg.records_path + ".tmp")
-        tmp.write_text("".join(r.model_dump_json() + "\n" for r in self.finished.values()))
-        tmp.replace(self.cfg.records_path)
+        with Path(self.cfg.records_path).open("w") as self.records:
+            sweeper = asyncio.create_task(self._sweep())
+            await self.session.run(self._on_message, on_connect, stop, on_stop)
+            sweeper.cancel()
+            while self.finished:
+                self._write_record()
         Path(self.cfg.records_path + ".policy.json").write_text(self.policy.stats().model_dump_json())
 
     async def _on_message(self, msg: aiomqtt.Message) -> None:
@@ -370,6 +374,15 @@ class Router:
         self.ended[req.rid] = req
         while len(self.ended) > ENDED_KEPT:  # late events come within seconds; bound the memory
             self.ended.pop(next(iter(self.ended)))
+        while len(self.finished) > ENDED_KEPT:
+            self._write_record()
+
+    def _write_record(self) -> None:
+        """The oldest finished request's record to disk (and out of memory)."""
+        rec = self.finished.pop(next(iter(self.finished)))
+        assert self.records is not None
+        self.records.write(rec.model_dump_json() + "\n")
+        self.records.flush()
 
     async def _sweep(self) -> None:
         while True:
