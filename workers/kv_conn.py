@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+from collections.abc import Awaitable, Callable
 
 from protocol.kv_format import HDR, MAGIC, MAX_CONTROL_FRAME, VERSION, KVTransferError
 from workers.namespace import tcp_socket
@@ -115,9 +116,16 @@ async def serve_liveness(host: str, port: int, netns: str | None) -> asyncio.Ser
     async def close(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.close()
 
+    return await listen(close, host, port, netns)
+
+
+async def listen(handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]], host: str,
+                 port: int, netns: str | None) -> asyncio.Server:
+    """A TCP server on ``host:port``, inside ``netns`` when given (a process standing for
+    several hosts opens each host's socket in that host's namespace)."""
     if netns is None:
-        return await asyncio.start_server(close, host, port)
+        return await asyncio.start_server(handle, host, port)
     sock = tcp_socket(netns)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    return await asyncio.start_server(close, sock=sock)
+    return await asyncio.start_server(handle, sock=sock)

@@ -85,11 +85,11 @@ from workers.kv_conn import (  # noqa: F401 - Connections and the limits are par
     PeerSilent,
     bytes_acked,
     connect,
+    listen,
     read_frame,
     tune_socket,
     write_frame,
 )
-from workers.namespace import tcp_socket
 
 
 @dataclass
@@ -270,12 +270,7 @@ async def serve_kv(host: str, port: int, offer: OfferFn, done: DoneFn, fail: Fai
             open_conns -= 1
             writer.close()
 
-    if netns is None:
-        return await asyncio.start_server(handle, host, port)
-    sock = tcp_socket(netns)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    return await asyncio.start_server(handle, sock=sock)
+    return await listen(handle, host, port, netns)
 
 
 async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, offer: OfferFn, done: DoneFn,
