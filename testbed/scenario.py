@@ -23,6 +23,7 @@ from protocol.validation import field_errors
 from protocol.worker_config import DeviceSpec
 from testbed.errors import InputError
 from testbed.faults.timeline import Fault, as_fault
+from testbed.faults.wan_trace import WanTrace, as_wan_trace, faults_of
 from testbed.hardware import DeviceProfile, ModelCard
 from testbed.traces.workload import VOCAB_HIGH
 from workers.model_dir import default_model_dir
@@ -151,6 +152,9 @@ class WanDirection(_Strict):
     queue_bytes: int | None = Field(
         default=None, gt=0, description="bottleneck buffer; null = sized from rate x RTT"
     )
+    trace: Annotated[WanTrace | None, BeforeValidator(as_wan_trace)] = Field(default=None, description=(
+        "a link trace this direction replays in emulated time (testbed/faults/wan_trace.py: CSV t_s,rate_mbit"
+        "[,delay_ms[,loss_pct]] or Mahimahi); a path from where the command runs"))
 
     @model_validator(mode="after")
     def _jitter_within_delay(self) -> WanDirection:
@@ -231,6 +235,10 @@ class Scenario(_Strict):
             unpriced = sorted(used - set(self.costs.devices))
             if unpriced:
                 raise ValueError(f"costs.devices has no price for device profile {unpriced[0]!r}")
+        try:
+            faults_of(self.wan_directions())
+        except InputError as e:
+            raise ValueError(str(e)) from None
         for i, fault in enumerate(self.faults):
             try:
                 self.check_fault(fault)
@@ -258,6 +266,11 @@ class Scenario(_Strict):
         unshaped = {name for name, d in ((f"{a}->{b}", self.wan.forward), (f"{b}->{a}", self.wan.reverse))
                     if d.rate_mbit is None}
         fault.check_against(list(self.datacenters), workers, unshaped)
+
+    def wan_directions(self) -> dict[str, WanDirection]:
+        """The line's two directions by name (``a->b``, ``b->a``)."""
+        a, b = self.wan.between
+        return {f"{a}->{b}": self.wan.forward, f"{b}->{a}": self.wan.reverse}
 
     # Convenience lookups used by the network plan and the router.
     def datacenter_of(self, host: str) -> str:

@@ -60,10 +60,13 @@ def _covering(starts: np.ndarray, ends: np.ndarray, grid: np.ndarray) -> np.ndar
     return (starts[None, :] <= grid[:, None]).sum(axis=1) - (ends[None, :] <= grid[:, None]).sum(axis=1)
 
 
-def plot_timeline(df: pd.DataFrame, path: Path, byte_factor: float = 1.0, points: int = 400) -> None:
+def plot_timeline(df: pd.DataFrame, path: Path, byte_factor: float = 1.0, points: int = 400,
+                  rates: dict[str, dict[str, list[tuple[float, float]]]] | None = None) -> None:
     """Per policy: KV bytes on the WAN over time (each transfer's bytes, times ``byte_factor``,
-    spread evenly over its duration) and the requests each relay and decoder was decoding (first token, or the main
-    decoder's takeover, to the last token)."""
+    spread evenly over its duration) with the line's rate per direction (``rates``: policy ->
+    direction -> (s, Mbit/s) at each change, as a link trace or a fault set it), and the
+    requests each relay and decoder was decoding (first token, or the main decoder's takeover,
+    to the last token)."""
     policies = list(dict.fromkeys(df.policy))
     fig, axes = plt.subplots(len(policies), 2, figsize=(12, 3 * max(1, len(policies))), squeeze=False)
     for (ax_wan, ax_load), p in zip(axes, policies, strict=True):
@@ -77,7 +80,13 @@ def plot_timeline(df: pd.DataFrame, path: Path, byte_factor: float = 1.0, points
             span = max(r.wan_end_s - r.wan_start_s, step)
             bits = 8 * r.wan_kv_bytes * byte_factor
             rate += ((grid >= r.wan_start_s) & (grid < r.wan_start_s + span)) * (bits / span / 1e9)
-        ax_wan.plot(grid, rate)
+        ax_wan.plot(grid, rate, label="KV")
+        for direction, steps in (rates or {}).get(p, {}).items():
+            xs = [t for t, _ in steps] + [end]
+            ax_wan.step(xs, [m / 1e3 for _, m in steps] + [steps[-1][1] / 1e3], where="post", linestyle="--",
+                        label=f"line {direction}")
+        if len(ax_wan.lines) > 1:
+            ax_wan.legend(fontsize=8)
         ax_wan.set(title=f"{p}: KV on the WAN", xlabel="s into the run", ylabel="Gbit/s")
         first = (ok.sent_offset_s + ok.ttft_s).to_numpy()
         last = (ok.sent_offset_s + ok.e2e_s).to_numpy()

@@ -28,6 +28,7 @@ from testbed.analysis.results import REQUESTS_FILE, SUMMARY_FILE, RunSummary, lo
 from testbed.analysis.tables import markdown_table, table_head, table_row
 from testbed.deploy.fidelity import format_verdict
 from testbed.errors import InputError
+from testbed.faults.wan_trace import rate_history
 from testbed.outputs import atomic_path, write_atomic
 from testbed.traces.generate import same_recipe
 
@@ -264,7 +265,8 @@ def render(out: Path, summary: RunSummary, df: pd.DataFrame) -> list[Path]:
     plots.plot_ttft_by_hit(df, paths[2])
     e = summary.emulation
     # KV bytes in the rows are the real model's; the emulated model's are s_in x b_e / b_r more.
-    plots.plot_timeline(df, paths[3], e.s_in * e.b_e / e.b_r if e.emulating else 1.0)
+    rates = {name: rate_history(summary.scenario.wan_directions(), s.faults) for name, s in summary.policies.items()}
+    plots.plot_timeline(df, paths[3], e.s_in * e.b_e / e.b_r if e.emulating else 1.0, rates=rates)
     if plots.plot_hit_rates(summary.workers, out / "hit_rates.png"):
         paths.append(out / "hit_rates.png")
     return paths

@@ -111,6 +111,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                        help="give up on a replay after this many (emulated) seconds")
         p.add_argument("--dilation", metavar="D|auto",
                        help="real seconds per emulated second (default: the scenario's emulation.time_dilation)")
+        p.add_argument("--wan-trace", type=Path, metavar="FILE",
+                       help="replay this link trace on both directions of the line, in emulated time (CSV "
+                            "t_s,rate_mbit|rate_pct[,delay_ms[,loss_pct]] or Mahimahi; traces/wan/)")
         retry_opts(p)
 
     p = sub.add_parser("run", help="replay a trace under one or more policies; save, plot and compare")

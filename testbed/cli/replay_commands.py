@@ -11,6 +11,9 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pydantic import ValidationError
+
+from protocol.messages import why_invalid
 from testbed.cli.args import retry_policy, scenario_from_args
 from testbed.errors import InputError
 from testbed.outputs import new_run_dir
@@ -43,6 +46,8 @@ def replay_inputs(args: argparse.Namespace) -> tuple[Scenario, list[PolicySpec],
     from testbed.experiments.trace_run import RunOptions
 
     sc = scenario_from_args(args)
+    if args.wan_trace is not None:
+        sc = with_wan_trace(sc, args.wan_trace)
     policies = parse_policy_list(args.policies)
     if args.limit is not None and args.limit < 1:
         raise InputError(f"--limit: must be at least 1, got {args.limit}")
@@ -54,6 +59,17 @@ def replay_inputs(args: argparse.Namespace) -> tuple[Scenario, list[PolicySpec],
     opts = RunOptions(args.impairment, args.dilation, False, 1.0, args.limit, args.window,
                       Slo(args.slo_ttft, args.slo_tpot), args.timeout, retry=retry_policy(args))
     return sc, policies, wl, opts
+
+
+def with_wan_trace(sc: Scenario, path: Path) -> Scenario:
+    """``sc`` with ``path`` replayed on both directions of its line."""
+    raw = sc.model_dump(mode="json")
+    for direction in ("forward", "reverse"):
+        raw["wan"][direction]["trace"] = str(path)
+    try:
+        return Scenario.model_validate(raw).model_copy(update={"source": sc.source})
+    except ValidationError as e:
+        raise InputError(f"--wan-trace {path}: {why_invalid(e)}") from None
 
 
 def _out(args: argparse.Namespace, kind: str) -> Path:

@@ -27,6 +27,7 @@ from testbed.deploy.dilation import emulation_plan
 from testbed.deploy.fidelity import format_verdict
 from testbed.errors import EXIT_INFIDELITY
 from testbed.faults.timeline import Fault
+from testbed.faults.wan_trace import faults_of
 from testbed.load.retry import RetryPolicy
 from testbed.load.trace_replay import TraceReplay
 from testbed.outputs import new_run_dir
@@ -76,9 +77,10 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
             policies=summaries, workers=workers,
         )  # fmt: skip
 
+    timeline = [*sc.faults, *faults_of(sc.wan_directions()), *opts.faults]  # the line's trace as faults too
     for spec in policies:
         t0 = time.monotonic()
-        with Deployment(sc, spec, emulation=plan, impairment=opts.impairment, timeline=[*sc.faults, *opts.faults],
+        with Deployment(sc, spec, emulation=plan, impairment=opts.impairment, timeline=timeline,
                         logs_to=out / "logs" / spec.label) as dep:
             run = dep.run(TraceReplay(specs, opts.timeout_s * d, spec.label, retry=opts.retry))
         name = spec.label

@@ -64,7 +64,7 @@ async def connect_when_ready(session: Session, on_message: Callable[[aiomqtt.Mes
 
 
 # A broker that restarts sends the router's will, then the router reconnects and says
-# "ready" again (1-3 s here): only a router silent this long after "down" is gone.
+# "ready" again (1-3 s here): only a router silent this long (emulated seconds) after "down" is gone.
 ROUTER_GRACE_S = 10.0
 
 
