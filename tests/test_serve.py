@@ -204,6 +204,8 @@ def test_stop_saves_the_served_requests_and_leaves_nothing(server: Server) -> No
     assert len(rows) >= 8 and list(gone.error) == ["the HTTP client disconnected"], log
     # The disconnect reached the emulation: the router ended the request on its workers.
     assert list(gone.router_error) == ["cancelled by the client: the HTTP client disconnected"], log
+    # Each request was written as it ended (the front end keeps only those in flight).
+    assert len((server.out / "served.jsonl").read_text().splitlines()) == len(rows)
     summary = json.loads((server.out / "summary.json").read_text())
     assert summary["trace"]["format"] == "openai-http" and summary["trace"]["requests"] == len(rows)
     assert not [n for n in netns.list_namespaces() if n.startswith(f"pdd{server.run_id}-")]

@@ -38,9 +38,11 @@ class _Gateway:
     ready, router_state = True, "ready"
 
     def __init__(self) -> None:
-        self.records: dict[str, Any] = {}
         self.release = asyncio.Event()
         self.asked: list[int] = []
+
+    def finish(self, rid: str) -> None:
+        return None
 
     async def generate(self, prompt: list[int], max_new: int, ignore_eos: bool, rid: str) -> AsyncIterator[list[int]]:
         self.asked.append(max_new)

@@ -266,7 +266,7 @@ class OpenAiFront:
                                     choices=[CompletionChoice(text=text, finish_reason=finish)]))
         finally:
             self.metrics.running.dec()
-            rec = self.gw.records.get(rid)
+            rec = self.gw.finish(rid)  # written to disk, out of memory
             if rec is not None:
                 self.metrics.ended(rec)
 

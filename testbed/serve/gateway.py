@@ -5,7 +5,8 @@ It runs on the serving thread, inside the client host's namespace, so every requ
 the emulated network where the replayer's would. Each request is recorded as a
 ``ClientRecord`` (sent = when the front end published it; token times = when its tokens
 reached the front end) and a ``RequestSpec``, so a served run is saved and measured with
-the same code as a replayed one (``testbed.analysis.metrics.request_rows``).
+the same code as a replayed one (``testbed.analysis.metrics.request_rows``). Only requests in
+flight stay in memory: ``finish`` writes an ended one to ``records_path`` and lets it go.
 
 Guarantees: a stream yields its tokens once each, in order (``ClientRecord.accept``); it
 ends with the request's completion, its failure (``RequestFailed``, with the reason the
@@ -23,6 +24,8 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
 
 import aiomqtt
 from pydantic import ValidationError
@@ -34,6 +37,7 @@ from protocol.token_stream import TokenStreamError
 from protocol.worker_config import BrokerInfo
 from testbed.deploy.run_record import ClientRecord
 from testbed.load.replay_client import connect_when_ready
+from testbed.serve.record import read_served, write_served
 from testbed.traces.workload import RequestSpec
 
 
@@ -52,10 +56,12 @@ class _Pending:
 
 
 class Gateway:
-    def __init__(self, broker: BrokerInfo, topics: Topics, timeout_s: float) -> None:
+    def __init__(self, broker: BrokerInfo, topics: Topics, timeout_s: float, records_path: Path) -> None:
         self.topics, self.timeout_s = topics, timeout_s
-        self.records: dict[str, ClientRecord] = {}
-        self.specs: list[RequestSpec] = []
+        self.records: dict[str, ClientRecord] = {}  # in flight, or ended and not yet written
+        self.specs: dict[str, RequestSpec] = {}
+        self.records_path = records_path
+        self._out: IO[str] | None = None
         self.t0 = time.time()
         self._pending: dict[str, _Pending] = {}
         self._ready = asyncio.Event()
@@ -75,6 +81,8 @@ class Gateway:
         """Connect and wait until the router says it is ready (its workers are up)."""
         self._task = await connect_when_ready(self._session, self._on_message, self._ready, self._stop, wait_s)
         self.t0 = time.time()
+        self.records_path.parent.mkdir(parents=True, exist_ok=True)
+        self._out = self.records_path.open("w")
 
     async def stop(self) -> None:
         self._stop.set()
@@ -85,6 +93,24 @@ class Gateway:
             if not p.rec.done:
                 p.rec.error, p.rec.done, p.rec.ended = "server stopped before it finished", True, time.time()
                 p.changed.set()
+        for rid in list(self.records):
+            self.finish(rid)
+        if self._out is not None:
+            self._out.close()
+
+    def finish(self, rid: str) -> ClientRecord | None:
+        """An ended request: written to the records file and forgotten; its record (None if
+        it was already written)."""
+        rec, spec = self.records.pop(rid, None), self.specs.pop(rid, None)
+        if rec is None or spec is None:
+            return None
+        if self._out is not None and not self._out.closed:
+            write_served(self._out, spec, rec)
+        return rec
+
+    def served(self) -> tuple[list[RequestSpec], dict[str, ClientRecord]]:
+        """Every request served, as written (call once the server has stopped)."""
+        return read_served(self.records_path)
 
     async def _on_message(self, msg: aiomqtt.Message) -> None:
         now = time.time()
@@ -126,8 +152,8 @@ class Gateway:
         p = self._pending[rid] = _Pending(rec)
         self.records[rid] = rec
         rec.sent = time.time()
-        self.specs.append(RequestSpec(rid=rid, prompt=prompt, max_new=max_new, at=rec.sent - self.t0,
-                                      hints=RequestHints(tag="http")))
+        self.specs[rid] = RequestSpec(rid=rid, prompt=[], max_new=max_new, at=rec.sent - self.t0,
+                                      hints=RequestHints(tag="http"))
         try:
             # Not awaited for the broker's acknowledgement in the request's own time: the
             # replayer's publish does not wait either once connected.

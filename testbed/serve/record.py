@@ -6,22 +6,84 @@ sits (sent when it published the request, each token when it reached it), in emu
 seconds as everywhere; ``summary.json``'s trace says where they came from (the URL).
 An external client's own measurement of the same requests is set beside these by
 ``testbed.serve.compare``.
+
+While it serves, the front end keeps only the requests in flight: each one is written to
+``served.jsonl`` in the run folder as it ends (``ServedRequest``, one line; its prompt's
+length, not its tokens) and read back when the server stops, so memory does not grow with
+the requests served.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import IO
 
+from pydantic import BaseModel, ConfigDict
+
+from protocol.messages import RequestHints
 from testbed.analysis import report
 from testbed.analysis.metrics import Slo
 from testbed.analysis.policy_summary import measure
 from testbed.analysis.results import RunSummary, TraceInfo
 from testbed.deploy.emulation import EmulationPlan
-from testbed.deploy.run_record import PolicyRun
+from testbed.deploy.run_record import ClientRecord, PolicyRun
 from testbed.policies.spec import PolicySpec
 from testbed.scenario import Scenario
+from testbed.traces.workload import RequestSpec
 
 SERVED_FORMAT = "openai-http"
+SERVED_FILE = "served.jsonl"
+
+
+class ServedRequest(BaseModel):
+    """One request the front end served, as it ended (front end's clock)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rid: str
+    prompt_len: int
+    max_new: int
+    at: float  # seconds after the server started
+    hints: RequestHints
+    sent: float
+    ended: float | None
+    error: str | None
+    tokens: list[int]
+    token_times: list[float]
+    workers: list[str]
+    by_worker: dict[str, int]
+    conflicts: int
+
+    @classmethod
+    def of(cls, spec: RequestSpec, rec: ClientRecord) -> ServedRequest:
+        return cls(rid=rec.rid, prompt_len=rec.prompt_len, max_new=rec.max_new, at=spec.at, hints=spec.hints,
+                   sent=rec.sent, ended=rec.ended, error=rec.error, tokens=rec.tokens, token_times=rec.token_times,
+                   workers=rec.workers, by_worker=rec.by_worker, conflicts=rec.conflicts)
+
+    def spec(self) -> RequestSpec:
+        return RequestSpec(rid=self.rid, prompt=[], max_new=self.max_new, at=self.at, hints=self.hints)
+
+    def record(self) -> ClientRecord:
+        return ClientRecord(self.rid, self.prompt_len, self.max_new, sent=self.sent, ended=self.ended,
+                            token_times=self.token_times, tokens=self.tokens, error=self.error, done=True,
+                            workers=self.workers, by_worker=self.by_worker, conflicts=self.conflicts)
+
+
+def write_served(out: IO[str], spec: RequestSpec, rec: ClientRecord) -> None:
+    out.write(ServedRequest.of(spec, rec).model_dump_json() + "\n")
+    out.flush()
+
+
+def read_served(path: Path) -> tuple[list[RequestSpec], dict[str, ClientRecord]]:
+    """What ``write_served`` wrote (nothing when the file is missing)."""
+    specs: list[RequestSpec] = []
+    recs: dict[str, ClientRecord] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            served = ServedRequest.model_validate_json(line)
+            specs.append(served.spec())
+            recs[served.rid] = served.record()
+    return specs, recs
 
 
 def save_served(out: Path, sc: Scenario, plan: EmulationPlan, policy: PolicySpec, run: PolicyRun, url: str,

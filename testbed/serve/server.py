@@ -41,7 +41,7 @@ from testbed.scenario import Role, Scenario
 from testbed.serve.app import OpenAiFront, Served
 from testbed.serve.gateway import Gateway
 from testbed.serve.prometheus import Pipelines, ServeMetrics
-from testbed.serve.record import save_served
+from testbed.serve.record import SERVED_FILE, save_served
 from testbed.traces import load_trace
 from testbed.traces.workload import RequestSpec
 
@@ -143,7 +143,8 @@ class HttpFrontDoor:
         sc, opts, cl = self.sc, self.opts, dep.cluster
 
         def build() -> tuple[Gateway, web.Application]:
-            gw = Gateway(dep.client_broker, dep.topics, sc.workers.request_timeout_s * dep.dilation * 1.5)
+            gw = Gateway(dep.client_broker, dep.topics, sc.workers.request_timeout_s * dep.dilation * 1.5,
+                         self.out / SERVED_FILE)
             pipelines = Pipelines(worker_roles(sc), {w: sc.datacenter_of(w) for w in cl.workers},
                                   isinstance(opts.policy, PddSpec))
             metrics = ServeMetrics(self.plan.scales, pipelines, cl.worker_stats, dep.net.delayline_stats)
@@ -172,7 +173,7 @@ class HttpFrontDoor:
             serving.stop()
             self.sock.close()
         gw = serving.gateway
-        return (gw.specs, gw.records) if gw is not None else ([], {})
+        return gw.served() if gw is not None else ([], {})
 
 
 def run_serve(sc: Scenario, opts: ServeOptions) -> int:
