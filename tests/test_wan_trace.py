@@ -93,3 +93,13 @@ def test_a_bad_wan_trace_on_the_command_line_exits_2_naming_it(tmp_path: Path) -
     res = subprocess.run([sys.executable, "-m", "testbed", "run", "--trace", "traces/agentic-quick.jsonl",
                           "--wan-trace", str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "bad.csv:2: t_s: 0 does not follow 0" in res.stderr, res.stderr
+
+
+def test_an_emulated_run_keeps_the_trace_in_emulated_units_and_the_wire_line_plain() -> None:
+    from testbed.deploy.emulation import EmulationPlan
+
+    trace = ROOT / "traces" / "wan" / "brownout.csv"
+    sc = scenario_with({"wan": {"forward": {"trace": str(trace)}}}, emulated=True)
+    wire = EmulationPlan.make(sc, 4, 2.5, 4096).wire_scenario(sc)  # delays x 2.5: below the trace's 35 ms no more
+    assert wire.wan.forward.trace is None and wire.wan.forward.delay_ms == 2.5 * sc.wan.forward.delay_ms
+    assert any(f.kind == "delay" and f.ms == 20 for f in faults_of(sc.wan_directions()))  # emulated: 35 - 15

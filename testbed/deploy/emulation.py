@@ -102,6 +102,9 @@ class EmulationPlan:
             d["jitter_ms"] *= self.dilation
             if d["queue_bytes"]:
                 d["queue_bytes"] = max(1, int(d["queue_bytes"] * self.byte_factor))
+            # A link trace is in emulated units and reaches the wire as faults (the injector maps
+            # them); the wire's own line starts from the scenario's values.
+            d["trace"] = None
         for dc in data["datacenters"].values():
             dc["lan"]["rate_mbit"] = rate(dc["lan"]["rate_mbit"])
         data["network"]["wan_mtu"] = sc.network.wan_mtu or self.wan_mtu(sc)
