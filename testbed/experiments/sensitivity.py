@@ -150,20 +150,24 @@ def with_mean_hit(wl: Workload, target: float, out: Path, limit: int | None) -> 
         write_jsonl(path, sessions, header)
         return trace_stats(load_trace(path, "sessions", wl.token_scale)).mean_hit_rate
 
-    if mean_hit(0.0) < target - HIT_TOLERANCE:  # even without cold requests: every other one hot
-        cfg = dataclasses.replace(cfg, above_95=1.0)
     lo, hi = 0.0, 0.45  # the mean hit falls as the cold share grows (the generator takes < 0.5)
+    reached = mean_hit(lo)
+    if reached < target - HIT_TOLERANCE:  # even without cold requests: every other one hot
+        cfg = dataclasses.replace(cfg, above_95=1.0)
+        reached = mean_hit(lo)
     # Each share is a draw of its own (which requests are cold moves the rest), so the mean is
     # not exactly monotone in it: bisect, and keep the closest draw seen.
-    best = (abs(mean_hit(lo) - target), lo)
+    best, written = (abs(reached - target), lo, reached), lo
     for _ in range(14):
         if best[0] <= HIT_TOLERANCE / 2:
             break
-        mid = (lo + hi) / 2
-        reached = mean_hit(mid)
-        best = min(best, (abs(reached - target), mid))
-        lo, hi = (mid, hi) if reached > target else (lo, mid)
-    reached = mean_hit(best[1])  # the file holds the closest draw
+        written = (lo + hi) / 2
+        reached = mean_hit(written)
+        best = min(best, (abs(reached - target), written, reached))
+        lo, hi = (written, hi) if reached > target else (lo, written)
+    reached = best[2]
+    if best[1] != written:  # the file holds the last draw: write the closest again
+        mean_hit(best[1])
     if abs(reached - target) > HIT_TOLERANCE:
         raise InputError(f"{wl.source}: its recipe reaches no mean hit within {100 * HIT_TOLERANCE:g} points of "
                          f"{100 * target:g} % (closest {100 * reached:.1f} %)")
