@@ -15,6 +15,9 @@ from pydantic import BaseModel
 
 from testbed.deploy.fidelity import cpu_seconds
 
+FLAT_SHARE = 0.10
+FLAT_FLOOR_MB = 2.0
+
 
 class ProcessMemory(BaseModel):
     name: str
@@ -23,10 +26,20 @@ class ProcessMemory(BaseModel):
     rss_first_mb: float  # first sample after the warm-up
     rss_peak_mb: float
     rss_last_mb: float
+    settled_s: float = 0.0  # seconds between the first sample after the warm-up and the last
 
     @property
     def growth_mb(self) -> float:
         return self.rss_last_mb - self.rss_first_mb
+
+    @property
+    def growth_share(self) -> float:
+        return self.growth_mb / max(self.rss_first_mb, 1e-9)
+
+    def flat(self, share: float = FLAT_SHARE) -> bool:
+        """Grew by at most ``share`` of its settled size (or by less than ``FLAT_FLOOR_MB``, the
+        page-granular noise of a process of a few MB)."""
+        return self.growth_mb <= max(share * self.rss_first_mb, FLAT_FLOOR_MB)
 
 
 def rss_mb(pid: int) -> float | None:
@@ -75,9 +88,10 @@ class RssSampler:
             by_proc.setdefault((name, pid), []).append((t, mb))
         out = []
         for (name, pid), pts in sorted(by_proc.items()):
-            settled = [mb for t, mb in pts if t >= self.warmup_s] or [pts[-1][1]]
-            out.append(ProcessMemory(name=name, pid=pid, samples=len(pts), rss_first_mb=settled[0],
-                                     rss_peak_mb=max(mb for _, mb in pts), rss_last_mb=pts[-1][1]))
+            settled = [(t, mb) for t, mb in pts if t >= self.warmup_s] or [pts[-1]]
+            out.append(ProcessMemory(name=name, pid=pid, samples=len(pts), rss_first_mb=settled[0][1],
+                                     rss_peak_mb=max(mb for _, mb in pts), rss_last_mb=pts[-1][1],
+                                     settled_s=pts[-1][0] - settled[0][0]))
         return out
 
     def _run(self) -> None:

@@ -7,7 +7,9 @@ at ``load`` times its rate, for ``minutes`` of wall-clock replay; a fault of a r
 after a few seconds, so the cluster lives on) lands every ``fault_every_s`` wall seconds.
 Every process of the run has its resident memory sampled (``RssSampler``). The verdict:
 every request *completed* or *failed with a reason*; *hung* (no end within the client's
-bound) and *lost* (sent, yet unknown to the router and never finished) must both be 0.
+bound) and *lost* (sent, yet unknown to the router and never finished) must both be 0; the
+cluster serves again after the last fault; and every process that lived through at least half
+the soak kept its resident memory flat (within 10 % of its size after the warm-up).
 Saved: ``soak.json`` (a ``SoakReport``), ``requests.csv``, ``rss.csv`` and ``rss.png``.
 """
 
@@ -82,8 +84,18 @@ class SoakReport(BaseModel):
         return self.after_faults_sent == 0 or self.after_faults_completed > 0
 
     @property
+    def grew(self) -> list[ProcessMemory]:
+        """Processes that lived through at least half the soak and whose memory did not stay flat
+        (``ProcessMemory.flat``); a worker restarted late is too young to judge."""
+        return [m for m in self.memory if m.settled_s >= 30 * self.minutes and not m.flat()]
+
+    @property
+    def failed_share(self) -> float:
+        return self.failed / max(1, self.requests)
+
+    @property
     def passed(self) -> bool:
-        return self.hung == 0 and self.lost == 0 and self.recovered
+        return self.hung == 0 and self.lost == 0 and self.recovered and not self.grew
 
 
 def soak_specs(wl: Workload, wall_s: float, load: float, dilation: float) -> list[RequestSpec]:
@@ -208,15 +220,16 @@ def run_soak(sc: Scenario, wl: Workload, opts: SoakOptions) -> int:
     print(f"saved: {out}/soak.json, requests.csv, rss.csv, rss.png")
     if not report.passed:
         print(f"soak FAILED: {report.hung} hung, {report.lost} lost, "
-              f"{report.after_faults_completed}/{report.after_faults_sent} completed after the last fault",
+              f"{report.after_faults_completed}/{report.after_faults_sent} completed after the last fault, "
+              f"{len(report.grew)} processes grew",
               file=sys.stderr)
         return 1
     return 0
 
 
 def format_soak(r: SoakReport) -> str:
-    lines = [f"requests {r.requests}: completed {r.completed}, failed with a reason {r.failed}, "
-             f"hung {r.hung}, lost {r.lost}",
+    lines = [f"requests {r.requests}: completed {r.completed}, failed with a reason {r.failed} "
+             f"({100 * r.failed_share:.1f} % after retries), hung {r.hung}, lost {r.lost}",
              "faults applied: " + (", ".join(f"{k} {n}" for k, n in sorted(r.faults_by_kind.items())) or "none"),
              f"after the last fault cleared: {r.after_faults_completed} of {r.after_faults_sent} requests sent "
              "completed",
@@ -227,4 +240,7 @@ def format_soak(r: SoakReport) -> str:
     lines.append(f"{'process':28s} {'pid':>7s} {'peak MB':>8s} {'first MB':>9s} {'last MB':>8s} {'growth':>7s}")
     lines += [f"{m.name:28s} {m.pid:7d} {m.rss_peak_mb:8.1f} {m.rss_first_mb:9.1f} {m.rss_last_mb:8.1f} "
               f"{m.growth_mb:+7.1f}" for m in r.memory]
+    grew = ", ".join(f"{m.name} ({m.pid}) {100 * m.growth_share:+.0f} %" for m in r.grew)
+    lines.append(f"memory: {'grew: ' + grew if grew else 'flat'} (processes that lived through half the soak, "
+                 "within 10 % of their size after the warm-up)")
     return "\n".join(lines)
