@@ -19,7 +19,7 @@ POLICIES ?= same-dc,cross-dc,pdd
 NETWORK ?=
 RUN_ARGS ?=
 
-.PHONY: reproduce sensitivity soak bench-cache bench-client bench-scale setup debs test test-fast lint run-trace run-cluster bench-net bench-handoff clean distclean
+.PHONY: reproduce sensitivity outage soak bench-cache bench-client bench-scale setup debs test test-fast lint run-trace run-cluster bench-net bench-handoff clean distclean
 
 MININET_LINK := $(VENV)/.mininet-linked
 
@@ -148,8 +148,27 @@ reproduce: setup
 	  $(if $(filter 1,$(QUICK)),,echo; sed 's/^#/##/' $(REPRO_OUT)/sensitivity/sensitivity.md;) } > $(REPRO_OUT)/reproduce.md
 	@cat $(REPRO_OUT)/reproduce.md; echo "written: $(REPRO_OUT)/reproduce.md"
 
-# 30 minutes of replay at 1.5x the default load with a random fault every minute (pdd): every
-# request must complete or fail with a reason (0 hung, 0 lost); memory of every process over time.
+# The PD outage (topologies/pd-outage.yaml, docs/faults.md): one main decoder killed under the
+# report's traffic, once with the router's failure detection off (the cascade) and once on;
+# prints what the fault cost in each (detection, requests failed after retries, goodput lost,
+# how long requests kept failing). OUTAGE_LIMIT requests per policy.
+OUTAGE_LIMIT ?= 600
+OUTAGE_POLICIES ?= cross-dc,pdd
+OUTAGE_OUT ?= runs/outage-$(REPRO_STAMP)
+outage: setup
+	@status=0; for det in none probe; do \
+	  $(VENV)/bin/testbed run --scenario topologies/pd-outage.yaml --trace traces/paper.jsonl \
+	    --token-scale $(TOKEN_SCALE) --policies $(OUTAGE_POLICIES) --limit $(OUTAGE_LIMIT) \
+	    --failure-detection $$det --out $(OUTAGE_OUT)/$$det || status=$$?; \
+	done; \
+	for det in none probe; do \
+	  echo; echo "failure detection $$det ($(OUTAGE_OUT)/$$det/report.md):"; \
+	  awk '/^What each fault cost/ {on = 1} on && /^\|/ {print}' $(OUTAGE_OUT)/$$det/report.md; \
+	done; exit $$status
+
+# 30 minutes of replay of the default trace, copies back to back at about 1.6x the request rate
+# one replay averages, a random fault every minute (pdd): every request must complete or fail
+# with a reason (0 hung, 0 lost), memory of every long-lived process flat (docs/faults.md).
 SOAK_MINUTES ?= 30
 soak: setup
 	$(VENV)/bin/testbed clean

@@ -9,6 +9,8 @@
   ``testbed.analysis.metrics``: the plan, why it was chosen (``PlanInfo``), every worker
   event, and how the request ended.
 * ``PolicyReport``: the policy's own counters, written next to the records.
+* ``WorkerDeath``: each worker the router declared dead, appended next to the records as it
+  happens.
 
 ``PolicyContext``, ``PlanInfo`` and ``PolicyReport`` are defined with the policy interface
 (``testbed/policies/base.py``) and re-exported here.
@@ -18,6 +20,8 @@ the MQTT messages in ``protocol/messages.py``.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import Field
 
@@ -45,8 +49,18 @@ class RouterConfig(Contract):
     dilation: float = Field(default=1.0, gt=0)
     unreachable_grace_s: float = Field(default=30.0, ge=0)  # real seconds (scaled): unreachable, not yet dead
     cache_outputs: bool = False  # after a request, its prefill instance caches its answer (WarmCmd)
+    failure_detection: Literal["probe", "none"] = "probe"  # testbed.deploy.liveness
     records_path: str
     context: PolicyContext = PolicyContext()
+
+
+class WorkerDeath(Contract):
+    """A worker the router declared dead (``<records>.deaths.jsonl``, one per line)."""
+
+    worker: str
+    news_t: float  # wall clock: its "dead" status (last will) reached the router
+    t: float  # wall clock: the router declared it dead and acted (no new requests, its requests ended)
+    why: str
 
 
 class RequestRecord(Contract):

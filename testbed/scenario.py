@@ -120,6 +120,10 @@ class WorkerSettings(_Strict):
         "a worker whose broker session lapsed while the router cannot reach it (a WAN outage) keeps its "
         "requests this long; they resume when it is back, and only then is it dead. A worker whose host "
         "refuses the router's probe (the process is gone) is dead at once"))
+    failure_detection: Literal["probe", "none"] = Field(default="probe", description=(
+        "probe: a worker's last will is confirmed by probing its host and a dead worker's requests end at once "
+        "(unreachable ones wait unreachable_grace_s); none: the router ignores wills, as one without health "
+        "checks, and requests end only by their own timeouts (the PD-outage baseline, docs/faults.md)"))
     cache_outputs: bool = Field(default=False, description=(
         "after a request completes, the prefill instance that served it computes the KV of its answer when "
         "no prefill waits, so the session's next turn finds the whole conversation cached (docs/scenarios.md)"))
@@ -345,8 +349,21 @@ def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
 
 
 def load_scenario(path: str | Path, overrides: dict[str, Any] | None = None) -> Scenario:
-    """Read and validate a scenario file. Raises InputError naming file:line: field."""
+    """Read and validate a scenario file (``extends: FILE``: on top of that one, mappings merged
+    key by key, the rest replaced). Raises InputError naming file:line: field."""
     path = Path(path)
+    node, data = _read_yaml(path)
+    data = _extended(path, data, (path.resolve(),))
+    if overrides:
+        data = deep_merge(data, overrides)
+    try:
+        return Scenario.model_validate({**data, "source": path})
+    except ValidationError as e:
+        raise InputError("\n".join(f"{path}:{_line_of(node, err.loc) or '?'}: {err.field or '(top level)'}: {err.msg}"
+                                   for err in field_errors(e))) from e
+
+
+def _read_yaml(path: Path) -> tuple[yaml.Node | None, dict[str, Any]]:
     try:
         text = path.read_text()
     except OSError as e:
@@ -360,13 +377,17 @@ def load_scenario(path: str | Path, overrides: dict[str, Any] | None = None) -> 
         raise InputError(f"{where}: invalid YAML: {getattr(e, 'problem', e)}") from e
     if not isinstance(data, dict):
         raise InputError(f"{path}:1: scenario must be a mapping at the top level")
-    if overrides:
-        data = deep_merge(data, overrides)
-    try:
-        return Scenario.model_validate({**data, "source": path})
-    except ValidationError as e:
-        raise InputError("\n".join(f"{path}:{_line_of(node, err.loc) or '?'}: {err.field or '(top level)'}: {err.msg}"
-                                   for err in field_errors(e))) from e
+    return node, data
+
+
+def _extended(path: Path, data: dict[str, Any], seen: tuple[Path, ...]) -> dict[str, Any]:
+    """``data`` on top of the scenario its ``extends:`` names (recursively)."""
+    if (base := data.pop("extends", None)) is None:
+        return data
+    if not isinstance(base, str) or (base_path := path.parent / base).resolve() in seen:
+        raise InputError(f"{path}: extends: expected the path of another scenario file (no cycle), got {base!r}")
+    _, base_data = _read_yaml(base_path)
+    return deep_merge(_extended(base_path, base_data, (*seen, base_path.resolve())), data)
 
 
 def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

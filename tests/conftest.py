@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from testbed.cli.main import main as testbed_main
 from testbed.deploy.deployment import network_session
@@ -141,11 +140,11 @@ def scenario_with(overrides: dict[str, Any] | None = None, base: str = "two-dc.y
     pacing or the wire derivation run at the host's own speed)."""
     extra: dict[str, Any] = {}
     if not emulated:
-        raw = yaml.safe_load((TOPOLOGIES / base).read_text())
+        shipped = load_scenario(TOPOLOGIES / base)  # with what it extends
         extra = {"emulation": None,
                  "datacenters": {dc: {"lan": {"rate_mbit": None},
-                                      "hosts": {h: {"device": "native"} for h in spec["hosts"]}}
-                                 for dc, spec in raw["datacenters"].items()}}
+                                      "hosts": {h: {"device": "native"} for h in spec.hosts}}
+                                 for dc, spec in shipped.datacenters.items()}}
     return load_scenario(TOPOLOGIES / base, deep_merge(deep_merge(FAST_WAN, extra), overrides or {}))
 
 

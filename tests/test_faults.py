@@ -13,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from testbed.analysis.fault_impact import fault_impacts
 from testbed.deploy.deployment import Deployment
 from testbed.faults.timeline import parse_fault
 from testbed.load.retry import NO_RETRY, RetryPolicy, attempt_rid
@@ -75,18 +76,19 @@ def test_a_rate_fault_changes_the_line_and_its_end_restores_it() -> None:
 
 @pytest.fixture(scope="module")
 def spread_prompts() -> tuple[list[RequestSpec], dict[str, list[int]]]:
-    """Requests over ~5 s (faults land while some are in flight), with greedy references."""
-    specs = [replace(s, at=0.3 * i) for i, s in enumerate(verification_prompts(16, seed=5, max_len=768))]
+    """Requests over ~5 s, each decoding 64 tokens (a fault lands while several are in flight,
+    whatever the host's speed), with greedy references."""
+    specs = [replace(s, at=0.3 * i, max_new=64) for i, s in enumerate(verification_prompts(16, seed=5, max_len=768))]
     runner = ModelRunner(ensure_default_model(), "float64")
     return specs, {s.rid: runner.reference(s.prompt, s.max_new) for s in specs}
 
 
 def _run(policy: str, faults: list[str], specs: list[RequestSpec], timeout_s: float = 90,
-         retry: RetryPolicy = NO_RETRY):
-    sc = scenario_with()
+         retry: RetryPolicy = NO_RETRY, workers: dict | None = None):
+    sc = scenario_with({"workers": workers} if workers else None)
     with Deployment(sc, parse_policy(policy), dtype="float64", timeline=[parse_fault(f) for f in faults]) as dep:
         run = dep.run(TraceReplay(specs, timeout_s=timeout_s, retry=retry))
-    return run.recs, run.router, run.faults, run.wall_s
+    return run.recs, run.router, run.faults, run
 
 
 def test_wan_outage_and_broker_restart_lose_nothing(spread_prompts) -> None:
@@ -128,9 +130,14 @@ def test_a_dead_main_decoder_leaves_the_relay_to_finish_and_new_requests_to_it(s
     and served by the relay alone, so every request ends with the reference tokens."""
     specs, refs = spread_prompts
     kill_at = 1.5
-    recs, router, log, _ = _run("pdd:relay_s=0", [f"kill@{kill_at}:host=decode-b"], specs,
-                                retry=RetryPolicy(retries=2, initial_s=0.2))
+    recs, router, log, run = _run("pdd:relay_s=0", [f"kill@{kill_at}:host=decode-b"], specs,
+                                  retry=RetryPolicy(retries=2, initial_s=0.2))
     assert log[0].applied_s is not None
+    # Detected (and routed around) within an emulated second, by the router's own record.
+    (impact,) = fault_impacts(run, 1.0)
+    assert [d.worker for d in run.deaths] == ["decode-b"] and impact.detected_s is not None
+    assert 0 < impact.detected_s < 1.0, impact
+    assert impact.failed == 0 and impact.goodput_lost == 0.0
     assert {rid: r.error for rid, r in recs.items() if not r.ok} == {}
     assert compare(specs, refs, recs) == []
     retried = {rid: r for rid, r in recs.items() if r.retried}
@@ -147,6 +154,26 @@ def test_a_dead_main_decoder_leaves_the_relay_to_finish_and_new_requests_to_it(s
     later = [s.rid for s in specs if s.at > kill_at + 1.0]
     assert later and all(router[rid].pipeline == "P-RLD" for rid in later)
     assert rescued or retried  # the kill landed on requests in flight
+
+
+def test_without_failure_detection_a_dead_decoder_stays_in_rotation_until_timeouts(spread_prompts) -> None:
+    """The PD-outage baseline (``failure_detection: none``): the router ignores the will, so
+    decode-b is never declared dead; requests on it end only by their own timeouts, and
+    requests sent after the kill are still planned onto it and fail."""
+    specs, _ = spread_prompts
+    specs = specs[:10]
+    kill_at = 1.0
+    recs, router, _, run = _run("cross-dc", [f"kill@{kill_at}:host=decode-b"], specs,
+                                workers={"failure_detection": "none", "request_timeout_s": 4.0,
+                                         "kv_timeout_s": 4.0})
+    assert run.deaths == []
+    (impact,) = fault_impacts(run, 1.0)
+    assert impact.detected_s is None and impact.failed > 0 and impact.recovered_s is not None
+    later = [s.rid for s in specs if s.at > kill_at + 0.5]
+    assert later and all(router[rid].decode == "decode-b" and not recs[rid].ok for rid in later)
+    assert all(r.done for r in recs.values())  # every request ends, by a timeout if nothing else
+    for rid in later:
+        assert "decode-b" in (recs[rid].error or "") or "timed out" in (recs[rid].error or ""), recs[rid].error
 
 
 def test_a_dead_relay_after_handoff_affects_nothing(spread_prompts) -> None:

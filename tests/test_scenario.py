@@ -99,3 +99,26 @@ def test_a_model_path_that_is_no_usable_model_is_an_input_error(tmp_path: Path) 
     tiny = load_scenario(TOPOLOGIES / "two-dc.yaml", {"workers": {"model": str(small)}})
     with pytest.raises(InputError, match="has a vocabulary of 100 tokens; traces are synthesised from token ids below"):
         tiny.model_dir()
+
+
+def test_a_scenario_extends_another_key_by_key(tmp_path: Path) -> None:
+    base = (TOPOLOGIES / "two-dc.yaml").read_text()
+    (tmp_path / "base.yaml").write_text(base)
+    (tmp_path / "child.yaml").write_text("extends: base.yaml\nname: child\nworkers: {kv_timeout_s: 300}\n"
+                                         "faults: [kill@5:host=decode-b]\n")
+    sc, parent = load_scenario(tmp_path / "child.yaml"), load_scenario(tmp_path / "base.yaml")
+    assert sc.name == "child" and sc.workers.kv_timeout_s == 300 and len(sc.faults) == 1
+    assert sc.workers.max_batch == parent.workers.max_batch and sc.datacenters == parent.datacenters
+    (tmp_path / "base.yaml").write_text(base.replace("name: two-dc", "extends: child.yaml\nname: two-dc"))
+    with pytest.raises(InputError, match="extends"):
+        load_scenario(tmp_path / "child.yaml")
+    (tmp_path / "child.yaml").write_text("extends: nowhere.yaml\nname: child\n")
+    with pytest.raises(InputError, match="nowhere.yaml: cannot read scenario"):
+        load_scenario(tmp_path / "child.yaml")
+
+
+def test_the_pd_outage_scenario_is_the_papers_with_a_kill_and_long_timeouts() -> None:
+    sc, paper = load_scenario(TOPOLOGIES / "pd-outage.yaml"), load_scenario(TOPOLOGIES / "paper.yaml")
+    assert sc.datacenters == paper.datacenters and sc.costs == paper.costs
+    assert sc.workers.kv_timeout_s == 300 and sc.workers.failure_detection == "probe"
+    assert [(f.kind, f.host) for f in sc.faults] == [("kill", "decode-b1")]

@@ -1,7 +1,7 @@
 """What a policy's deployment costs: the scenario's ``costs`` applied to what it deploys.
 
 A policy declares the roles it deploys and where (``Policy.deploys``: "home" = the
-datacenter(s) of the prefill instances, "away" = the others) and whether it needs the
+datacenter where requests enter, the router's; "away" = the other) and whether it needs the
 inter-datacenter line (``Policy.crosses_wan``). Its hardware is every accelerator of every
 host of those roles there (``Host.devices`` x the host's device profile), priced by
 ``costs.devices``, plus ``costs.wan_line`` when it crosses the WAN. On the report's
@@ -33,11 +33,25 @@ class HardwareCost(BaseModel):
         return " + ".join(parts + (["line"] if self.wan_line else [])) or "nothing"
 
 
+def home_datacenters(sc: Scenario) -> set[str]:
+    """Where requests enter: the router's datacenter."""
+    return {dc for dc, d in sc.datacenters.items() if any(h.role == "router" for h in d.hosts.values())}
+
+
+def missing_for(sc: Scenario, policy: type[Policy] | Policy) -> list[str]:
+    """What the policy needs (``Policy.needs``) that the scenario lacks, in words."""
+    home = home_datacenters(sc)
+    have = {(h.role.value, "home" if dc in home else "away") for dc, d in sc.datacenters.items()
+            for h in d.hosts.values()}
+    return [f"a {role} instance {'in' if where == 'home' else 'outside'} datacenter {', '.join(sorted(home))}"
+            for role, where in policy.needs if (role, where) not in have]
+
+
 def hardware_cost(sc: Scenario, policy: type[Policy] | Policy) -> HardwareCost | None:
     """``None`` when the scenario states no prices."""
     if sc.costs is None:
         return None
-    home = {dc for dc, d in sc.datacenters.items() if any(h.role == "prefill" for h in d.hosts.values())}
+    home = home_datacenters(sc)
     devices: dict[str, int] = {}
     for dc_name, dc in sc.datacenters.items():
         for host in dc.hosts.values():

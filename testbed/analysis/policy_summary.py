@@ -5,6 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from testbed.analysis.cost import cost_per_million_tokens, egress_price, hardware_cost
+from testbed.analysis.fault_impact import fault_impacts
 from testbed.analysis.metrics import Slo, itls, request_rows, summarize
 from testbed.analysis.results import PolicySummary
 from testbed.deploy.emulation import EmulationPlan
@@ -27,4 +28,5 @@ def measure(sc: Scenario, spec: PolicySpec, plan: EmulationPlan, run: PolicyRun,
     with_egress = cost_per_million_tokens(cost, measured.duration_s, tokens, egress or 0.0) if cost else None
     return df, PolicySummary(**dict(measured), policy_stats=run.policy, fidelity=run.verdict, cost=cost,
                              cost_per_mtok=per_mtok, wan_gb=wan_gb, egress=egress,
-                             cost_per_mtok_with_egress=with_egress, impairment=run.impairment, faults=run.faults)
+                             cost_per_mtok_with_egress=with_egress, impairment=run.impairment, faults=run.faults,
+                             fault_impact=fault_impacts(run, plan.dilation))

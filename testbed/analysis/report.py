@@ -23,6 +23,7 @@ import pandas as pd
 
 from testbed.analysis import plots
 from testbed.analysis.confidence import mean_ci
+from testbed.analysis.fault_report import fault_table
 from testbed.analysis.metrics import Summary
 from testbed.analysis.results import REQUESTS_FILE, SUMMARY_FILE, RunSummary, load_run
 from testbed.analysis.tables import markdown_table, table_head, table_row
@@ -152,19 +153,6 @@ def cost_table(summary: RunSummary) -> str | None:
         "not measure.",
     ]
     return "\n".join(lines)
-
-
-def fault_table(summary: RunSummary) -> str | None:
-    """The fault timeline of each policy's run as applied (emulated seconds), and how many
-    requests failed while each fault was in effect; None without faults."""
-    lines = table_head(["policy", "fault", "applied s", "cleared s", "what was done", "failed during"])
-    for name, s in summary.policies.items():
-        for f in s.faults:
-            during = sum(f.fault in (why or "") for why in s.failures.values())
-            applied = f"{f.applied_s:.2f}" if f.applied_s is not None else "-"
-            cleared = f"{f.cleared_s:.2f}" if f.cleared_s is not None else "-"
-            lines.append(f"| {name} | `{f.fault}` | {applied} | {cleared} | {f.error or f.detail} | {during} |")
-    return "\n".join(lines) if len(lines) > 2 else None
 
 
 def report_markdown(summary: RunSummary) -> str:

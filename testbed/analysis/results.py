@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict
 
 from protocol.worker_config import WorkerStats
 from testbed.analysis.cost import HardwareCost
+from testbed.analysis.fault_impact import FaultImpact
 from testbed.analysis.metrics import Summary
 from testbed.deploy.fidelity import Verdict
 from testbed.errors import InputError
@@ -86,6 +87,7 @@ class PolicySummary(Summary):
     egress: float | None = None  # their price (costs.wan_egress_per_gb); None: no prices
     cost_per_mtok_with_egress: float | None = None  # hardware and egress per 1M emulated output tokens
     faults: list[AppliedFault] = []  # the fault timeline as it was applied
+    fault_impact: list[FaultImpact] = []  # what each applied fault cost (testbed.analysis.fault_impact)
 
 
 class RunSummary(_Saved):

@@ -114,6 +114,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         p.add_argument("--wan-trace", type=Path, metavar="FILE",
                        help="replay this link trace on both directions of the line, in emulated time (CSV "
                             "t_s,rate_mbit|rate_pct[,delay_ms[,loss_pct]] or Mahimahi; traces/wan/)")
+        p.add_argument("--failure-detection", choices=["probe", "none"],
+                       help="the router's failure detector (default: the scenario's workers.failure_detection): "
+                            "probe confirms a last will and ends a dead worker's requests at once; none ignores "
+                            "wills, as a router without health checks (docs/faults.md, the PD outage)")
         retry_opts(p)
 
     p = sub.add_parser("run", help="replay a trace under one or more policies; save, plot and compare")
@@ -235,7 +239,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--trace", type=Path, default=Path("traces/agentic-quick.jsonl"))
     trace_opts(p)
     p.add_argument("--minutes", type=float, default=30.0, help="wall-clock minutes of replay (default 30)")
-    p.add_argument("--load", type=float, default=1.5, help="times the trace's own rate (default 1.5)")
+    p.add_argument("--load", type=float, default=0.4,
+                   help="times the trace's session-start rate, copies back to back (default 0.4: about 1.6x the "
+                        "request rate one replay of the default trace averages)")
     p.add_argument("--policy", default="pdd", help="one policy, name[:key=value,...] (default pdd)")
     p.add_argument("--fault-every", type=float, default=60.0, metavar="S",
                    help="a fault of a random kind every S wall seconds (default 60)")

@@ -19,14 +19,13 @@ from testbed.bench.net import run_bench
 from testbed.cli import net_commands, profile_commands, replay_commands, serve_commands
 from testbed.cli.args import build_parser, retry_policy, scenario_from_args
 from testbed.cli.net_commands import require_root, wire_scenario
-from testbed.cli.replay_commands import replay_inputs
+from testbed.cli.replay_commands import policies_for, replay_inputs
 from testbed.deploy import forkserver
 from testbed.deploy.deployment import network_session
 from testbed.errors import EXIT_INTERRUPTED, InputError, Terminated, TestbedError
 from testbed.faults.timeline import parse_faults
 from testbed.load.verify import run_verify
 from testbed.outputs import new_run_dir
-from testbed.policies.spec import parse_policy_list
 from testbed.traces import load_trace
 from testbed.traces.generate import GenConfig, generate_file
 from testbed.traces.stats import format_stats, trace_stats
@@ -105,7 +104,7 @@ def cmd_trace_gen(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     sc = scenario_from_args(args)
-    policies = parse_policy_list(args.policies)
+    policies = policies_for(sc, args.policies)
     return run_verify(sc, args.impairment, policies, args.prompts, args.seed, args.dtype, args.json, args.dilation)
 
 

@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from protocol.messages import why_invalid
+from testbed.analysis.cost import missing_for
 from testbed.cli.args import retry_policy, scenario_from_args
 from testbed.errors import InputError
 from testbed.outputs import new_run_dir
+from testbed.policies import make_policy
 from testbed.policies.spec import PolicySpec, parse_policy_list
 from testbed.scenario import Scenario
 from testbed.traces import load_trace
@@ -48,7 +50,10 @@ def replay_inputs(args: argparse.Namespace) -> tuple[Scenario, list[PolicySpec],
     sc = scenario_from_args(args)
     if args.wan_trace is not None:
         sc = with_wan_trace(sc, args.wan_trace)
-    policies = parse_policy_list(args.policies)
+    if args.failure_detection is not None:
+        sc = sc.model_copy(update={"workers": sc.workers.model_copy(
+            update={"failure_detection": args.failure_detection})})
+    policies = policies_for(sc, args.policies)
     if args.limit is not None and args.limit < 1:
         raise InputError(f"--limit: must be at least 1, got {args.limit}")
     if min(args.slo_ttft, args.slo_tpot) <= 0:
@@ -59,6 +64,17 @@ def replay_inputs(args: argparse.Namespace) -> tuple[Scenario, list[PolicySpec],
     opts = RunOptions(args.impairment, args.dilation, False, 1.0, args.limit, args.window,
                       Slo(args.slo_ttft, args.slo_tpot), args.timeout, retry=retry_policy(args))
     return sc, policies, wl, opts
+
+
+def policies_for(sc: Scenario, text: str) -> list[PolicySpec]:
+    """``--policies``, each checked against the scenario: what a policy cannot plan without
+    (``Policy.needs``) must be there, or it exits 2 before anything starts."""
+    policies = parse_policy_list(text)
+    for spec in policies:
+        if missing := missing_for(sc, make_policy(spec)):
+            raise InputError(f"{sc.source}: policy {spec.label} needs {' and '.join(missing)} "
+                             "(a scenario with one: topologies/offload.yaml)")
+    return policies
 
 
 def with_wan_trace(sc: Scenario, path: Path) -> Scenario:

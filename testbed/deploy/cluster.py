@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from protocol.messages import Topics
-from protocol.router_config import PolicyContext, PolicyReport, RequestRecord, RouterConfig, WorkerEndpoint
+from protocol.router_config import (
+    PolicyContext,
+    PolicyReport,
+    RequestRecord,
+    RouterConfig,
+    WorkerDeath,
+    WorkerEndpoint,
+)
 from protocol.worker_config import BrokerInfo, Scales, WorkerConfig, WorkerFaults, WorkerRole, WorkerStats
 from testbed.deploy.broker import BrokerAccess, launch_broker, start_broker
 from testbed.deploy.emulation import EmulationPlan
@@ -148,15 +155,18 @@ class Cluster:
         fwd = sc.wan.forward
         context = PolicyContext(
             wan_rate_bps=fwd.rate_mbit * 1e6 if fwd.rate_mbit else None, wan_rtt_s=2 * fwd.delay_ms / 1000, dilation=d,
+            wan_back_rate_bps=sc.wan.reverse.rate_mbit * 1e6 if sc.wan.reverse.rate_mbit else None,
             kv_bytes_per_token=kv_bytes_per_token(model, dtype or ws.dtype), block_size=ws.block_size,
-            decode_cache_tokens=ws.decode_cache_tokens,
+            decode_cache_tokens=ws.decode_cache_tokens, home_dc=sc.datacenter_of(routers[0]),
+            token_scale=emulation.scales.s_in if emulation else 1,
         )  # fmt: skip
         endpoints = {h: WorkerEndpoint(role=c.role, dc=sc.datacenter_of(h), host=c.host_ip, kv_port=c.kv_port)
                      for h, c in cl.workers.items()}
         rcfg = RouterConfig(run_id=net.run.run_id, broker=access.router, policy=policy, workers=endpoints,
                             request_timeout_s=ws.request_timeout_s * d, records_path=str(cl.records_path),
                             dilation=d, unreachable_grace_s=ws.unreachable_grace_s * d,
-                            context=context, cache_outputs=ws.cache_outputs)
+                            context=context, cache_outputs=ws.cache_outputs,
+                            failure_detection=ws.failure_detection)
         rpath = net.run.dir / "router.cfg.json"
         runstate.write_private(rpath, rcfg.model_dump_json())
         cl.router = net.spawn(routers[0], [sys.executable, "-m", "testbed.deploy.router", str(rpath)], name="router",
@@ -220,6 +230,11 @@ class Cluster:
         """The policy's own counters (written by the router on exit)."""
         p = Path(str(self.records_path) + ".policy.json")
         return PolicyReport.model_validate_json(p.read_text()) if p.exists() else PolicyReport()
+
+    def worker_deaths(self) -> list[WorkerDeath]:
+        """The workers the router declared dead, in order (appended by the router as it happened)."""
+        p = Path(str(self.records_path) + ".deaths.jsonl")
+        return [WorkerDeath.model_validate_json(line) for line in p.read_text().splitlines()] if p.exists() else []
 
     def worker_stats(self) -> dict[str, WorkerStats]:
         out = {}

@@ -193,13 +193,14 @@ class Deployment:
         cpu = cpu_by_name(self.processes())
         steal = host_steal_s() - steal0
         router, workers, policy_report = cl.router_records(), cl.worker_stats(), cl.policy_stats()
+        deaths = cl.worker_deaths()
         self.close()  # the delay line's final statistics come with the network's teardown
         final = net.delayline_stats_final
         verdict = judge(workers, final.since(before_load[0]) if final else None, cpu, wall, steal)
         return PolicyRun(specs=specs, recs=recs, router=router, workers=workers, policy=policy_report,
                          verdict=verdict, impairment=f"{net.impairment} ({net.impairment_reason})",
                          faults=applied, wall_s=wall, memory=memory, rss=sampler.series if sampler else [],
-                         fault_t0_wall=injector.t0_wall)
+                         fault_t0_wall=injector.t0_wall, deaths=deaths)
 
     def _print_log_tails(self) -> None:
         for name in ["router", *self.cluster.groups]:

@@ -43,14 +43,10 @@ from protocol.messages import (
 )
 from protocol.mqtt_session import Session
 from protocol.router_config import RequestRecord, RouterConfig
+from testbed.deploy.liveness import Liveness
 from testbed.policies import ClusterView, Policy, RequestState, make_policy
 from testbed.policies.base import WorkerView
 
-# Emulated seconds (x the dilation, as every timer here):
-WILL_SETTLE_S = 0.3  # a worker's death is acted on this long after its will (a broker restart shows first)
-RESTART_GRACE_S = 3.0  # after the router reconnects, how long a worker has to say "up" again
-PROBE_TIMEOUT_S = 0.5  # a worker's host that answers no connection within this is unreachable
-PROBE_EVERY_S = 1.0  # how often an unreachable worker is probed again
 # Finished requests kept in memory, for their late events (cut-off transfers, cache-only KV,
 # within seconds) and to drop a repeated request; older ones are on disk, in the records file.
 ENDED_KEPT = 4096
@@ -71,10 +67,7 @@ class Router:
         self.ended: dict[str, RequestState] = {}  # finished requests, for the policy's late events
         self.session: Session | None = None
         self.ready = False
-        self.pending: set[asyncio.Task[None]] = set()
-        self.last_up: dict[str, float] = {}  # worker -> time.monotonic() of its last "up" status
-        self.suspects: set[str] = set()  # workers whose "dead" status is being confirmed
-        self.unreachable: dict[str, float] = {}  # worker -> since (monotonic): requests kept, none routed
+        self.liveness = Liveness(cfg, self.view.workers, self._worker_died)
         self.repeated_requests = 0
 
     async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
@@ -95,6 +88,7 @@ class Router:
                                     will=will)
         self.session = Session(client, [self.topics.requests, self.topics.cancels, self.topics.all_status,
                                         self.topics.events], "router")
+        self.liveness.session = self.session
 
         async def on_connect(first: bool) -> None:
             if self.ready:  # retained: a restarted broker may have lost it
@@ -150,81 +144,10 @@ class Router:
                                                                t=time.time(), done=True, error=reason).dump())
 
     async def _on_status(self, st: Status) -> None:
-        w = self.view.workers.get(st.worker)
-        if w is None:
-            return
-        if st.state == "up":
-            w.up, w.active, w.queued = True, st.active, st.queued
-            self.last_up[st.worker] = time.monotonic()
-        elif w.up and st.worker not in self.suspects:
-            # Still routable until confirmed: a request planned onto it meanwhile fails with
-            # the others if the death is real (_on_worker_death).
-            self.suspects.add(st.worker)
-            task = asyncio.create_task(self._confirm_death(st.worker, time.monotonic()))
-            self.pending.add(task)
-            task.add_done_callback(self.pending.discard)
+        self.liveness.on_status(st)
         if not self.ready and all(x.up for x in self.view.workers.values()):
             self.ready = True
             await self._publish_state("ready")
-
-    async def _confirm_death(self, name: str, news_at: float) -> None:
-        """A "dead" status is a worker's last will, or its own word when it stops. A broker
-        that shuts down sends the will of every client, live workers included, just before
-        it drops the router too (and a restarted one hands the retained wills out again):
-        if the router's connection goes within WILL_SETTLE_S, or came back within
-        RESTART_GRACE_S, the worker has until RESTART_GRACE_S after the reconnection to
-        say "up" again. Otherwise the router probes the worker's host (``_probe``): a
-        refusal means the process is gone, and the worker is dead at once. A host that does
-        not answer is unreachable (a WAN outage lapsed its broker session): it keeps its
-        requests, gets no new ones, and is probed until it says "up" again (its requests
-        resume) or ``unreachable_grace_s`` has passed (then it is dead)."""
-        session = self.session
-        assert session is not None
-        d = self.cfg.dilation
-        losses = session.losses
-        await asyncio.sleep(WILL_SETTLE_S * d)
-        if (session.losses != losses or not session.connected.is_set()
-                or session.since_reconnect() < RESTART_GRACE_S * d):
-            await session.connected.wait()
-            await asyncio.sleep(max(0.0, RESTART_GRACE_S * d - session.since_reconnect()))
-        w = self.view.workers[name]
-        deadline = time.monotonic() + self.cfg.unreachable_grace_s
-        why = "died"
-        while self.last_up.get(name, 0.0) <= news_at:  # no "up" since the news
-            answer = await self._probe(w)
-            if answer == "refused":
-                break
-            if time.monotonic() >= deadline:
-                why = f"unreachable for {self.cfg.unreachable_grace_s / d:g} s"
-                break
-            if name not in self.unreachable:
-                self.unreachable[name] = time.monotonic()
-                w.up = False  # no new requests; those it holds wait for the line
-                print(f"router: worker {name} is unreachable ({answer}); its requests wait", file=sys.stderr,
-                      flush=True)
-            await asyncio.sleep(PROBE_EVERY_S * d)
-        self.suspects.discard(name)
-        since = self.unreachable.pop(name, None)
-        if self.last_up.get(name, 0.0) > news_at:
-            if since is not None:
-                print(f"router: worker {name} is back after {(time.monotonic() - since) / d:.1f} s", file=sys.stderr,
-                      flush=True)
-            return
-        w.up = False
-        await self._worker_died(name, why)
-
-    async def _probe(self, w: WorkerView) -> str:
-        """"refused" when the worker's host answers that nothing listens on its port (the
-        process is gone), "no answer" when it does not answer in time, else "alive"."""
-        try:
-            async with asyncio.timeout(PROBE_TIMEOUT_S * self.cfg.dilation):
-                _, writer = await asyncio.open_connection(w.host, w.kv_port)
-        except ConnectionRefusedError:
-            return "refused"
-        except (OSError, TimeoutError):
-            return "no answer"
-        writer.close()
-        return "alive"
 
     async def _worker_died(self, name: str, why: str = "died") -> None:
         print(f"router: worker {name} is gone ({why})", file=sys.stderr, flush=True)

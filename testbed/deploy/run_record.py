@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from protocol.router_config import PolicyReport, RequestRecord
+from protocol.router_config import PolicyReport, RequestRecord, WorkerDeath
 from protocol.token_stream import TokenChunk
 from protocol.worker_config import WorkerStats
 from testbed.deploy.fidelity import Verdict
@@ -117,3 +117,4 @@ class PolicyRun:
     memory: list[ProcessMemory] = field(default_factory=list)  # when the driver asked for RSS samples
     rss: list[tuple[float, str, int, float]] = field(default_factory=list)  # (t, process, pid, MB)
     fault_t0_wall: float = 0.0  # emulated time 0 of the fault timeline, on the client's clock
+    deaths: list[WorkerDeath] = field(default_factory=list)  # workers the router declared dead, in order

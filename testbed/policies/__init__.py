@@ -11,13 +11,24 @@ from __future__ import annotations
 
 from testbed.policies.base import ClusterView, Plan, Policy, RequestState
 from testbed.policies.classic import CrossDc, SameDc
+from testbed.policies.offload import PrefillOffload
 from testbed.policies.pdd import Pdd
-from testbed.policies.spec import CrossDcSpec, PddSpec, PolicySpec, SameDcSpec, parse_policy, parse_policy_list
+from testbed.policies.spec import (
+    CrossDcSpec,
+    OffloadSpec,
+    PddSpec,
+    PolicySpec,
+    SameDcSpec,
+    parse_policy,
+    parse_policy_list,
+)
 
 
 def make_policy(spec: PolicySpec) -> Policy:
     if isinstance(spec, PddSpec):
         return Pdd(spec.options)
+    if isinstance(spec, OffloadSpec):
+        return PrefillOffload(spec.options)
     if isinstance(spec, CrossDcSpec):
         return CrossDc()
     assert isinstance(spec, SameDcSpec)

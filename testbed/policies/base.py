@@ -26,11 +26,14 @@ class PolicyContext(Contract):
     real duration by ``dilation`` to compare it with an option given in emulated seconds."""
 
     wan_rate_bps: float | None = None  # forward direction (prefill side -> other side); None = unshaped
+    wan_back_rate_bps: float | None = None  # the reverse direction (towards the prefill side)
     wan_rtt_s: float = 0.0
     dilation: float = Field(default=1.0, gt=0)
     kv_bytes_per_token: int = 0
     block_size: int = 16
     decode_cache_tokens: int = 0
+    home_dc: str | None = None  # where requests enter (the router's datacenter); None: any
+    token_scale: int = Field(default=1, ge=1)  # emulated tokens per replayed token (options in emulated tokens)
 
 
 class PlanInfo(Contract):
@@ -160,10 +163,12 @@ class Policy(ABC):
     name: str = "policy"
     ctx: PolicyContext = PolicyContext()
     # What the policy deploys (its hardware cost, ``testbed/analysis/cost.py``): (role, where) pairs,
-    # "home" = the datacenter(s) of the prefill instances, "away" = the others; and whether
+    # "home" = the datacenter requests enter (``PolicyContext.home_dc``), "away" = the other; and whether
     # it needs the inter-datacenter line.
     deploys: ClassVar[tuple[tuple[str, Literal["home", "away"]], ...]] = ()
     crosses_wan: ClassVar[bool] = False
+    # Of ``deploys``, what the policy cannot plan without (a scenario lacking one is refused at start).
+    needs: ClassVar[tuple[tuple[str, Literal["home", "away"]], ...]] = ()
 
     def bind(self, ctx: PolicyContext) -> None:
         """Called once by the router before the first request."""

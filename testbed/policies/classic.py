@@ -1,5 +1,8 @@
 """The two classic PD pipelines.
 
+Both prefill where requests enter (``PolicyContext.home_dc``; a scenario may also have prefill
+instances in the other datacenter, for ``prefill-offload``).
+
 * ``same-dc``: prefill and decode in the prefill's datacenter (KV over the LAN).
 * ``cross-dc``: prefill in the first datacenter, decode in the other; decoding starts only
   once the whole KV (what the decoder's prefix cache lacks) has crossed the WAN — the naive
@@ -16,7 +19,7 @@ class SameDc(Policy):
     deploys = (("prefill", "home"), ("decode", "home"))
 
     def plan(self, req: RequestState, cluster: ClusterView) -> Plan:
-        p = cluster.pick("prefill", prompt=req.prompt)
+        p = cluster.pick("prefill", dc=self.ctx.home_dc, prompt=req.prompt)
         d = cluster.pick("decode", dc=p.dc, prompt=req.prompt)
         return Plan(f"P-D({d.dc})", p.name, d.name)
 
@@ -27,6 +30,6 @@ class CrossDc(Policy):
     crosses_wan = True
 
     def plan(self, req: RequestState, cluster: ClusterView) -> Plan:
-        p = cluster.pick("prefill", prompt=req.prompt)
+        p = cluster.pick("prefill", dc=self.ctx.home_dc, prompt=req.prompt)
         d = cluster.pick_outside("decode", p.dc, prompt=req.prompt)
         return Plan(f"P-D({d.dc})", p.name, d.name)

@@ -74,7 +74,7 @@ class Pdd(Policy):
     # ----------------------------------------------------------------- routing
     def plan(self, req: RequestState, cluster: ClusterView) -> Plan:
         o = self.opts
-        p = cluster.pick("prefill", prompt=req.prompt)
+        p = cluster.pick("prefill", dc=self.ctx.home_dc, prompt=req.prompt)
         try:
             md = cluster.pick_outside("decode", p.dc, prompt=req.prompt)
         except LookupError:

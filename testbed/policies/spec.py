@@ -77,8 +77,23 @@ class PddSpec(_Spec):
     options: PddOptions = PddOptions()
 
 
-PolicySpec = Annotated[SameDcSpec | CrossDcSpec | PddSpec, Field(discriminator="name")]
-_SPECS: dict[str, type[_Spec]] = {"same-dc": SameDcSpec, "cross-dc": CrossDcSpec, "pdd": PddSpec}
+class OffloadOptions(BaseModel):
+    """Prefill offload's options (``testbed/policies/offload.py`` says what each one does)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    threshold: int = Field(default=19456, ge=0, description="offload from this many uncached emulated tokens")
+    wan_s: float = Field(default=2.0, ge=0, description="offload only while the line carries the KV within this")
+
+
+class OffloadSpec(_Spec):
+    name: Literal["prefill-offload"] = "prefill-offload"
+    options: OffloadOptions = OffloadOptions()
+
+
+PolicySpec = Annotated[SameDcSpec | CrossDcSpec | PddSpec | OffloadSpec, Field(discriminator="name")]
+_SPECS: dict[str, type[_Spec]] = {"same-dc": SameDcSpec, "cross-dc": CrossDcSpec, "pdd": PddSpec,
+                                  "prefill-offload": OffloadSpec}
 POLICY_NAMES = tuple(_SPECS)
 _ADAPTER: TypeAdapter[PolicySpec] = TypeAdapter(PolicySpec)
 
@@ -99,15 +114,17 @@ def parse_policy(text: str) -> PolicySpec:
         if not sep or not key.strip():
             raise PolicyError(f"{name}: option {part!r} must be key=value")
         options[key.strip()] = value.strip()
-    fields = PddOptions.model_fields if cls is PddSpec else {}
+    opts_field = cls.model_fields.get("options")
+    opts_cls: type[BaseModel] | None = opts_field.annotation if opts_field else None  # type: ignore[assignment]
+    fields = opts_cls.model_fields if opts_cls is not None else {}
     for key in options:
         if key not in fields:
             known = ", ".join(fields) if fields else "none"
             raise PolicyError(f"{name}: unknown option {key!r} (options: {known})")
-    if cls is not PddSpec:
-        return cls()
+    if opts_cls is None:
+        return cls()  # type: ignore[return-value]
     try:
-        return PddSpec(options=PddOptions.model_validate(options))
+        return cls(options=opts_cls.model_validate(options))  # type: ignore[return-value]
     except ValidationError as e:
         err = field_errors(e)[0]
         key = str(err.loc[0]) if err.loc else "?"

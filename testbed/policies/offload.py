@@ -1,0 +1,108 @@
+"""Prefill offload: PDD's split turned around. Decode stays where requests enter (a PD cluster
+in the home datacenter); a long, uncached prefill moves to a compute pool in the other
+datacenter, and its KV crosses the line back to the local decoder (Prefill-as-a-Service,
+Moonshot and Tsinghua, 2026).
+
+Per request, from what the local prefill would have to compute and what the line is doing:
+
+* uncached = prompt tokens beyond the local prefill instance's cached prefix (a shadow
+  ``PrefixIndex`` of the prompts sent to it), in emulated tokens;
+* **P(away)-D**: uncached >= ``threshold`` and the line would carry the KV the local decoder
+  lacks within ``wan_s`` (``WanEstimator``, the backlog of transfers in flight, as PDD's
+  routing): the remote pool prefills (its own cache may hold the session's prefix from an
+  earlier offloaded turn) and ships the KV to the local decoder;
+* **P-D(home)** otherwise: prefill and decode in the home datacenter, as same-dc. A busy
+  line keeps a request home (counted as ``local (line busy)``); so does a dead or
+  unreachable remote pool (``local (no remote prefill)``).
+
+Options (``prefill-offload:key=value,...``, ``OffloadOptions`` in ``spec.py``): ``threshold``
+(uncached emulated tokens, default 19,456: PrfaaS's reported break-even of ~19.4K, a starting
+point that ``testbed tune`` can move) and ``wan_s`` (default 2.0 emulated s).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from protocol.messages import DecodeCmd, Event, Failed, KvReceived, KvSent
+from testbed.policies.base import ClusterView, Plan, PlanInfo, Policy, PolicyContext, PolicyReport, RequestState
+from testbed.policies.prefix_index import PrefixIndex
+from testbed.policies.spec import OffloadOptions, OffloadSpec
+from testbed.policies.wan import WanEstimator
+
+UNSHAPED_RATE_BPS = 10e9  # assumed line rate when the scenario leaves the WAN unshaped
+
+
+class PrefillOffload(Policy):
+    name = "prefill-offload"
+    deploys = (("prefill", "home"), ("decode", "home"), ("prefill", "away"))
+    crosses_wan = True
+    needs = (("prefill", "away"),)
+
+    def __init__(self, options: OffloadOptions | None = None) -> None:
+        self.opts = options or OffloadOptions()
+        self.indexes: dict[str, PrefixIndex] = {}
+        self.wan = WanEstimator(UNSHAPED_RATE_BPS)
+        self.counts: Counter[str] = Counter()
+
+    def describe(self) -> str:
+        return OffloadSpec(options=self.opts).describe()
+
+    def bind(self, ctx: PolicyContext) -> None:
+        super().bind(ctx)
+        # The KV of an offloaded prefill comes back: the line's reverse direction.
+        self.wan = WanEstimator(ctx.wan_back_rate_bps or UNSHAPED_RATE_BPS, ctx.wan_rtt_s)
+
+    def _index(self, worker: str) -> PrefixIndex:
+        return self.indexes.setdefault(worker, PrefixIndex(self.ctx.block_size, self.ctx.decode_cache_tokens))
+
+    def plan(self, req: RequestState, cluster: ClusterView) -> Plan:
+        home = self.ctx.home_dc
+        p = cluster.pick("prefill", dc=home, prompt=req.prompt)
+        d = cluster.pick("decode", dc=p.dc, prompt=req.prompt)
+        uncached = (req.prompt_len - self._index(p.name).match(req.prompt)) * self.ctx.token_scale
+        if uncached >= self.opts.threshold:
+            try:
+                r = cluster.pick_outside("prefill", p.dc, prompt=req.prompt)
+            except LookupError:
+                r = None
+                self.counts["local (no remote prefill)"] += 1
+            if r is not None:
+                have = self._index(d.name).match(req.prompt)
+                delta = max(0, req.prompt_len - have)
+                delta_bytes = delta * self.ctx.kv_bytes_per_token
+                wait = self.wan.wait_s(delta_bytes) / self.ctx.dilation  # emulated seconds, as wan_s
+                info = PlanInfo(md_have_tokens=have, delta_tokens=delta, delta_bytes=delta_bytes,
+                                est_wan_wait_s=wait, wan_backlog_bytes=self.wan.backlog_bytes(),
+                                wan_efficiency=self.wan.efficiency)
+                if wait <= self.opts.wan_s:
+                    self.wan.started(req.rid, delta_bytes)
+                    self._index(r.name).insert(req.prompt)
+                    self.counts["offloaded"] += 1
+                    return Plan(f"P({r.dc})-D({d.dc})", r.name, d.name, info=info)
+                self.counts["local (line busy)"] += 1
+        self._index(p.name).insert(req.prompt)
+        self.counts["local"] += 1
+        return Plan(f"P-D({d.dc})", p.name, d.name)
+
+    def decode_command(self, req: RequestState, plan: Plan, worker: str) -> DecodeCmd:
+        return DecodeCmd(rid=req.rid, prompt=req.prompt, max_new=req.max_new)
+
+    def on_event(self, req: RequestState, event: Event) -> None:
+        plan = req.plan
+        if plan is None:
+            return
+        if isinstance(event, KvSent) and event.to == plan.decode and req.rid in self.wan.inflight:
+            self.wan.finished(req.rid, event.queued_s + event.end - event.start, event.cancelled)
+        elif isinstance(event, KvReceived) and event.worker == plan.decode:
+            self._index(event.worker).insert(req.prompt)  # the local decoder's cache now holds it
+        elif isinstance(event, Failed):
+            self.wan.inflight.pop(req.rid, None)
+
+    def on_end(self, req: RequestState, error: str | None) -> None:
+        if error is not None:  # as PDD's: no event would end its transfer's entry
+            self.wan.inflight.pop(req.rid, None)
+
+    def stats(self) -> PolicyReport:
+        return PolicyReport(counts=dict(self.counts), wan_efficiency=self.wan.efficiency,
+                            wan_samples=self.wan.samples, options=self.describe())
