@@ -19,7 +19,7 @@ POLICIES ?= same-dc,cross-dc,pdd
 NETWORK ?=
 RUN_ARGS ?=
 
-.PHONY: reproduce sensitivity outage soak bench-cache bench-client bench-scale setup debs test test-fast lint run-trace run-cluster bench-net bench-handoff clean distclean
+.PHONY: reproduce sensitivity outage tune soak bench-cache bench-client bench-scale setup debs test test-fast lint run-trace run-cluster bench-net bench-handoff clean distclean
 
 MININET_LINK := $(VENV)/.mininet-linked
 
@@ -165,6 +165,15 @@ outage: setup
 	  echo; echo "failure detection $$det ($(OUTAGE_OUT)/$$det/report.md):"; \
 	  awk '/^What each fault cost/ {on = 1} on && /^\|/ {print}' $(OUTAGE_OUT)/$$det/report.md; \
 	done; exit $$status
+
+# testbed tune on the default scenario and trace: PDD's knobs searched (Optuna's TPE) over
+# TUNE_TRIALS runs of the trace's first TUNE_LIMIT requests, the defaults first; then the
+# defaults and the best over 3 draws of the trace's recipe (docs/results.md: the front, the wall time).
+TUNE_TRIALS ?= 10
+TUNE_LIMIT ?= 40
+tune: setup
+	$(VENV)/bin/testbed tune --scenario $(SCENARIO) --trace $(TRACE) --token-scale $(TOKEN_SCALE) --policy pdd \
+	  --trials $(TUNE_TRIALS) --limit $(TUNE_LIMIT) $(TUNE_ARGS)
 
 # 30 minutes of replay of the default trace, copies back to back at about 1.6x the request rate
 # one replay averages, a random fault every minute (pdd): every request must complete or fail

@@ -1,12 +1,13 @@
 """``testbed serve``'s bounds, on the HTTP front end alone (a stand-in gateway, no network):
 a body too large and a text that cannot fit are refused before any work, requests beyond
-the concurrency limit get 429, and a chat request without ``max_tokens`` gets a bounded
-one."""
+the concurrency limit get 429, a chat request without ``max_tokens`` gets a bounded one, and
+seeded hostile bodies get a client error with a reason, never a crash."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -117,3 +118,45 @@ def test_a_chat_request_without_max_tokens_gets_a_bounded_default() -> None:
         assert gw.asked == [20, 256 - 250]  # the default, then what the context leaves
 
     asyncio.run(_with_client(_served(default_max_tokens=20), body))
+
+
+def _fuzzed_bodies(rng: random.Random, n: int) -> list[bytes]:
+    """Seeded hostile bodies: random bytes, broken JSON, JSON of every wrong type in every field."""
+    values: list[Any] = [None, True, -1, 0, 2**63, 1e308, float("nan"), "", "x" * 300, [], {}, [1, "a"],
+                         {"role": "user"}, [{"role": 5, "content": None}], "\u0000\ud7ff"]
+    keys = ["model", "prompt", "messages", "max_tokens", "temperature", "stream", "n", "stop", "ignore_eos",
+            "stream_options", "logprobs", "seed"]
+    out: list[bytes] = []
+    for i in range(n):
+        kind = i % 4
+        if kind == 0:
+            out.append(rng.randbytes(rng.randint(0, 200)))
+        elif kind == 1:
+            good = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            out.append(good[: rng.randint(0, len(good) - 1)].encode())
+        else:
+            body = {k: rng.choice(values) for k in rng.sample(keys, rng.randint(0, len(keys)))}
+            if kind == 3:
+                body["model"] = MODEL
+            out.append(json.dumps(body, allow_nan=True).encode())
+    return out
+
+
+def test_fuzzed_bodies_get_a_client_error_with_a_reason_and_the_server_serves_on() -> None:
+    bodies = _fuzzed_bodies(random.Random(2026), 400)
+
+    async def body(client: TestClient, tok: _Tokenizer, gw: _Gateway) -> None:
+        gw.release.set()
+        statuses: set[int] = set()
+        for i, raw in enumerate(bodies):
+            path = ("/v1/completions", "/v1/chat/completions")[i % 2]
+            r = await client.post(path, data=raw, headers={"Content-Type": "application/json"})
+            statuses.add(r.status)
+            assert r.status < 500, (r.status, raw, await r.text())
+            if r.status >= 400:
+                assert (await r.json())["error"]["message"], raw
+        assert 400 in statuses
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
+        assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 3
+
+    asyncio.run(_with_client(_served(), body))

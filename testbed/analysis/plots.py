@@ -259,6 +259,27 @@ def plot_tornado(rows: list[tuple[str, str, float | None, float | None]], figure
     _save(fig, path, 110)
 
 
+def plot_tune(trials: list[tuple[float | None, float | None, int]], front: list[tuple[float | None, float | None]],
+              marks: dict[int, str], title: str, path: Path) -> None:
+    """A knob search: goodput per price against P99 TTFT per trial, the Pareto front joined."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    pts = [(x, y, n) for x, y, n in trials if x is not None and y is not None]
+    ax.scatter([x for x, _, _ in pts], [y for _, y, _ in pts], c="grey", s=18, label="trial")
+    line = sorted((x, y) for x, y in front if x is not None and y is not None)
+    ax.plot([x for x, _ in line], [y for _, y in line], "o-", color="C0", label="Pareto front")
+    for x, y, n in pts:
+        if n in marks:
+            ax.annotate(marks[n], (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.set_xlabel("P99 TTFT (emulated s)")
+    ax.set_ylabel("goodput per price")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    _save(fig, path, 110)
+    plt.close(fig)
+
+
 def _save(fig: Any, path: Path, dpi: int) -> None:
     """The figure whole or not at all (a reader never sees half a PNG)."""
     with atomic_path(path) as tmp:

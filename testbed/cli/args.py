@@ -173,6 +173,17 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="results folder (default runs/sensitivity-<timestamp>)")
     p.set_defaults(command="sensitivity")
 
+    p = sub.add_parser("tune", help="search a policy's knobs for the most SLA goodput per price (Optuna's TPE): "
+                                    "every trial a saved run, the Pareto front, the best and the defaults over draws")
+    replay_opts(p, "pdd")
+    p.add_argument("--trials", type=int, default=12, help="runs of the search, the defaults first (default 12)")
+    p.add_argument("--seeds", type=int, default=3, metavar="N",
+                   help="the defaults and the best trial again over N draws of the trace's recipe (default 3)")
+    p.add_argument("--seed", type=int, default=1, help="the sampler's seed (default 1)")
+    p.add_argument("--load", type=float, default=1.0, metavar="X", help="offered load, x the trace's rate")
+    p.add_argument("--out", type=Path, help="results folder (default runs/tune-<timestamp>)")
+    p.set_defaults(command="tune")
+
     trace = sub.add_parser("trace", help="trace statistics and generation")
     tsub = trace.add_subparsers(dest="trace_cmd", required=True)
     p = tsub.add_parser("stats", help="lengths, arrival rate, prefix-hit distribution of a trace")

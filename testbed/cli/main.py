@@ -148,17 +148,17 @@ COMMANDS = {
     "run": cmd_run, "trace stats": cmd_trace_stats, "trace gen": cmd_trace_gen, "verify": cmd_verify,
     "report": cmd_report, "soak": cmd_soak,
     "sweep": replay_commands.cmd_sweep, "calibrate": replay_commands.cmd_calibrate,
-    "sensitivity": replay_commands.cmd_sensitivity,
+    "sensitivity": replay_commands.cmd_sensitivity, "tune": replay_commands.cmd_tune,
     "bench net": cmd_bench_net, "bench handoff": cmd_bench_handoff, "bench scale": cmd_bench_scale,
     "serve": serve_commands.cmd_serve, "bench client": serve_commands.cmd_bench_client,
     "profile fit": profile_commands.cmd_profile_fit, "profile check": profile_commands.cmd_profile_check,
 }  # fmt: skip
 # Commands that build namespaces need root (``clean`` decides for itself: nothing to clean needs none).
 NEEDS_ROOT = {"exec", "net up", "net down", "net check", "run", "verify", "bench net", "bench handoff", "soak", "sweep",
-              "calibrate", "sensitivity", "serve", "bench client", "bench scale"}
+              "calibrate", "sensitivity", "tune", "serve", "bench client", "bench scale"}
 # Commands that start workers: their fork server (torch's imports, seconds) starts at once,
 # beside this process's own imports and input checks instead of after them.
-STARTS_WORKERS = {"run", "verify", "soak", "sweep", "calibrate", "sensitivity", "serve", "bench client",
+STARTS_WORKERS = {"run", "verify", "soak", "sweep", "calibrate", "sensitivity", "tune", "serve", "bench client",
                   "bench scale"}
 
 

@@ -189,6 +189,22 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0 if b.reached else 1
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from testbed.experiments.tune import SPACES, TuneOptions, tune
+
+    sc, policies, wl, opts = replay_inputs(args)
+    if len(policies) != 1 or policies[0].name not in SPACES:
+        raise InputError(f"--policy: one policy with knobs to search ({', '.join(SPACES)}), got {args.policies!r}")
+    if args.load <= 0 or args.trials < 2 or args.seeds < 1:
+        raise InputError("--load must be positive, --trials at least 2 and --seeds at least 1")
+    out = _out(args, "tune")
+    ds = _draws(args, wl, out)
+    r = tune(sc, wl, ds, TuneOptions(policies[0].name, args.trials, args.seeds, args.seed, args.load, opts), out)
+    print("\n" + (out / "tune.md").read_text())
+    print(f"saved: {out}/tune.md, tune.json, tune.png; every trial's run in {out}/trial-NNN/")
+    return 0 if r.trials else 1
+
+
 def cmd_sensitivity(args: argparse.Namespace) -> int:
     from testbed.experiments.sensitivity import sensitivity
 

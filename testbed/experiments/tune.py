@@ -1,0 +1,216 @@
+"""``testbed tune``: search a policy's knobs for the most SLA goodput per price.
+
+A *trial* is one ``testbed run`` of the policy with one setting of its knobs, at a fixed
+dilation and load, into ``trial-NNN/`` (a run folder: ``testbed report`` rebuilds it). Its
+figures: goodput (requests meeting both objectives per emulated second), the price of the
+deployment per hour with the egress of the KV it sent over the line (``costs``; 1 when the
+scenario states no prices, so the search is then on goodput alone), and P99 TTFT.
+
+The search is Optuna's TPE sampler on two objectives, goodput per price (up) and P99 TTFT
+(down), seeded, with the policy's defaults as the first trial: a few random trials, then
+each next one where the model of the good trials so far expects better ones. The trials
+no other trial beats on both objectives are the Pareto front. Then the defaults and the
+best trial by goodput per price are replayed on ``seeds`` draws of the trace's recipe (the
+first draw is the trace itself), for a mean and a 95 % interval of each figure: one trial
+is one draw, and a knob that wins by less than the draws' spread has not won.
+
+Saved: ``tune.json`` (every trial and the repeated points), ``tune.md`` (the front, the
+repeated points), ``tune.png`` (goodput per price against P99 TTFT, the front marked).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from testbed.analysis.confidence import mean_ci
+from testbed.analysis.cost import hardware_cost
+from testbed.analysis.plots import plot_tune
+from testbed.analysis.results import PolicySummary, load_run
+from testbed.analysis.tables import table_head
+from testbed.errors import InputError
+from testbed.experiments.load_sweep import Draw, fixed_dilation
+from testbed.experiments.trace_run import RunOptions, run_trace
+from testbed.outputs import write_atomic
+from testbed.policies import make_policy
+from testbed.policies.spec import OffloadOptions, OffloadSpec, PddOptions, PddSpec, PolicySpec
+from testbed.scenario import Scenario
+from testbed.traces.workload import Workload
+
+Suggest = Callable[[Any], dict[str, Any]]  # an Optuna trial -> the knobs' values
+
+
+def _pdd_space(t: Any) -> dict[str, Any]:
+    return {"handoff": t.suggest_categorical("handoff", ["one-shot", "catch-up", "adaptive"]),
+            "relay_s": t.suggest_float("relay_s", 0.0, 3.0),
+            "threshold": t.suggest_int("threshold", 8, 256, log=True),
+            "load": t.suggest_int("load", 1, 16),
+            "cutoff": t.suggest_categorical("cutoff", ["all", "anomalous", "off"])}
+
+
+def _offload_space(t: Any) -> dict[str, Any]:
+    return {"threshold": t.suggest_int("threshold", 0, 65536, step=1024),
+            "wan_s": t.suggest_float("wan_s", 0.0, 5.0)}
+
+
+# The knobs each tunable policy has, as a search space, and its spec from a trial's values.
+SPACES: dict[str, tuple[Suggest, Callable[[dict[str, Any]], PolicySpec]]] = {
+    "pdd": (_pdd_space, lambda v: PddSpec(options=PddOptions(**v))),
+    "prefill-offload": (_offload_space, lambda v: OffloadSpec(options=OffloadOptions(**v))),
+}
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "pdd": {k: getattr(PddOptions(), k) for k in ("handoff", "relay_s", "threshold", "load", "cutoff")},
+    "prefill-offload": {k: getattr(OffloadOptions(), k) for k in ("threshold", "wan_s")},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneOptions:
+    policy: str
+    trials: int = 12
+    seeds: int = 3  # draws at the defaults and at the best trial
+    seed: int = 1  # the sampler's
+    load: float = 1.0
+    run: RunOptions = RunOptions()
+
+
+class TrialPoint(BaseModel):
+    number: int
+    knobs: dict[str, Any]
+    spec: str
+    run_dir: str
+    goodput_rps: float | None
+    price_per_h: float
+    goodput_per_price: float | None
+    ttft_p99_s: float | None
+    slo_attainment: float | None
+    failed: int
+    fidelity_passed: bool
+    seed: int | None = None  # the draw (repeated points)
+
+
+class TuneResult(BaseModel):
+    policy: str
+    load: float
+    dilation: float
+    slo_ttft_s: float
+    slo_tpot_s: float
+    trials: list[TrialPoint]
+    front: list[int]  # trial numbers on the Pareto front
+    best: int  # the trial with the most goodput per price
+    repeated: dict[str, list[TrialPoint]]  # "defaults" / "best" -> one point per draw
+    wall_s: float
+
+
+def _point(sc: Scenario, spec: PolicySpec, number: int, knobs: dict[str, Any], run_dir: Path,
+           seed: int | None = None) -> TrialPoint:
+    summary, _ = load_run(run_dir)
+    s: PolicySummary = next(iter(summary.policies.values()))
+    cost = hardware_cost(sc, make_policy(spec))
+    egress_h = s.egress * 3600 / s.duration_s if s.egress is not None and s.duration_s else 0.0
+    price = cost.total + egress_h if cost is not None else 1.0
+    good = s.goodput_rps
+    return TrialPoint(number=number, knobs=knobs, spec=spec.label, run_dir=str(run_dir), goodput_rps=good,
+                      price_per_h=price, goodput_per_price=None if good is None else good / price,
+                      ttft_p99_s=s.ttft_p99_s, slo_attainment=s.slo_attainment, failed=s.failed,
+                      fidelity_passed=s.fidelity.passed, seed=seed)
+
+
+def tune(sc: Scenario, wl: Workload, draws: list[Draw], opts: TuneOptions, out: Path) -> TuneResult:
+    import optuna  # late: the CLI starts without it
+
+    if opts.policy not in SPACES:
+        raise InputError(f"--policy: {opts.policy} has no knobs to tune (tunable: {', '.join(SPACES)})")
+    if opts.trials < 2 or opts.seeds < 1:
+        raise InputError("--trials must be at least 2 and --seeds at least 1")
+    suggest, to_spec = SPACES[opts.policy]
+    t0 = time.monotonic()
+    run = dataclasses.replace(fixed_dilation(sc, wl, opts.run), speed=opts.load, allow_infidelity=True)
+    trials: list[TrialPoint] = []
+
+    def replay(w: Workload, spec: PolicySpec, run_dir: Path) -> None:
+        run_trace(sc, w, [spec], dataclasses.replace(run, out=run_dir))
+
+    def objective(trial: Any) -> tuple[float, float]:
+        knobs = suggest(trial)
+        spec = to_spec(knobs)
+        run_dir = out / f"trial-{trial.number:03d}"
+        print(f"\n== tune: trial {trial.number + 1}/{opts.trials}: {spec.label} -> {run_dir}", flush=True)
+        replay(wl, spec, run_dir)
+        p = _point(sc, spec, trial.number, knobs, run_dir)
+        trials.append(p)
+        _save_trials(out, trials)
+        return (p.goodput_per_price or 0.0, p.ttft_p99_s if p.ttft_p99_s is not None else float("inf"))
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    sampler = optuna.samplers.TPESampler(seed=opts.seed, n_startup_trials=max(2, opts.trials // 3))
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    study.enqueue_trial(DEFAULTS[opts.policy])  # trial 0: where the policy starts
+    study.optimize(objective, n_trials=opts.trials)
+    front = sorted(t.number for t in study.best_trials)
+    best = max(trials, key=lambda p: (p.goodput_per_price or 0.0, -(p.ttft_p99_s or float("inf")))).number
+    repeated: dict[str, list[TrialPoint]] = {}
+    for name, number in (("defaults", 0), ("best", best)):
+        knobs = trials[number].knobs
+        spec = to_spec(knobs)
+        points = [trials[number].model_copy(update={"seed": draws[0].seed})]
+        for d in draws[1:]:
+            run_dir = out / f"{name}-{d.tag}"
+            print(f"\n== tune: {name} ({spec.label}) on draw {d.tag} -> {run_dir}", flush=True)
+            replay(d.workload, spec, run_dir)
+            points.append(_point(sc, spec, number, knobs, run_dir, d.seed))
+        repeated[name] = points
+    assert isinstance(run.dilation, float)
+    result = TuneResult(policy=opts.policy, load=opts.load, dilation=run.dilation, slo_ttft_s=run.slo.ttft_s,
+                        slo_tpot_s=run.slo.tpot_s, trials=trials, front=front, best=best, repeated=repeated,
+                        wall_s=time.monotonic() - t0)
+    save_tune(result, out)
+    return result
+
+
+def _save_trials(out: Path, trials: list[TrialPoint]) -> None:
+    """The trials so far (a search stopped halfway keeps what it measured)."""
+    write_atomic(out / "trials.json", json.dumps([t.model_dump() for t in trials], indent=2))
+
+
+def _ci(points: list[TrialPoint], field: str, fmt: str) -> str:
+    m = mean_ci([getattr(p, field) for p in points])
+    return "-" if m is None else m.format(fmt=fmt)
+
+
+def tune_markdown(r: TuneResult) -> str:
+    lines = [f"# testbed tune: {r.policy}", "",
+             f"{len(r.trials)} trials at load {r.load:g}, D {r.dilation:g}, SLO TTFT {r.slo_ttft_s:g} s and TPOT "
+             f"{r.slo_tpot_s:g} s; wall time {r.wall_s / 60:.1f} min. Goodput: requests meeting both objectives "
+             "per emulated second; price: the deployment per hour with its egress (1 without prices).", "",
+             "## Pareto front (goodput per price up, P99 TTFT down)", "",
+             *table_head(["trial", "knobs", "goodput/s", "goodput per price", "P99 TTFT s", "SLO met", "failed"])]
+    for p in sorted((t for t in r.trials if t.number in r.front), key=lambda t: -(t.goodput_per_price or 0)):
+        mark = " (defaults)" if p.number == 0 else (" (best)" if p.number == r.best else "")
+        lines.append(f"| {p.number}{mark} | `{p.spec}` | {p.goodput_rps or 0:.3f} | {p.goodput_per_price or 0:.4g} | "
+                     f"{p.ttft_p99_s if p.ttft_p99_s is not None else float('nan'):.2f} | "
+                     f"{100 * (p.slo_attainment or 0):.0f} % | {p.failed} |")
+    lines += ["", f"## The defaults and the best trial over {len(r.repeated.get('best', []))} draws "
+              "(mean ± 95 % interval)", "",
+              *table_head(["point", "knobs", "goodput/s", "goodput per price", "P99 TTFT s", "SLO met"])]
+    for name, points in r.repeated.items():
+        lines.append(f"| {name} | `{points[0].spec}` | {_ci(points, 'goodput_rps', '{:.3f}')} | "
+                     f"{_ci(points, 'goodput_per_price', '{:.4g}')} | {_ci(points, 'ttft_p99_s', '{:.2f}')} | "
+                     f"{_ci(points, 'slo_attainment', '{:.2f}')} |")
+    return "\n".join(lines) + "\n"
+
+
+def save_tune(r: TuneResult, out: Path) -> None:
+    write_atomic(out / "tune.json", r.model_dump_json(indent=2))
+    write_atomic(out / "tune.md", tune_markdown(r))
+    front = [t for t in r.trials if t.number in r.front]
+    marks = {0: "defaults", r.best: "best"}
+    plot_tune([(t.ttft_p99_s, t.goodput_per_price, t.number) for t in r.trials],
+              [(t.ttft_p99_s, t.goodput_per_price) for t in front], marks, f"testbed tune: {r.policy}",
+              out / "tune.png")
