@@ -133,7 +133,7 @@ def test_modules_stay_small() -> None:
     assert {m: n for m, n in sizes.items() if n > MAX_LINES} == {}
 
 
-HEAVY = ("torch", "transformers", "pandas", "matplotlib", "mininet", "scipy")
+HEAVY = ("torch", "transformers", "pandas", "matplotlib", "mininet", "scipy", "optuna")
 
 
 def _top_level_imports(tree: ast.Module) -> set[str]:
@@ -208,7 +208,7 @@ def test_a_late_import_of_a_light_module_is_found(tmp_path: Path) -> None:
 
 def test_the_cli_starts_without_heavy_libraries() -> None:
     """`testbed clean`, `net up` and every parse error answer in well under a second: the
-    command line imports no torch, transformers, pandas, matplotlib, mininet or scipy until a
+    command line imports no torch, transformers, pandas, matplotlib, mininet, scipy or optuna until a
     command needs them."""
     code = f"import sys, testbed.cli.main; print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -27,19 +27,24 @@ class ProcessMemory(BaseModel):
     rss_peak_mb: float
     rss_last_mb: float
     settled_s: float = 0.0  # seconds between the first sample after the warm-up and the last
+    rss_mid_mb: float | None = None  # halfway through those seconds
 
     @property
     def growth_mb(self) -> float:
         return self.rss_last_mb - self.rss_first_mb
 
     @property
-    def growth_share(self) -> float:
-        return self.growth_mb / max(self.rss_first_mb, 1e-9)
+    def late_growth_mb(self) -> float:
+        """Growth over the second half of its settled life."""
+        return self.rss_last_mb - (self.rss_mid_mb if self.rss_mid_mb is not None else self.rss_first_mb)
 
     def flat(self, share: float = FLAT_SHARE) -> bool:
-        """Grew by at most ``share`` of its settled size (or by less than ``FLAT_FLOOR_MB``, the
-        page-granular noise of a process of a few MB)."""
-        return self.growth_mb <= max(share * self.rss_first_mb, FLAT_FLOOR_MB)
+        """Grew by at most ``share`` over the second half of its settled life (or by less than
+        ``FLAT_FLOOR_MB``, the page-granular noise of a process of a few MB). The first half
+        is where bounded caches fill to their configured size (a decoder's radix cache, the
+        delay line's deepest queue): growth a leak keeps up and a full cache does not."""
+        base = self.rss_mid_mb if self.rss_mid_mb is not None else self.rss_first_mb
+        return self.late_growth_mb <= max(share * base, FLAT_FLOOR_MB)
 
 
 def rss_mb(pid: int) -> float | None:
@@ -89,9 +94,11 @@ class RssSampler:
         out = []
         for (name, pid), pts in sorted(by_proc.items()):
             settled = [(t, mb) for t, mb in pts if t >= self.warmup_s] or [pts[-1]]
+            mid_t = (settled[0][0] + settled[-1][0]) / 2
+            mid = next(mb for t, mb in settled if t >= mid_t)
             out.append(ProcessMemory(name=name, pid=pid, samples=len(pts), rss_first_mb=settled[0][1],
                                      rss_peak_mb=max(mb for _, mb in pts), rss_last_mb=pts[-1][1],
-                                     settled_s=pts[-1][0] - settled[0][0]))
+                                     settled_s=pts[-1][0] - settled[0][0], rss_mid_mb=mid))
         return out
 
     def _run(self) -> None:
