@@ -209,6 +209,11 @@ def test_run_with_faults_accounts_for_every_request_and_saves_the_timeline(tmp_p
     assert [f["fault"] for f in applied] == ["wan-down@1+1", "kill@2:host=relay"]
     assert all(f["applied_s"] is not None and f["error"] is None for f in applied)
     assert applied[0]["cleared_s"] == pytest.approx(2.0, abs=0.5)
+    # What each fault cost: the killed relay declared dead within an emulated second.
+    impact = {m["fault"]: m for m in summary["policies"]["pdd"]["fault_impact"]}
+    assert set(impact) == {"wan-down@1+1", "kill@2:host=relay"}
+    assert 0 < impact["kill@2:host=relay"]["detected_s"] < 1.0 and impact["wan-down@1+1"]["detected_s"] is None
+    assert "What each fault cost" in (out / "report.md").read_text()
     rows = pd.read_csv(out / "requests.csv")
     assert len(rows) == 16
     assert (rows.ok | rows.error.astype("string").fillna("").str.len().gt(0)).all()  # completed, or failed: why

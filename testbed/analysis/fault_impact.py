@@ -22,6 +22,7 @@ from testbed.deploy.run_record import ClientRecord, PolicyRun
 
 class FaultImpact(BaseModel):
     fault: str
+    kind: str = ""
     detected_s: float | None = None
     affected: int = 0
     failed: int = 0
@@ -55,7 +56,7 @@ def fault_impacts(run: PolicyRun, dilation: float) -> list[FaultImpact]:
             s and (s <= start < (e or float("inf")) or start <= s <= until) for s, e, _ in _attempts(r))]
         lost = sum(r.max_new for r in affected if not r.ok)  # a failed answer is worth nothing, whole or in part
         out.append(FaultImpact(
-            fault=f.fault, detected_s=None if death is None else (death.t - start) / d,
+            fault=f.fault, kind=f.kind, detected_s=None if death is None else (death.t - start) / d,
             affected=len(affected), failed=sum(not r.ok for r in affected), failed_attempts=len(failed_ends),
             goodput_lost=lost / max(1, sum(r.max_new for r in affected)),
             recovered_s=None if recovered is None else (recovered - start) / d))

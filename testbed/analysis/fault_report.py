@@ -25,9 +25,7 @@ def fault_table(summary: RunSummary) -> str | None:
                            "failing until s"])]
     for name, s in summary.policies.items():
         for m in s.fault_impact:
-            detected = "never" if m.detected_s is None else f"{m.detected_s:.2f}"
-            if not m.fault.startswith("kill"):
-                detected = "-"
+            detected = "-" if m.kind != "kill" else "never" if m.detected_s is None else f"{m.detected_s:.2f}"
             until = "-" if m.recovered_s is None else f"{m.recovered_s:.1f}"
             lines.append(f"| {name} | `{m.fault}` | {detected} | {m.affected} | {m.failed} | "
                          f"{100 * m.goodput_lost:.1f} % | {until} |")

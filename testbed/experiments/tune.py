@@ -179,9 +179,9 @@ def _save_trials(out: Path, trials: list[TrialPoint]) -> None:
     write_atomic(out / "trials.json", json.dumps([t.model_dump() for t in trials], indent=2))
 
 
-def _ci(points: list[TrialPoint], field: str, fmt: str) -> str:
+def _ci(points: list[TrialPoint], field: str, fmt: str, scale: float = 1.0) -> str:
     m = mean_ci([getattr(p, field) for p in points])
-    return "-" if m is None else m.format(fmt=fmt)
+    return "-" if m is None else m.format(scale, fmt)
 
 
 def tune_markdown(r: TuneResult) -> str:
@@ -202,7 +202,7 @@ def tune_markdown(r: TuneResult) -> str:
     for name, points in r.repeated.items():
         lines.append(f"| {name} | `{points[0].spec}` | {_ci(points, 'goodput_rps', '{:.3f}')} | "
                      f"{_ci(points, 'goodput_per_price', '{:.4g}')} | {_ci(points, 'ttft_p99_s', '{:.2f}')} | "
-                     f"{_ci(points, 'slo_attainment', '{:.2f}')} |")
+                     f"{_ci(points, 'slo_attainment', '{:.0f}', 100)} % |")
     return "\n".join(lines) + "\n"
 
 
