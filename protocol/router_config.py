@@ -26,7 +26,7 @@ from typing import Literal
 from pydantic import Field
 
 from protocol.messages import Event
-from protocol.worker_config import BrokerInfo, Contract, WorkerRole
+from protocol.worker_config import BrokerInfo, Contract, RunAs, WorkerRole
 from testbed.policies.base import PlanInfo, PolicyContext, PolicyReport
 from testbed.policies.spec import PolicySpec
 
@@ -50,7 +50,8 @@ class RouterConfig(Contract):
     unreachable_grace_s: float = Field(default=30.0, ge=0)  # real seconds (scaled): unreachable, not yet dead
     cache_outputs: bool = False  # after a request, its prefill instance caches its answer (WarmCmd)
     failure_detection: Literal["probe", "none"] = "probe"  # testbed.deploy.liveness
-    records_path: str
+    records_path: str  # in a folder ``run_as`` owns (with the policy report and deaths beside it)
+    run_as: RunAs | None = None  # None: keep the privileges it started with
     context: PolicyContext = PolicyContext()
 
 

@@ -87,6 +87,14 @@ class WorkerFaults(Contract):
     corrupt_block: int | None = Field(default=None, ge=0)
 
 
+class RunAs(Contract):
+    """The unprivileged account a worker or the router becomes once it is set up
+    (``workers.privilege``)."""
+
+    uid: int = Field(ge=0)
+    gid: int = Field(ge=0)
+
+
 class WorkerConfig(Contract):
     name: str
     role: WorkerRole
@@ -115,7 +123,8 @@ class WorkerConfig(Contract):
     device: DeviceSpec = DeviceSpec()
     cost: ModelCost | None = None  # the emulated model; None: price the real model's own work
     scales: Scales = Scales()
-    stats_path: str = ""
+    stats_path: str = ""  # in a folder ``run_as`` owns: written after privileges are dropped
+    run_as: RunAs | None = None  # None: keep the privileges it started with
     faults: WorkerFaults = WorkerFaults()
 
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import pwd
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from protocol.validation import field_errors
@@ -25,6 +25,7 @@ from testbed.errors import InputError
 from testbed.faults.timeline import Fault, as_fault
 from testbed.faults.wan_trace import WanTrace, as_wan_trace, faults_of
 from testbed.hardware import DeviceProfile, ModelCard
+from testbed.scenario_yaml import deep_merge, extended, line_of, read_yaml
 from testbed.traces.workload import VOCAB_HIGH
 from workers.model_dir import default_model_dir
 
@@ -124,6 +125,9 @@ class WorkerSettings(_Strict):
         "probe: a worker's last will is confirmed by probing its host and a dead worker's requests end at once "
         "(unreachable ones wait unreachable_grace_s); none: the router ignores wills, as one without health "
         "checks, and requests end only by their own timeouts (the PD-outage baseline, docs/faults.md)"))
+    run_as: str = Field(default="nobody", pattern=r"^[a-z_][a-z0-9_-]{0,31}$", description=(
+        "the account workers and the router become once set up (they parse what arrives from the network); "
+        "root: they keep root's privileges (docs/design.md, least privilege)"))
     cache_outputs: bool = Field(default=False, description=(
         "after a request completes, the prefill instance that served it computes the KV of its answer when "
         "no prefill waits, so the session's next turn finds the whole conversation cached (docs/scenarios.md)"))
@@ -133,6 +137,15 @@ class WorkerSettings(_Strict):
                     "keeps its own address, links, broker session, queue, cache and pacer); 1: a process "
                     "each. Real compute always runs one per process. One event loop serves its instances "
                     "one callback at a time: 8 busy decoders in one ended steps late at D 0.5 where 4 did not")
+
+    @field_validator("run_as")
+    @classmethod
+    def _account(cls, v: str) -> str:
+        try:
+            pwd.getpwnam(v)
+        except KeyError:
+            raise ValueError(f"no account {v!r} on this machine (root keeps root's privileges)") from None
+        return v
 
 
 class Lan(_Strict):
@@ -326,72 +339,16 @@ class Scenario(_Strict):
         raise KeyError((src_dc, dst_dc))
 
 
-def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
-    """1-based line of the YAML node at pydantic location ``loc`` (deepest existing node)."""
-    line = node.start_mark.line + 1 if node is not None else None
-    for key in loc:
-        if isinstance(node, yaml.MappingNode):
-            nxt = None
-            for k, v in node.value:
-                if k.value == str(key):
-                    nxt = v
-                    line = k.start_mark.line + 1
-                    break
-            if nxt is None:
-                return line
-            node = nxt
-        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
-            node = node.value[key]
-            line = node.start_mark.line + 1
-        else:
-            return line
-    return line
-
-
 def load_scenario(path: str | Path, overrides: dict[str, Any] | None = None) -> Scenario:
     """Read and validate a scenario file (``extends: FILE``: on top of that one, mappings merged
     key by key, the rest replaced). Raises InputError naming file:line: field."""
     path = Path(path)
-    node, data = _read_yaml(path)
-    data = _extended(path, data, (path.resolve(),))
+    node, data = read_yaml(path)
+    data = extended(path, data, (path.resolve(),))
     if overrides:
         data = deep_merge(data, overrides)
     try:
         return Scenario.model_validate({**data, "source": path})
     except ValidationError as e:
-        raise InputError("\n".join(f"{path}:{_line_of(node, err.loc) or '?'}: {err.field or '(top level)'}: {err.msg}"
+        raise InputError("\n".join(f"{path}:{line_of(node, err.loc) or '?'}: {err.field or '(top level)'}: {err.msg}"
                                    for err in field_errors(e))) from e
-
-
-def _read_yaml(path: Path) -> tuple[yaml.Node | None, dict[str, Any]]:
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise InputError(f"{path}: cannot read scenario: {e.strerror}") from e
-    try:
-        node = yaml.compose(text)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise InputError(f"{where}: invalid YAML: {getattr(e, 'problem', e)}") from e
-    if not isinstance(data, dict):
-        raise InputError(f"{path}:1: scenario must be a mapping at the top level")
-    return node, data
-
-
-def _extended(path: Path, data: dict[str, Any], seen: tuple[Path, ...]) -> dict[str, Any]:
-    """``data`` on top of the scenario its ``extends:`` names (recursively)."""
-    if (base := data.pop("extends", None)) is None:
-        return data
-    if not isinstance(base, str) or (base_path := path.parent / base).resolve() in seen:
-        raise InputError(f"{path}: extends: expected the path of another scenario file (no cycle), got {base!r}")
-    _, base_data = _read_yaml(base_path)
-    return deep_merge(_extended(base_path, base_data, (*seen, base_path.resolve())), data)
-
-
-def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out

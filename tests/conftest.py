@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import signal
 import threading
 import time
@@ -21,12 +22,31 @@ from testbed.deploy.fidelity import host_steal_s
 from testbed.net import netns
 from testbed.net.build import Network
 from testbed.scenario import Scenario, deep_merge, load_scenario
+from workers.privilege import Identity
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPOLOGIES = ROOT / "topologies"
 
 ROOT_REASON = "needs root for network namespaces"
+UNPRIVILEGED = Identity(pwd.getpwnam("nobody").pw_uid, pwd.getpwnam("nobody").pw_gid)  # workers.run_as's default
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason=ROOT_REASON)
+
+
+def status_of(pid: int) -> dict[str, str]:
+    """/proc/PID/status as name -> value."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        out[key] = value.strip()
+    return out
+
+
+def assert_unprivileged(pid: int) -> None:
+    st = status_of(pid)
+    uid, gid = UNPRIVILEGED
+    assert st["Uid"].split() == [str(uid)] * 4 and st["Gid"].split() == [str(gid)] * 4, (pid, st["Name"], st["Uid"])
+    assert int(st["CapEff"], 16) == 0 and int(st["CapPrm"], 16) == 0
+    assert st["NoNewPrivs"] == "1"
 
 
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import pytest
 
 from protocol.worker_config import WorkerFaults
 from testbed.analysis.metrics import request_rows
 from testbed.deploy.deployment import Deployment
+from testbed.deploy.run_record import ClientRecord
 from testbed.load.trace_replay import TraceReplay
 from testbed.load.verify import compare, verification_prompts
 from testbed.policies import parse_policy
 from testbed.traces.workload import RequestSpec, synth_tokens
 from workers.model import ModelRunner, ensure_default_model
 
-from .conftest import needs_root, scenario_with
+from .conftest import assert_unprivileged, needs_root, scenario_with
 
 pytestmark = needs_root
 
@@ -27,12 +29,28 @@ def prompts_and_refs() -> tuple[list[RequestSpec], dict[str, list[int]]]:
     return specs, {s.rid: runner.reference(s.prompt, s.max_new) for s in specs}
 
 
+class UnprivilegedCheck(TraceReplay):
+    """A replay that checks, once the router is ready and before the first request, that
+    everything parsing network input runs without root (``workers.run_as``)."""
+
+    def drive(self, dep: Deployment, begin: Callable[[float], None]) -> tuple[list[RequestSpec],
+                                                                            dict[str, ClientRecord]]:
+        def checked(t0: float) -> None:
+            parsers = {name: pid for name, pid in dep.processes() if name == "router" or name.startswith("worker")}
+            assert len(parsers) == 1 + len(dep.cluster.groups) and "router" in parsers
+            for pid in parsers.values():
+                assert_unprivileged(pid)
+            begin(t0)
+
+        return super().drive(dep, checked)
+
+
 @pytest.mark.parametrize("policy", ["same-dc", "cross-dc"])
 def test_policy_tokens_equal_reference(policy: str, prompts_and_refs) -> None:
     specs, refs = prompts_and_refs
     assert len(specs) >= 20 and min(len(s.prompt) for s in specs) == 16 and max(len(s.prompt) for s in specs) == 2048
     with Deployment(scenario_with(), parse_policy(policy), dtype="float64") as dep:
-        run = dep.run(TraceReplay(specs))
+        run = dep.run(UnprivilegedCheck(specs))
     recs, router, stats = run.recs, run.router, run.workers
     assert compare(specs, refs, recs) == []
     df = request_rows(recs, router)

@@ -122,3 +122,12 @@ def test_the_pd_outage_scenario_is_the_papers_with_a_kill_and_long_timeouts() ->
     assert sc.datacenters == paper.datacenters and sc.costs == paper.costs
     assert sc.workers.kv_timeout_s == 300 and sc.workers.failure_detection == "probe"
     assert [(f.kind, f.host) for f in sc.faults] == [("kill", "decode-b1")]
+
+
+def test_run_as_names_an_account_of_this_machine(tmp_path: Path) -> None:
+    assert load_scenario(TOPOLOGIES / "two-dc.yaml").workers.run_as == "nobody"
+    assert load_scenario(TOPOLOGIES / "two-dc.yaml", {"workers": {"run_as": "root"}}).workers.run_as == "root"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("extends: " + str(TOPOLOGIES / "two-dc.yaml") + "\nworkers:\n  run_as: no-such-user\n")
+    with pytest.raises(InputError, match=r"workers.run_as: .*no account 'no-such-user' on this machine"):
+        load_scenario(bad)

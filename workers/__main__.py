@@ -25,7 +25,9 @@ from pydantic import TypeAdapter
 from protocol.worker_config import WorkerConfig
 from workers.decode import DecodeWorker
 from workers.event_loop import new_event_loop
+from workers.namespace import use_socket_maker
 from workers.prefill import PrefillWorker
+from workers.privilege import Identity, NamespaceSockets, drop_privileges
 from workers.runtime import Worker
 
 GIL_SWITCH_S = 1e-4
@@ -46,7 +48,22 @@ def load_configs(text: str) -> list[WorkerConfig]:
                 raise ValueError(f"{c.name}: only modeled workers with a namespace share a process")
         if len({c.name for c in cfgs}) != len(cfgs):
             raise ValueError("two configurations name the same worker")
+        if any(c.run_as != cfgs[0].run_as for c in cfgs):
+            raise ValueError("the workers of one process run as one account")
     return cfgs
+
+
+def set_up_privileges(cfgs: list[WorkerConfig]) -> Identity | None:
+    """What the process needs once it is unprivileged: a process standing for several hosts
+    gets its sockets in their namespaces from a root child (``NamespaceSockets``). Returns
+    the account to become (None: stay as started)."""
+    who = cfgs[0].run_as
+    if who is None:
+        return None
+    namespaces = [c.netns for c in cfgs if c.netns is not None]
+    if namespaces:
+        use_socket_maker(NamespaceSockets(namespaces).tcp_socket)
+    return Identity(who.uid, who.gid)
 
 
 async def serve(workers: list[Worker]) -> str | None:
@@ -78,7 +95,11 @@ async def serve(workers: list[Worker]) -> str | None:
 
 def main(config_path: str) -> None:
     cfgs = load_configs(Path(config_path).read_text())
+    who = set_up_privileges(cfgs)  # before the model: its child is a copy of a small process
     workers: list[Worker] = [PrefillWorker(c) if c.role == "prefill" else DecodeWorker(c) for c in cfgs]
+    # Root no longer: set up (configuration read, model loaded, statistics folder open),
+    # the worker now takes what arrives from the broker and from KV peers.
+    drop_privileges(who)
     # torch, transformers and the model (~340k objects) live as long as the process. Left to
     # the collector, every full pass scans them all (~160 ms here) at a moment nobody chose:
     # inside a paced step, that is an overrun. Frozen, a full pass scans only what came after.

@@ -13,7 +13,7 @@ import contextlib
 import ctypes
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 NETNS_DIR = Path("/run/netns")
@@ -44,8 +44,25 @@ def entered(ns: str) -> Iterator[None]:
         os.close(own)
 
 
+# Set by a process that dropped its privileges (``workers.privilege``): it can no longer
+# enter a namespace, and asks a root child of its own for the socket instead.
+_socket_maker: Callable[[str], socket.socket] | None = None
+
+
+def use_socket_maker(maker: Callable[[str], socket.socket] | None) -> None:
+    global _socket_maker
+    _socket_maker = maker
+
+
 def tcp_socket(ns: str | None) -> socket.socket:
     """A non-blocking TCP socket in ``ns`` (``None``: this thread's own namespace)."""
+    if ns and _socket_maker is not None:
+        return _socket_maker(ns)
+    return make_tcp_socket(ns)
+
+
+def make_tcp_socket(ns: str | None) -> socket.socket:
+    """``tcp_socket`` by entering ``ns`` (needs ``CAP_SYS_ADMIN``)."""
     with entered(ns) if ns else contextlib.nullcontext():
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setblocking(False)

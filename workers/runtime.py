@@ -47,6 +47,7 @@ from protocol.worker_config import CacheReport, ModelCost, WorkerConfig, WorkerS
 from workers.device import Pacer, make_pacer
 from workers.model import ModelRunner
 from workers.modeled import ModeledRunner
+from workers.privilege import OutDir
 from workers.radix_cache import RadixCache
 
 T = TypeVar("T")
@@ -80,6 +81,8 @@ class Worker:
         self.cache_series: list[tuple[float, int, int]] = []  # (t, hit tokens, lookup tokens)
         self.started: OrderedDict[str, None] = OrderedDict()  # requests a start command began, oldest first
         self.repeated_commands = 0
+        # Opened while privileged: once it has dropped root, the worker writes only here.
+        self.out = OutDir(Path(cfg.stats_path).parent) if cfg.stats_path else None
 
     def _own_cost(self) -> ModelCost | None:
         """The real model's own work (a scenario that emulates no model); modeled compute
@@ -328,7 +331,5 @@ class Worker:
                 written = now
 
     def write_stats(self) -> None:
-        if self.cfg.stats_path:
-            tmp = self.cfg.stats_path + ".tmp"
-            Path(tmp).write_text(self.stats().model_dump_json())
-            Path(tmp).replace(self.cfg.stats_path)
+        if self.out is not None:
+            self.out.write_atomic(Path(self.cfg.stats_path).name, self.stats().model_dump_json())

@@ -10,6 +10,7 @@ recorded in the run, so teardown (and ``testbed clean`` after a crash) ends them
 
 from __future__ import annotations
 
+import pwd
 import secrets
 import signal
 import subprocess
@@ -27,7 +28,7 @@ from protocol.router_config import (
     WorkerDeath,
     WorkerEndpoint,
 )
-from protocol.worker_config import BrokerInfo, Scales, WorkerConfig, WorkerFaults, WorkerRole, WorkerStats
+from protocol.worker_config import BrokerInfo, RunAs, Scales, WorkerConfig, WorkerFaults, WorkerRole, WorkerStats
 from testbed.deploy.broker import BrokerAccess, launch_broker, start_broker
 from testbed.deploy.emulation import EmulationPlan
 from testbed.deploy.forkserver import launch_worker
@@ -40,8 +41,24 @@ from testbed.scenario import Role, Scenario
 from workers.model_dir import kv_bytes_per_token
 
 KV_PORT = 7070
+OUT_DIR = "out"  # the run's folder that workers and the router write in (their account owns it)
 WORKER_ROLES: dict[Role, WorkerRole] = {Role.PREFILL: "prefill", Role.DECODE: "decode",
                                         Role.RELAY_DECODE: "relay-decode"}
+
+
+def account(name: str) -> RunAs | None:
+    """The unprivileged identity ``workers.run_as`` names (None for root: nothing to drop)."""
+    pw = pwd.getpwnam(name)
+    return None if pw.pw_uid == 0 else RunAs(uid=pw.pw_uid, gid=pw.pw_gid)
+
+
+def _written(path: Path) -> str:
+    """A file an unprivileged process wrote ("" if it wrote none): never through a link it
+    may have put there."""
+    try:
+        return runstate.read_nofollow(path)
+    except FileNotFoundError:
+        return ""
 
 
 def worker_roles(sc: Scenario) -> dict[str, str]:
@@ -52,9 +69,11 @@ def worker_roles(sc: Scenario) -> dict[str, str]:
 
 def worker_configs(sc: Scenario, net: Network, broker: BrokerInfo | dict[str, BrokerInfo], model: str,
                    dtype: str | None = None, faults: dict[str, WorkerFaults] | None = None,
-                   emulation: EmulationPlan | None = None, kv_token: str = "") -> dict[str, WorkerConfig]:
+                   emulation: EmulationPlan | None = None, kv_token: str = "", out_dir: Path | None = None,
+                   run_as: RunAs | None = None) -> dict[str, WorkerConfig]:
     """Every worker's configuration, from the scenario: the one place a WorkerConfig is built.
-    ``broker``: each worker's own credential (by name), or one for all."""
+    ``broker``: each worker's own credential (by name), or one for all; ``out_dir``: where
+    workers write their statistics (the run's folder by default), as ``run_as``."""
     ws = sc.workers
     d = emulation.dilation if emulation else 1.0
     out = {}
@@ -77,7 +96,7 @@ def worker_configs(sc: Scenario, net: Network, broker: BrokerInfo | dict[str, Br
                 device=device,
                 cost=emulation.cost() if emulation else None,
                 scales=emulation.scales if emulation else Scales(),
-                stats_path=str(net.run.dir / f"worker-{host}.json"),
+                stats_path=str((out_dir or net.run.dir) / f"worker-{host}.json"), run_as=run_as,
                 faults=(faults or {}).get(host, WorkerFaults()),
             )  # fmt: skip
     return out
@@ -120,8 +139,13 @@ class Cluster:
         return Topics(self.net.run.run_id)
 
     @property
+    def out_dir(self) -> Path:
+        """What workers and the router write, in a folder their unprivileged account owns."""
+        return self.net.run.dir / OUT_DIR
+
+    @property
     def records_path(self) -> Path:
-        return self.net.run.dir / "router-records.jsonl"
+        return self.out_dir / "router-records.jsonl"
 
     @classmethod
     def start(cls, net: Network, policy: PolicySpec, faults: dict[str, WorkerFaults] | None = None,
@@ -139,8 +163,10 @@ class Cluster:
         ws = sc.workers
         model = ensure_model(sc.model_dir())
         # Only the run's workers may hand a KV receiver a transfer: a per-run token in HELLO.
+        run_as = account(ws.run_as)
+        net.run.folder_for(OUT_DIR, run_as.uid if run_as else 0, run_as.gid if run_as else 0)
         cl.workers = worker_configs(sc, net, access.workers, model, dtype, faults, emulation,
-                                    kv_token=secrets.token_urlsafe(16))
+                                    kv_token=secrets.token_urlsafe(16), out_dir=cl.out_dir, run_as=run_as)
         d = emulation.dilation if emulation else 1.0
         cl.groups = process_groups(sc, cl.workers, set(alone))
         for name, hosts in cl.groups.items():
@@ -166,7 +192,7 @@ class Cluster:
                             request_timeout_s=ws.request_timeout_s * d, records_path=str(cl.records_path),
                             dilation=d, unreachable_grace_s=ws.unreachable_grace_s * d,
                             context=context, cache_outputs=ws.cache_outputs,
-                            failure_detection=ws.failure_detection)
+                            failure_detection=ws.failure_detection, run_as=run_as)
         rpath = net.run.dir / "router.cfg.json"
         runstate.write_private(rpath, rcfg.model_dump_json())
         cl.router = net.spawn(routers[0], [sys.executable, "-m", "testbed.deploy.router", str(rpath)], name="router",
@@ -220,28 +246,26 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 self.router.kill()
         out: dict[str, RequestRecord] = {}
-        if self.records_path.exists():
-            for line in self.records_path.read_text().splitlines():
-                rec = RequestRecord.model_validate_json(line)
-                out[rec.rid] = rec
+        for line in _written(self.records_path).splitlines():
+            rec = RequestRecord.model_validate_json(line)
+            out[rec.rid] = rec
         return out
 
     def policy_stats(self) -> PolicyReport:
         """The policy's own counters (written by the router on exit)."""
-        p = Path(str(self.records_path) + ".policy.json")
-        return PolicyReport.model_validate_json(p.read_text()) if p.exists() else PolicyReport()
+        text = _written(Path(str(self.records_path) + ".policy.json"))
+        return PolicyReport.model_validate_json(text) if text else PolicyReport()
 
     def worker_deaths(self) -> list[WorkerDeath]:
         """The workers the router declared dead, in order (appended by the router as it happened)."""
-        p = Path(str(self.records_path) + ".deaths.jsonl")
-        return [WorkerDeath.model_validate_json(line) for line in p.read_text().splitlines()] if p.exists() else []
+        text = _written(Path(str(self.records_path) + ".deaths.jsonl"))
+        return [WorkerDeath.model_validate_json(line) for line in text.splitlines()]
 
     def worker_stats(self) -> dict[str, WorkerStats]:
         out = {}
-        for host in self.workers:
-            p = self.net.run.dir / f"worker-{host}.json"
-            if p.exists():
-                out[host] = WorkerStats.model_validate_json(p.read_text())
+        for host, cfg in self.workers.items():
+            if text := _written(Path(cfg.stats_path)):
+                out[host] = WorkerStats.model_validate_json(text)
         return out
 
     def log_tail(self, name: str, n: int = 3000) -> str:

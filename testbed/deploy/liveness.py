@@ -28,6 +28,7 @@ from protocol.messages import Status
 from protocol.mqtt_session import Session
 from protocol.router_config import RouterConfig, WorkerDeath
 from testbed.policies.base import WorkerView
+from workers.privilege import OutDir
 
 # Emulated seconds (x the dilation, as every timer of the router):
 WILL_SETTLE_S = 0.3  # a worker's death is acted on this long after its will (a broker restart shows first)
@@ -39,14 +40,14 @@ OnDead = Callable[[str, str], Awaitable[None]]  # (worker, why)
 
 
 class Liveness:
-    def __init__(self, cfg: RouterConfig, workers: dict[str, WorkerView], on_dead: OnDead) -> None:
-        self.cfg, self.workers, self.on_dead = cfg, workers, on_dead
+    def __init__(self, cfg: RouterConfig, workers: dict[str, WorkerView], on_dead: OnDead, out: OutDir) -> None:
+        self.cfg, self.workers, self.on_dead, self.out = cfg, workers, on_dead, out
         self.session: Session | None = None  # the router's, once connected
         self.last_up: dict[str, float] = {}  # worker -> time.monotonic() of its last "up" status
         self.suspects: set[str] = set()  # workers whose "dead" status is being confirmed
         self.unreachable: dict[str, float] = {}  # worker -> since (monotonic): requests kept, none routed
         self.pending: set[asyncio.Task[None]] = set()
-        self.deaths_path = Path(cfg.records_path + ".deaths.jsonl")
+        self.deaths_name = Path(cfg.records_path).name + ".deaths.jsonl"
 
     def on_status(self, st: Status) -> None:
         w = self.workers.get(st.worker)
@@ -103,8 +104,7 @@ class Liveness:
             return
         w.up = False
         death = WorkerDeath(worker=name, news_t=news_t, t=time.time(), why=why)
-        with self.deaths_path.open("a") as f:  # one line per death, as it happens
-            f.write(death.model_dump_json() + "\n")
+        self.out.append_line(self.deaths_name, death.model_dump_json())  # one line per death, as it happens
         await self.on_dead(name, why)
 
     async def probe(self, w: WorkerView) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import signal
 import sys
 import time
@@ -47,6 +48,7 @@ from protocol.router_config import RequestRecord, RouterConfig
 from testbed.deploy.liveness import Liveness
 from testbed.policies import ClusterView, Policy, RequestState, make_policy
 from testbed.policies.base import WorkerView
+from workers.privilege import Identity, OutDir, drop_privileges
 
 # Finished requests kept in memory, for their late events (cut-off transfers, cache-only KV,
 # within seconds) and to drop a repeated request (a broker restart's resends, within seconds):
@@ -73,7 +75,9 @@ class Router:
         self.ended_at: dict[str, float] = {}  # rid -> time.monotonic() it ended, oldest first
         self.session: Session | None = None
         self.ready = False
-        self.liveness = Liveness(cfg, self.view.workers, self._worker_died)
+        # Opened while privileged: the router writes only here once it has dropped root.
+        self.out = OutDir(Path(cfg.records_path).parent)
+        self.liveness = Liveness(cfg, self.view.workers, self._worker_died, self.out)
         self.repeated_requests = 0
 
     async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
@@ -105,13 +109,14 @@ class Router:
                 await self._fail(rid, "router stopped")
             await self._publish_state("stopped")
 
-        with Path(self.cfg.records_path).open("w") as self.records:
+        name = Path(self.cfg.records_path).name
+        with os.fdopen(self.out.open(name), "w") as self.records:
             sweeper = asyncio.create_task(self._sweep())
             await self.session.run(self._on_message, on_connect, stop, on_stop)
             sweeper.cancel()
             while self.finished:
                 self._write_record()
-        Path(self.cfg.records_path + ".policy.json").write_text(self.policy.stats().model_dump_json())
+        self.out.write_atomic(name + ".policy.json", self.policy.stats().model_dump_json())
 
     async def _on_message(self, msg: aiomqtt.Message) -> None:
         topic = str(msg.topic)
@@ -328,6 +333,10 @@ class Router:
 
 if __name__ == "__main__":
     cfg = RouterConfig.model_validate_json(Path(sys.argv[1]).read_text())
+    router = Router(cfg)
+    # What arrives from the broker is parsed without root (the configuration, read above,
+    # holds the broker credential and stays root's).
+    drop_privileges(Identity(cfg.run_as.uid, cfg.run_as.gid) if cfg.run_as else None)
     gc.collect()
     gc.freeze()  # no full collector pass over the imports at a moment routing should happen
-    asyncio.run(Router(cfg).main())
+    asyncio.run(router.main())

@@ -14,7 +14,6 @@ done, and any error (a fault that could not be applied is reported, never silent
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -179,9 +178,8 @@ class FaultInjector:
         if not procs:
             raise LookupError(f"no process {name} in this run")
         pid, start = procs[-1].pid, procs[-1].starttime
-        if start is None or not netns.is_alive(pid, start):  # ended: the PID may be another's now
+        if start is None or not netns.signal_exact(pid, start, signal.SIGKILL):  # the PID may be another's now
             return f"{name} (pid {pid}) had already ended: nothing killed"
-        os.kill(pid, signal.SIGKILL)
         return f"SIGKILL to {name} (pid {pid})"
 
 

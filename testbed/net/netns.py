@@ -174,6 +174,25 @@ def is_alive(pid: int, starttime: int | None) -> bool:
     return st is not None and (starttime is None or st == starttime) and _exists(pid)
 
 
+def signal_exact(pid: int, starttime: int, sig: int) -> bool:
+    """Send ``sig`` to ``pid`` only if it is still the process that started at ``starttime``;
+    False if it has ended. The process is pinned by a pidfd before its start time is read,
+    so a PID reused between the check and the signal cannot receive it."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    try:
+        if not is_alive(pid, starttime):
+            return False
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def terminate(pids: Sequence[int], grace_s: float = 2.0) -> None:
     """SIGTERM the given PIDs, then SIGKILL whatever is still alive after ``grace_s``."""
     pending = set()

@@ -92,7 +92,7 @@ def check_state_root(create: bool = False) -> bool:
     return True
 
 
-def _read_nofollow(path: Path) -> str:
+def read_nofollow(path: Path) -> str:
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     with os.fdopen(fd) as f:
         return f.read()
@@ -154,6 +154,20 @@ class Run:
         run.save()
         return run
 
+    def folder_for(self, name: str, uid: int, gid: int) -> Path:
+        """A folder of the run (0700) that belongs to ``uid``: what an unprivileged process
+        writes. Files read back from it are read without following links."""
+        path = self.dir / name
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            os.fchown(fd, uid, gid)
+            os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
+        return path
+
     def add_namespace(self, name: str) -> None:
         if not name.startswith(f"{self.prefix}-") or not NS_RE.match(name):
             raise ValueError(f"namespace name {name!r} is not of run {self.run_id}")
@@ -200,7 +214,7 @@ class Run:
     def load(cls, path: Path) -> Run:
         """A manifest, checked: the folder's run id, namespaces of that run, PIDs with start
         times. Raises ``ValueError`` (or ``OSError``) for anything else."""
-        data = json.loads(_read_nofollow(path))
+        data = json.loads(read_nofollow(path))
         if not isinstance(data, dict):
             raise ValueError(f"{path}: not a manifest")
         run_id = data.get("run_id")
