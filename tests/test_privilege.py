@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed.net import netns
+from testbed.net import netns, runstate
 from workers import namespace
 from workers.privilege import NamespaceSockets, OutDir, drop_privileges
 
@@ -202,3 +202,13 @@ def test_a_socket_pair_helper_refuses_what_is_not_an_index(two_namespaces: tuple
     finally:
         sockets._sock.close()
         os.waitpid(sockets.pid, 0)
+
+
+def test_what_an_unprivileged_process_left_is_read_only_if_it_is_a_plain_file(tmp_path: Path) -> None:
+    (tmp_path / "stats.json").write_text("{}")
+    assert runstate.read_nofollow(tmp_path / "stats.json") == "{}"
+    os.mkfifo(tmp_path / "fifo.json")
+    (tmp_path / "link.json").symlink_to(tmp_path / "stats.json")
+    for name in ("fifo.json", "link.json"):
+        with pytest.raises(OSError):
+            runstate.read_nofollow(tmp_path / name)  # neither blocks nor follows

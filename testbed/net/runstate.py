@@ -93,8 +93,11 @@ def check_state_root(create: bool = False) -> bool:
 
 
 def read_nofollow(path: Path) -> str:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    """A regular file's text, never through a link (nor a FIFO left to block the reader)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     with os.fdopen(fd) as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path}: not a regular file")
         return f.read()
 
 
