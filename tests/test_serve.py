@@ -28,7 +28,7 @@ from testbed.net import netns, runstate
 from testbed.traces.workload import synth_tokens
 from workers.model import ModelRunner, ensure_default_model
 
-from .conftest import ROOT
+from .conftest import ROOT, assert_unprivileged
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces")
 openai = pytest.importorskip("openai")
@@ -43,6 +43,7 @@ class Server:
     run_id: str
     out: Path
     log: list[str]
+    front_pid: int
 
 
 @pytest.fixture(scope="module")
@@ -56,16 +57,18 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log: list[str] = []
     deadline = time.monotonic() + 240
     run_id = url = ""
+    front_pid = 0
     try:
         for line in proc.stdout:
             log.append(line)
             if line.startswith("serving "):
                 url = line.split(" on ")[1].split()[0]
                 run_id = line.split("(run ")[1].split(",")[0]
+                front_pid = int(line.split("front end pid ")[1].split(")")[0])
                 break
             assert time.monotonic() < deadline, "".join(log)
         assert url, f"testbed serve exited (rc={proc.wait()}):\n{''.join(log)}"
-        yield Server(proc, url, run_id, out, log)
+        yield Server(proc, url, run_id, out, log, front_pid)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -188,6 +191,17 @@ def test_models_health_and_metrics(server: Server, client) -> None:
     steps = {s.labels["worker"]: s.value for s in families["testbed_worker_steps"].samples}
     assert steps["prefill"] > 0
     assert {s.labels["direction"] for s in families["testbed_wan_bytes"].samples} == {"a->b", "b->a"}
+
+
+def test_the_front_end_is_unprivileged_in_the_client_namespace(server: Server, client) -> None:
+    """The process that parses HTTP is ``workers.run_as`` (nobody), with no capabilities, in
+    the client host's namespace, and still serves once it has dropped root."""
+    assert_unprivileged(server.front_pid)
+    client_ns = f"/run/netns/pdd{server.run_id}-client"
+    assert os.stat(f"/proc/{server.front_pid}/ns/net").st_ino == os.stat(client_ns).st_ino
+    assert os.stat(f"/proc/{server.front_pid}/ns/net").st_ino != os.stat("/proc/self/ns/net").st_ino
+    r = client.completions.create(model=MODEL, prompt=synth_tokens("serve-nobody", 16), max_tokens=4)
+    assert r.usage is not None and r.usage.completion_tokens >= 1
 
 
 def test_stop_saves_the_served_requests_and_leaves_nothing(server: Server) -> None:

@@ -142,3 +142,27 @@ def test_client_and_server_views_are_compared_in_real_units(tmp_path: Path) -> N
     with pytest.raises(InputError, match="no aiperf"):
         load_aiperf(tmp_path / "missing")
     assert isinstance(client, ClientRecords)
+
+
+def test_served_records_are_validated_as_input_when_read_back() -> None:
+    """The front end that wrote ``served.jsonl`` parsed what clients sent: its file is read
+    back like any other input, an error naming the line."""
+    import io
+
+    from testbed.errors import TestbedError
+    from testbed.serve.record import parse_served, write_served
+    from testbed.traces.workload import RequestSpec
+
+    buf = io.StringIO()
+    for rid in ("cmpl-a", "cmpl-b"):
+        rec = ClientRecord(rid, 5, 2, sent=1.0, ended=2.0, token_times=[1.5, 2.0], tokens=[7, 8], done=True)
+        write_served(buf, RequestSpec(rid=rid, prompt=[], max_new=2, at=0.5), rec)
+    specs, recs = parse_served(buf.getvalue(), "served.jsonl")
+    assert [s.rid for s in specs] == ["cmpl-a", "cmpl-b"] and recs["cmpl-b"].tokens == [7, 8]
+    lines = buf.getvalue().splitlines()
+    with pytest.raises(TestbedError, match=r"served.jsonl:2: .*prompt_len"):
+        parse_served(lines[0] + "\n" + lines[1].replace('"prompt_len":5', '"prompt_len":"many"'), "served.jsonl")
+    with pytest.raises(TestbedError, match=r"served.jsonl:2: rid: cmpl-a was already served"):
+        parse_served(lines[0] + "\n" + lines[0], "served.jsonl")
+    with pytest.raises(TestbedError, match=r"served.jsonl:1: "):
+        parse_served('{"rid": 1}', "served.jsonl")

@@ -93,9 +93,14 @@ class OutDir:
     def write_atomic(self, name: str, text: str) -> None:
         tmp = f".{name}.{os.getpid()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self.fd)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        except BaseException:  # a full disk: no half-written temporary left beside the file
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=self.fd)
+            raise
 
     def append_line(self, name: str, line: str) -> None:
         with os.fdopen(self.open(name, "a"), "a") as f:

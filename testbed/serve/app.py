@@ -117,6 +117,7 @@ class OpenAiFront:
         self.gw, self.tok, self.served, self.metrics = gateway, tokenizer, served, metrics
         self.active = 0  # requests being tokenized or generated
         self._tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self._rendering = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="metrics")
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors], client_max_size=self.served.body_limit)
@@ -150,10 +151,14 @@ class OpenAiFront:
         return _json(Health(status=status, policy=self.served.policy, model=self.served.model), 200 if ok else 503)
 
     async def prometheus(self, _request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+        # Rendering reads the workers' statistics files and asks for the delay line's: not on
+        # the loop that timestamps tokens.
+        body = await asyncio.get_running_loop().run_in_executor(self._rendering, self.metrics.render)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     async def _close(self, _app: web.Application) -> None:
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
+        self._rendering.shutdown(wait=False, cancel_futures=True)
 
     @contextlib.asynccontextmanager
     async def _admitted(self) -> AsyncIterator[None]:

@@ -6,7 +6,7 @@ the emulated network where the replayer's would. Each request is recorded as a
 ``ClientRecord`` (sent = when the front end published it; token times = when its tokens
 reached the front end) and a ``RequestSpec``, so a served run is saved and measured with
 the same code as a replayed one (``testbed.analysis.metrics.request_rows``). Only requests in
-flight stay in memory: ``finish`` writes an ended one to ``records_path`` and lets it go.
+flight stay in memory: ``finish`` writes an ended one to ``records`` and lets it go.
 
 Guarantees: a stream yields its tokens once each, in order (``ClientRecord.accept``); it
 ends with the request's completion, its failure (``RequestFailed``, with the reason the
@@ -24,7 +24,6 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO
 
 import aiomqtt
@@ -37,7 +36,7 @@ from protocol.token_stream import TokenStreamError
 from protocol.worker_config import BrokerInfo
 from testbed.deploy.run_record import ClientRecord
 from testbed.load.replay_client import connect_when_ready
-from testbed.serve.record import read_served, write_served
+from testbed.serve.record import write_served
 from testbed.traces.workload import RequestSpec
 
 
@@ -56,12 +55,11 @@ class _Pending:
 
 
 class Gateway:
-    def __init__(self, broker: BrokerInfo, topics: Topics, timeout_s: float, records_path: Path) -> None:
+    def __init__(self, broker: BrokerInfo, topics: Topics, timeout_s: float, records: IO[str]) -> None:
         self.topics, self.timeout_s = topics, timeout_s
         self.records: dict[str, ClientRecord] = {}  # in flight, or ended and not yet written
         self.specs: dict[str, RequestSpec] = {}
-        self.records_path = records_path
-        self._out: IO[str] | None = None
+        self._out = records  # one line per ended request (``testbed.serve.record``)
         self.t0 = time.time()
         self._pending: dict[str, _Pending] = {}
         self._ready = asyncio.Event()
@@ -81,8 +79,6 @@ class Gateway:
         """Connect and wait until the router says it is ready (its workers are up)."""
         self._task = await connect_when_ready(self._session, self._on_message, self._ready, self._stop, wait_s)
         self.t0 = time.time()
-        self.records_path.parent.mkdir(parents=True, exist_ok=True)
-        self._out = self.records_path.open("w")
 
     async def stop(self) -> None:
         self._stop.set()
@@ -95,8 +91,7 @@ class Gateway:
                 p.changed.set()
         for rid in list(self.records):
             self.finish(rid)
-        if self._out is not None:
-            self._out.close()
+        self._out.close()
 
     def finish(self, rid: str) -> ClientRecord | None:
         """An ended request: written to the records file and forgotten; its record (None if
@@ -104,13 +99,9 @@ class Gateway:
         rec, spec = self.records.pop(rid, None), self.specs.pop(rid, None)
         if rec is None or spec is None:
             return None
-        if self._out is not None and not self._out.closed:
+        if not self._out.closed:
             write_served(self._out, spec, rec)
         return rec
-
-    def served(self) -> tuple[list[RequestSpec], dict[str, ClientRecord]]:
-        """Every request served, as written (call once the server has stopped)."""
-        return read_served(self.records_path)
 
     async def _on_message(self, msg: aiomqtt.Message) -> None:
         now = time.time()

@@ -8,9 +8,9 @@ An external client's own measurement of the same requests is set beside these by
 ``testbed.serve.compare``.
 
 While it serves, the front end keeps only the requests in flight: each one is written to
-``served.jsonl`` in the run folder as it ends (``ServedRequest``, one line; its prompt's
-length, not its tokens) and read back when the server stops, so memory does not grow with
-the requests served.
+``served.jsonl`` as it ends (``ServedRequest``, one line; its prompt's length, not its
+tokens) and the orchestrator reads the file back when the server stops, so memory does not
+grow with the requests served.
 """
 
 from __future__ import annotations
@@ -18,15 +18,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import IO
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-from protocol.messages import RequestHints
+from protocol.messages import RequestHints, why_invalid
 from testbed.analysis import report
 from testbed.analysis.metrics import Slo
 from testbed.analysis.policy_summary import measure
 from testbed.analysis.results import RunSummary, TraceInfo
 from testbed.deploy.emulation import EmulationPlan
 from testbed.deploy.run_record import ClientRecord, PolicyRun
+from testbed.errors import TestbedError
 from testbed.policies.spec import PolicySpec
 from testbed.scenario import Scenario
 from testbed.traces.workload import RequestSpec
@@ -74,15 +75,20 @@ def write_served(out: IO[str], spec: RequestSpec, rec: ClientRecord) -> None:
     out.flush()
 
 
-def read_served(path: Path) -> tuple[list[RequestSpec], dict[str, ClientRecord]]:
-    """What ``write_served`` wrote (nothing when the file is missing)."""
+def parse_served(text: str, source: str) -> tuple[list[RequestSpec], dict[str, ClientRecord]]:
+    """What ``write_served`` wrote, validated line by line: the front end that wrote it parsed
+    what clients sent, so its file is input like any other (an error names ``source``'s line)."""
     specs: list[RequestSpec] = []
     recs: dict[str, ClientRecord] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
+    for n, line in enumerate(text.splitlines(), 1):
+        try:
             served = ServedRequest.model_validate_json(line)
-            specs.append(served.spec())
-            recs[served.rid] = served.record()
+        except ValidationError as e:
+            raise TestbedError(f"{source}:{n}: {why_invalid(e)}") from None
+        if served.rid in recs:
+            raise TestbedError(f"{source}:{n}: rid: {served.rid} was already served")
+        specs.append(served.spec())
+        recs[served.rid] = served.record()
     return specs, recs
 
 
