@@ -205,6 +205,16 @@ class DecodeCounters(Contract):
     admission_queue_max: int = 0
 
 
+class MemoryReport(Contract):
+    """The worker process's resident memory and what trimming the allocator gave back
+    (``workers.allocator``)."""
+
+    rss_bytes: int = Field(ge=0)
+    trims: int = Field(default=0, ge=0)
+    trim_s: float = Field(default=0.0, ge=0)
+    released_bytes: int = Field(default=0, ge=0)
+
+
 class WorkerStats(Contract):
     worker: str
     role: WorkerRole
@@ -212,5 +222,6 @@ class WorkerStats(Contract):
     device: DeviceReport
     cache: CacheReport | None = None
     repeated_commands: int = 0  # start commands delivered again (QoS 1) and dropped
+    memory: MemoryReport | None = None
     prefill: PrefillCounters | None = None
     decode: DecodeCounters | None = None

@@ -357,3 +357,21 @@ def test_the_workers_event_loop_fires_timers_within_a_millisecond_and_never_earl
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         late = runner.run(lateness())
     assert min(late) >= 0 and statistics.median(late) < 0.0009, late
+
+
+def test_trimming_gives_freed_heap_memory_back_and_counts_it() -> None:
+    """Memory freed in the middle of the heap stays resident until trimmed: a worker's RSS
+    after a burst would otherwise stay at the burst's high-water mark."""
+    from workers.allocator import Trimmer, rss_bytes
+
+    blocks = [bytearray(64 * 1024) for _ in range(1600)]  # 100 MiB of heap chunks (under the mmap threshold)
+    for b in blocks:
+        b[::4096] = b"x" * 16  # resident
+    kept = blocks[::100]  # pins the heap's top: free() alone cannot shrink it
+    del blocks
+    before = rss_bytes()
+    trim = Trimmer()
+    trim()
+    assert trim.trims == 1 and trim.seconds > 0
+    assert trim.released > 80 << 20 and rss_bytes() < before - (80 << 20)
+    assert len(kept) == 16
