@@ -88,7 +88,8 @@ run-cluster: setup
 # replay of 300 requests at 2.5x took ~2 min at D 1, so the full sizes below (1,000 x 3 draws,
 # 300 per sweep and bathtub point, 21 hit rates) take ~3 h on 2 cores, beyond the 60-minute
 # budget; QUICK=1 (the range's two ends on 100 requests, one draw; 2 loads and 3 hit rates on
-# 60) fits in 15 minutes.
+# 60) fits in 15 minutes. Every replay is kept as it ends: `make reproduce REPRO_OUT=<its folder>`
+# resumes an interrupted one where it stopped (--resume, docs/replay.md).
 REPRO_SCENARIO ?= topologies/paper.yaml
 REPRO_TRACE ?= traces/paper.jsonl
 REPRO_STAMP := $(shell date +%Y%m%d-%H%M%S)
@@ -129,7 +130,7 @@ sensitivity: setup
 reproduce: setup
 	$(VENV)/bin/testbed clean
 	$(eval COMMON := --scenario $(REPRO_SCENARIO) --trace $(REPRO_TRACE) --token-scale $(TOKEN_SCALE) \
-	  --dilation $(REPRO_DILATION))
+	  --dilation $(REPRO_DILATION) --resume)
 	$(VENV)/bin/testbed calibrate $(COMMON) --limit $(REPRO_LIMIT) --final-seeds $(REPRO_SEEDS) \
 	  --range $(REPRO_RANGE) --steps $(REPRO_STEPS) --out $(REPRO_OUT)/calibrate || test $$? -eq 1
 	$(VENV)/bin/testbed sweep $(COMMON) --limit $(REPRO_POINT_LIMIT) --policies same-dc,pdd --load $(REPRO_LOADS) \

@@ -206,13 +206,16 @@ class DecodeCounters(Contract):
 
 
 class MemoryReport(Contract):
-    """The worker process's resident memory and what trimming the allocator gave back
-    (``workers.allocator``)."""
+    """The worker process's resident memory, its caches' bytes, what trimming the allocator
+    gave back, and per minute the lowest RSS net of the caches (``workers.allocator``)."""
 
+    pid: int = Field(ge=1)
     rss_bytes: int = Field(ge=0)
+    cache_bytes: int = Field(default=0, ge=0)
     trims: int = Field(default=0, ge=0)
     trim_s: float = Field(default=0.0, ge=0)
     released_bytes: int = Field(default=0, ge=0)
+    floor: list[tuple[float, int]] = Field(default=[], max_length=1440)  # (minute's unix start, bytes)
 
 
 class WorkerStats(Contract):

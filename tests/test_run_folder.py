@@ -81,3 +81,19 @@ def test_an_interrupted_run_keeps_the_policies_it_finished_and_their_logs(tmp_pa
     assert "mosquitto" in (out / "logs" / "same-dc" / "broker-mosquitto.log").read_text()  # whole, not just named
     assert not list(out.glob(".*.tmp*")), "no half-written file left behind"
 
+    # --resume keeps the finished policy and runs only the other one.
+    argv = [sys.executable, "-m", "testbed", "run", "--scenario", str(scenario), "--trace", str(trace),
+            "--token-scale", "16", "--policies", "same-dc,cross-dc", "--dilation", "1", "--allow-infidelity",
+            "--out", str(out), "--resume"]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"--resume: kept from {out}: same-dc" in done.stdout
+    resumed, df2 = load_run(out)
+    assert list(resumed.policies) == ["same-dc", "cross-dc"] and len(df2) == 6
+    assert resumed.policies["same-dc"] == summary.policies["same-dc"]
+    assert df2[df2.policy == "same-dc"].ttft_s.tolist() == df.ttft_s.tolist()
+    # A folder holding another run is refused, naming what differs; it is left as it was.
+    other = subprocess.run([*argv, "--load", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert other.returncode == 2 and "holds a different run (speed differs)" in other.stderr, other.stderr[-2000:]
+    assert load_run(out)[0] == resumed
+

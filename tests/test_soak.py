@@ -76,6 +76,25 @@ def test_a_soak_fails_when_a_long_lived_process_grows() -> None:
     assert SoakReport(**base, memory=[proc(5, 5, 6.5, 540)]).passed  # +1.5 MB: page noise of a small process
 
 
+def test_a_worker_is_judged_on_its_floor_net_of_caches() -> None:
+    """A relay whose RSS doubled in its second half while its cache filled and its work came
+    and went passes when its floor net of the cache stayed; a floor that climbs fails."""
+    from testbed.deploy.process_sampling import ProcessMemory, with_floor
+
+    relay = ProcessMemory(name="worker-relay", pid=9, samples=900, rss_first_mb=700, rss_peak_mb=1600,
+                          rss_last_mb=1550, settled_s=1800, rss_mid_mb=750)
+    assert not relay.flat()  # on RSS alone: +107 %
+    mb = 2**20
+    start = 1_000_000.0
+    steady = [(start + 60 * i, (330 + (i % 3)) * mb) for i in range(30)]  # the quietest moment each minute
+    judged = with_floor(relay, steady)
+    assert judged.judged_on_floor and judged.flat() and abs(judged.late_growth_mb) < 3
+    leaking = [(start + 60 * i, (330 + 4 * i) * mb) for i in range(30)]  # +4 MB a minute
+    judged = with_floor(relay, leaking)
+    assert not judged.flat() and judged.late_growth_mb > 50
+    assert with_floor(relay, steady[:4]) == relay  # under 4 settled minutes: RSS decides
+
+
 @pytest.mark.slow
 @needs_root
 def test_a_short_soak_ends_every_request_and_samples_memory(tmp_path: Path) -> None:

@@ -362,7 +362,7 @@ def test_the_workers_event_loop_fires_timers_within_a_millisecond_and_never_earl
 def test_trimming_gives_freed_heap_memory_back_and_counts_it() -> None:
     """Memory freed in the middle of the heap stays resident until trimmed: a worker's RSS
     after a burst would otherwise stay at the burst's high-water mark."""
-    from workers.allocator import Trimmer, rss_bytes
+    from workers.allocator import MemoryWatch, rss_bytes
 
     blocks = [bytearray(64 * 1024) for _ in range(1600)]  # 100 MiB of heap chunks (under the mmap threshold)
     for b in blocks:
@@ -370,8 +370,32 @@ def test_trimming_gives_freed_heap_memory_back_and_counts_it() -> None:
     kept = blocks[::100]  # pins the heap's top: free() alone cannot shrink it
     del blocks
     before = rss_bytes()
-    trim = Trimmer()
-    trim()
-    assert trim.trims == 1 and trim.seconds > 0
-    assert trim.released > 80 << 20 and rss_bytes() < before - (80 << 20)
+    watch = MemoryWatch()
+    watch.trim()
+    assert watch.trims == 1 and watch.trim_s > 0
+    assert watch.released > 80 << 20 and rss_bytes() < before - (80 << 20)
     assert len(kept) == 16
+
+
+def test_the_memory_floor_is_rss_net_of_the_caches_at_each_minutes_lowest() -> None:
+    """A cache filling leaves the floor where it was (its bytes are subtracted); the floor
+    keeps each minute's lowest value, so a burst does not raise it."""
+    from workers.allocator import MemoryWatch, rss_bytes
+    from workers.radix_cache import RadixCache
+
+    watch, cache = MemoryWatch(), RadixCache(4, 1 << 20)
+    watch.add_cache(cache)
+    watch.sample()
+    base = watch.floor[-1][1]
+    kv = torch.ones((2, 2, 2, 40_000, 64))  # 80 MB of KV, 10,000 blocks
+    cache.insert(list(range(40_000)), kv)
+    assert cache.nbytes == kv.nbytes
+    del kv
+    watch.sample()
+    assert abs(watch.floor[-1][1] - base) < 8 << 20
+    assert len(watch.floor) <= 2  # one point per minute
+    cache.evict(40_000)
+    assert cache.nbytes == 0 and cache.blocks == 0
+    r = watch.report()
+    assert r.cache_bytes == 0 and r.rss_bytes > 0 and r.floor == watch.floor
+    assert rss_bytes() > 0

@@ -1,12 +1,19 @@
-"""Freed memory goes back to the system, so a worker's RSS follows what it holds.
+"""A worker process's memory: freed memory given back, and what it holds beyond its caches.
 
 A worker allocates and frees KV all the time (a request's KV arrives, is decoded on, is
 cached or dropped; cache blocks are evicted). glibc's malloc keeps freed memory inside its
-heaps: a burst of requests in flight (the backlog after a WAN outage) leaves RSS at the
-burst's high-water mark, in steps, long after the memory was freed, and a 30-minute soak
-cannot tell that from a leak. ``malloc_trim(0)`` hands free pages in every arena back
-(``madvise``), at a cost of milliseconds; each worker calls it every ``TRIM_PERIOD_S`` on
-its compute thread, where it never races a step, and counts what it gave back.
+heaps: a burst of requests in flight (the backlog after a WAN outage) would leave RSS at the
+burst's high-water mark, in steps, long after the memory was freed. ``malloc_trim(0)``
+hands free pages in every arena back (``madvise``), at a cost of milliseconds; the process
+trims every ``TRIM_PERIOD_S`` on a worker's compute thread, between steps, and counts what
+it gave back.
+
+What remains still moves with the work in flight and with the prefix caches, which fill to
+their configured size over minutes (a relay caches only what it relays: slowly). Neither is
+a leak, and RSS alone cannot tell them from one. So the process also keeps, per minute, the
+lowest RSS net of its caches' bytes it saw (sampled each status period): the *floor*. A leak
+raises the floor; a cache filling does not (it is subtracted), and neither does a burst (the
+floor is taken at the minute's quietest moment). ``testbed soak`` judges workers on it.
 
 On a C library without ``malloc_trim`` (musl) nothing is trimmed and the counters stay 0.
 """
@@ -16,11 +23,20 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+from typing import Protocol
+
+from protocol.worker_config import MemoryReport
 
 TRIM_PERIOD_S = 10.0  # real seconds between trims
+FLOOR_BUCKET_S = 60
+MAX_FLOOR_POINTS = 1440  # a day of minutes; later minutes fold into the last one
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _libc = ctypes.CDLL(None)
 _trim = getattr(_libc, "malloc_trim", None)
+
+
+class _Cache(Protocol):
+    nbytes: int
 
 
 def rss_bytes() -> int:
@@ -29,19 +45,52 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * _PAGE
 
 
-class Trimmer:
-    """Trims, and counts: how often, how long it took, how much resident memory it released."""
+class MemoryWatch:
+    """One per process (several modeled instances may share it): trims, and the floor."""
 
     def __init__(self) -> None:
+        self.caches: dict[int, _Cache] = {}
         self.trims = 0
-        self.seconds = 0.0
+        self.trim_s = 0.0
         self.released = 0  # bytes of RSS given back, summed over trims
+        self.floor: list[tuple[float, int]] = []  # (minute's unix start, lowest RSS - cache bytes)
+        self._last_trim = time.monotonic()
 
-    def __call__(self) -> None:
+    def add_cache(self, cache: _Cache) -> None:
+        self.caches[id(cache)] = cache
+
+    def cache_bytes(self) -> int:
+        return sum(c.nbytes for c in self.caches.values())
+
+    def sample(self) -> None:
+        net = rss_bytes() - self.cache_bytes()
+        minute = float(int(time.time()) // FLOOR_BUCKET_S * FLOOR_BUCKET_S)
+        if self.floor and (self.floor[-1][0] == minute or len(self.floor) >= MAX_FLOOR_POINTS):
+            self.floor[-1] = (self.floor[-1][0], min(self.floor[-1][1], net))
+        else:
+            self.floor.append((minute, net))
+
+    def trim_due(self) -> bool:
+        """True once per ``TRIM_PERIOD_S`` (whichever instance of the process asks first)."""
+        now = time.monotonic()
+        if now - self._last_trim < TRIM_PERIOD_S:
+            return False
+        self._last_trim = now
+        return True
+
+    def trim(self) -> None:
         if _trim is None:
             return
         before, t0 = rss_bytes(), time.perf_counter()
         _trim(0)
-        self.seconds += time.perf_counter() - t0
+        self.trim_s += time.perf_counter() - t0
         self.released += max(0, before - rss_bytes())
         self.trims += 1
+
+    def report(self) -> MemoryReport:
+        return MemoryReport(pid=os.getpid(), rss_bytes=rss_bytes(), cache_bytes=self.cache_bytes(),
+                            trims=self.trims, trim_s=round(self.trim_s, 6), released_bytes=self.released,
+                            floor=list(self.floor))
+
+
+WATCH = MemoryWatch()

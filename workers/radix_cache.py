@@ -48,6 +48,7 @@ class RadixCache:
         self.capacity_blocks = capacity_tokens // block_size
         self.root = Node((), None, None)
         self.blocks = 0
+        self.nbytes = 0  # bytes the cache's own copies hold (views of modeled KV hold none)
         self._clock = itertools.count(1)
         self.hit_tokens = 0
         self.lookup_tokens = 0
@@ -129,6 +130,7 @@ class RadixCache:
                 child = Node(key, block.clone() if self.copy_blocks else block, node)
                 node.children[key] = child
                 self.blocks += 1
+                self.nbytes += block.nbytes if self.copy_blocks else 0
             child.last_used = now
             node = child
             depth += 1
@@ -159,6 +161,7 @@ class RadixCache:
             del victim.parent.children[victim.key]
             victim.alive = False
             self.blocks -= 1
+            self.nbytes -= victim.kv.nbytes if self.copy_blocks and victim.kv is not None else 0
             self.evicted_blocks += 1
             self._candidate(victim.parent)
             break

@@ -43,8 +43,8 @@ from protocol.messages import (
 )
 from protocol.mqtt_session import Session, keepalive_for
 from protocol.token_stream import TokenChunk
-from protocol.worker_config import CacheReport, MemoryReport, ModelCost, WorkerConfig, WorkerStats
-from workers.allocator import TRIM_PERIOD_S, Trimmer, rss_bytes
+from protocol.worker_config import CacheReport, ModelCost, WorkerConfig, WorkerStats
+from workers.allocator import WATCH
 from workers.device import Pacer, make_pacer
 from workers.model import ModelRunner
 from workers.modeled import ModeledRunner
@@ -82,7 +82,6 @@ class Worker:
         self.cache_series: list[tuple[float, int, int]] = []  # (t, hit tokens, lookup tokens)
         self.started: OrderedDict[str, None] = OrderedDict()  # requests a start command began, oldest first
         self.repeated_commands = 0
-        self.trim = Trimmer()
         # Opened while privileged: once it has dropped root, the worker writes only here.
         self.out = OutDir(Path(cfg.stats_path).parent) if cfg.stats_path else None
 
@@ -211,12 +210,7 @@ class Worker:
         """This worker's statistics file; roles add their counters."""
         return WorkerStats(worker=self.cfg.name, role=self.cfg.role, compute=self.cfg.compute,
                            device=self.pacer.report(), cache=self.cache_report(),
-                           repeated_commands=self.repeated_commands, memory=self.memory_report())
-
-    def memory_report(self) -> MemoryReport:
-        t = self.trim
-        return MemoryReport(rss_bytes=rss_bytes(), trims=t.trims, trim_s=round(t.seconds, 6),
-                            released_bytes=t.released)
+                           repeated_commands=self.repeated_commands, memory=WATCH.report())
 
     def cache_report(self) -> CacheReport | None:
         """Prefix-cache counters and their history (sampled each second when they change)."""
@@ -329,8 +323,11 @@ class Worker:
             n += 1
             if n % 2 == 0:
                 self._sample_cache()
-            if n % round(TRIM_PERIOD_S / STATUS_PERIOD_S) == 0:  # on the compute thread: between steps
-                await asyncio.get_running_loop().run_in_executor(self.compute, self.trim)
+            if self.cache is not None:
+                WATCH.add_cache(self.cache)
+            WATCH.sample()
+            if WATCH.trim_due():  # on the compute thread: between steps
+                await asyncio.get_running_loop().run_in_executor(self.compute, WATCH.trim)
             st = self.status()
             if st != published:
                 await self.publish_status(st)

@@ -118,6 +118,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                        help="the router's failure detector (default: the scenario's workers.failure_detection): "
                             "probe confirms a last will and ends a dead worker's requests at once; none ignores "
                             "wills, as a router without health checks (docs/faults.md, the PD outage)")
+        p.add_argument("--resume", action="store_true",
+                       help="with --out naming an earlier run's folder: keep every replay it saved that matches this "
+                            "one (trace, load, scenario, emulation) and run only what is missing")
         retry_opts(p)
 
     p = sub.add_parser("run", help="replay a trace under one or more policies; save, plot and compare")

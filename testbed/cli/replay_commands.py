@@ -62,7 +62,9 @@ def replay_inputs(args: argparse.Namespace) -> tuple[Scenario, list[PolicySpec],
     if not wl.requests:
         raise InputError(f"{args.trace}: --window/--limit leave no request")
     opts = RunOptions(args.impairment, args.dilation, False, 1.0, args.limit, args.window,
-                      Slo(args.slo_ttft, args.slo_tpot), args.timeout, retry=retry_policy(args))
+                      Slo(args.slo_ttft, args.slo_tpot), args.timeout, retry=retry_policy(args), resume=args.resume)
+    if args.resume and args.out is None:
+        raise InputError("--resume: needs --out, the folder of the run to resume")
     return sc, policies, wl, opts
 
 
@@ -192,6 +194,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def cmd_tune(args: argparse.Namespace) -> int:
     from testbed.experiments.tune import SPACES, TuneOptions, tune
 
+    if args.resume:  # its sampler's state is not saved: a second study would not retrace the first
+        raise InputError("--resume: not for tune (run the study again, or resume its trials' runs one by one)")
     sc, policies, wl, opts = replay_inputs(args)
     if len(policies) != 1 or policies[0].name not in SPACES:
         raise InputError(f"--policy: one policy with knobs to search ({', '.join(SPACES)}), got {args.policies!r}")

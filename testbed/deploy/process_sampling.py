@@ -28,23 +28,51 @@ class ProcessMemory(BaseModel):
     rss_last_mb: float
     settled_s: float = 0.0  # seconds between the first sample after the warm-up and the last
     rss_mid_mb: float | None = None  # halfway through those seconds
+    # A worker's own floor (``workers.allocator``): the lowest RSS net of its caches in the
+    # first and in the second half of its settled life; None for other processes.
+    floor_first_mb: float | None = None
+    floor_second_mb: float | None = None
 
     @property
     def growth_mb(self) -> float:
         return self.rss_last_mb - self.rss_first_mb
 
     @property
+    def judged_on_floor(self) -> bool:
+        return self.floor_first_mb is not None and self.floor_second_mb is not None
+
+    @property
     def late_growth_mb(self) -> float:
-        """Growth over the second half of its settled life."""
+        """Growth over the second half of its settled life: of the floor net of caches for a
+        worker that reports one, of RSS otherwise."""
+        if self.floor_first_mb is not None and self.floor_second_mb is not None:
+            return self.floor_second_mb - self.floor_first_mb
         return self.rss_last_mb - (self.rss_mid_mb if self.rss_mid_mb is not None else self.rss_first_mb)
 
     def flat(self, share: float = FLAT_SHARE) -> bool:
         """Grew by at most ``share`` over the second half of its settled life (or by less than
         ``FLAT_FLOOR_MB``, the page-granular noise of a process of a few MB). The first half
-        is where bounded caches fill to their configured size (a decoder's radix cache, the
-        delay line's deepest queue): growth a leak keeps up and a full cache does not."""
-        base = self.rss_mid_mb if self.rss_mid_mb is not None else self.rss_first_mb
+        is where bounded queues reach their depth (the delay line's) and where a decoder's
+        radix cache fills: growth a leak keeps up and a full cache does not. A worker is
+        judged on its floor (RSS net of its caches at each minute's quietest moment), which a
+        cache still filling (a relay's, slowly) or the work in flight does not raise."""
+        base = self.floor_first_mb if self.floor_first_mb is not None else (
+            self.rss_mid_mb if self.rss_mid_mb is not None else self.rss_first_mb)
         return self.late_growth_mb <= max(share * base, FLAT_FLOOR_MB)
+
+
+def with_floor(m: ProcessMemory, floor: list[tuple[float, int]], warmup_s: float = 60.0) -> ProcessMemory:
+    """``m`` judged on a worker's floor series (minute start, bytes): the first minute left
+    out (start-up), the rest split at its middle; unchanged with fewer than 4 minutes left."""
+    if not floor:
+        return m
+    settled = [(t, b) for t, b in floor if t >= floor[0][0] + warmup_s]
+    if len(settled) < 4:
+        return m
+    mid = (settled[0][0] + settled[-1][0]) / 2
+    first = min(b for t, b in settled if t <= mid) / 2**20
+    second = min(b for t, b in settled if t > mid) / 2**20
+    return m.model_copy(update={"floor_first_mb": first, "floor_second_mb": second})
 
 
 def rss_mb(pid: int) -> float | None:

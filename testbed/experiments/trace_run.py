@@ -20,12 +20,12 @@ from protocol.worker_config import WorkerStats
 from testbed.analysis import report
 from testbed.analysis.metrics import Slo, format_summary
 from testbed.analysis.policy_summary import measure
-from testbed.analysis.results import PolicySummary, RunSummary, TraceInfo
+from testbed.analysis.results import SUMMARY_FILE, PolicySummary, RunSummary, TraceInfo, load_run
 from testbed.deploy import forkserver
 from testbed.deploy.deployment import Deployment
 from testbed.deploy.dilation import emulation_plan
 from testbed.deploy.fidelity import format_verdict
-from testbed.errors import EXIT_INFIDELITY
+from testbed.errors import EXIT_INFIDELITY, InputError
 from testbed.faults.timeline import Fault
 from testbed.faults.wan_trace import faults_of
 from testbed.load.retry import RetryPolicy
@@ -51,6 +51,7 @@ class RunOptions:
     out: Path | None = None
     faults: tuple[Fault, ...] = ()  # from the command line; the scenario's own come first
     retry: RetryPolicy = RetryPolicy()  # the client's, as an agent's SDK retries
+    resume: bool = False  # keep the policies a matching run already saved in ``out``
 
 
 def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunOptions) -> int:
@@ -77,8 +78,12 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
             policies=summaries, workers=workers,
         )  # fmt: skip
 
+    if opts.resume:
+        frames, summaries, workers = kept_policies(out, summary_so_far(), policies)
     timeline = [*sc.faults, *faults_of(sc.wan_directions()), *opts.faults]  # the line's trace as faults too
     for spec in policies:
+        if spec.label in summaries:
+            continue
         t0 = time.monotonic()
         with Deployment(sc, spec, emulation=plan, impairment=opts.impairment, timeline=timeline,
                         logs_to=out / "logs" / spec.label) as dep:
@@ -97,6 +102,10 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
                   flush=True)
         for rid, why in list(s.failures.items())[:5]:
             print(f"    failed {rid}: {why}")
+    order = [p.label for p in policies]  # kept ones first came from the folder
+    frames = {n: frames[n] for n in order}
+    summaries = {n: summaries[n] for n in order}
+    workers = {n: workers[n] for n in order}
     summary = summary_so_far()
     paths = report.save(out, frames, summary)
     print(f"\ntimes in {summary.units}")
@@ -117,3 +126,29 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
               "(raise --dilation, or pass --allow-infidelity to exit 0 anyway)", file=sys.stderr)
         return EXIT_INFIDELITY
     return 0 if all(s.failed == 0 for s in summaries.values()) else 1
+
+
+def kept_policies(out: Path, now: RunSummary, policies: list[PolicySpec]) -> tuple[
+        dict[str, pd.DataFrame], dict[str, PolicySummary], dict[str, dict[str, WorkerStats]]]:
+    """``--resume``: the policies a run saved in ``out`` finished, when that run replayed what
+    this one would (trace and its selection, load, scenario, emulation); nothing when ``out``
+    holds no run yet. A folder holding a different run is an error naming what differs: its
+    rows are never mixed with this run's."""
+    if not (out / SUMMARY_FILE).exists():
+        return {}, {}, {}
+    saved, df = load_run(out)
+    fields = ("trace", "speed", "limit", "window", "emulation", "scenario")
+    for f in fields:
+        a, b = getattr(saved, f), getattr(now, f)
+        a, b = (x.model_dump(mode="json") if hasattr(x, "model_dump") else x for x in (a, b))
+        if a != b:
+            hint = " (pass the --dilation it ran at)" if f == "emulation" else ""
+            raise InputError(f"{out}: --resume: this folder holds a different run ({f} differs{hint}); "
+                             "choose another --out")
+    wanted = {p.label for p in policies}
+    kept = [name for name in saved.policies if name in wanted]
+    if kept:
+        print(f"--resume: kept from {out}: {', '.join(kept)}", flush=True)
+    frames = {str(n): g.drop(columns="policy").reset_index(drop=True)
+              for n, g in df.groupby("policy", sort=False) if n in kept}
+    return frames, {n: saved.policies[n] for n in kept}, {n: saved.workers.get(n, {}) for n in kept}

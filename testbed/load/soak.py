@@ -10,7 +10,9 @@ every request *completed* or *failed with a reason*; *hung* (no end within the c
 bound) and *lost* (sent, yet unknown to the router and never finished) must both be 0; the
 cluster serves again after the last fault; and every process that lived through at least half
 the soak kept its resident memory flat: within 10 % over the second half of its life (the first
-half is where bounded caches fill to their size; a leak keeps growing).
+half is where bounded queues reach their depth; a leak keeps growing). Workers are judged on
+their floor, RSS net of their caches' bytes at each minute's quietest moment
+(``workers.allocator``), which neither a cache still filling nor a burst of work raises.
 Saved: ``soak.json`` (a ``SoakReport``), ``requests.csv``, ``rss.csv`` and ``rss.png``.
 """
 
@@ -30,7 +32,7 @@ from testbed.analysis.plots import plot_rss
 from testbed.analysis.results import write_csv
 from testbed.deploy.deployment import Deployment
 from testbed.deploy.dilation import emulation_plan
-from testbed.deploy.process_sampling import ProcessMemory
+from testbed.deploy.process_sampling import ProcessMemory, with_floor
 from testbed.errors import InputError
 from testbed.faults.timeline import AppliedFault, Fault
 from testbed.load.retry import RetryPolicy
@@ -198,6 +200,8 @@ def run_soak(sc: Scenario, wl: Workload, opts: SoakOptions) -> int:
     with Deployment(sc, spec, emulation=plan, timeline=faults) as dep:
         run = dep.run(load)
     recs, router, applied = run.recs, run.router, run.faults
+    floors = {w.memory.pid: w.memory.floor for w in run.workers.values() if w.memory is not None}
+    memory = [with_floor(m, floors.get(m.pid, [])) for m in run.memory]
     hung = [r for r in recs.values() if (r.error or "").startswith("no completion within the client timeout")]
     lost = [r for r in recs.values() if r.sent and r.last_rid not in router and not r.ok]
     retried = [a for r in recs.values() for a in r.retried]
@@ -213,7 +217,7 @@ def run_soak(sc: Scenario, wl: Workload, opts: SoakOptions) -> int:
         retried_by_reason=dict(Counter(_reason_kind(a.error) for a in retried).most_common()),
         faults=applied,
         faults_by_kind=dict(Counter(f.kind for f in applied if f.applied_s is not None and not f.error)),
-        memory=run.memory, after_faults_sent=len(after), after_faults_completed=sum(r.ok for r in after),
+        memory=memory, after_faults_sent=len(after), after_faults_completed=sum(r.ok for r in after),
     )  # fmt: skip
     write_atomic(out / "soak.json", report.model_dump_json(indent=2))
     write_csv(pd.DataFrame([{"rid": r.rid, "ok": r.ok, "error": r.error, "sent": r.sent, "ended": r.ended,
@@ -247,8 +251,11 @@ def format_soak(r: SoakReport) -> str:
     lines.append(f"{'process':28s} {'pid':>7s} {'peak MB':>8s} {'first MB':>9s} {'last MB':>8s} {'growth':>7s} "
                  f"{'2nd half':>8s}")
     lines += [f"{m.name:28s} {m.pid:7d} {m.rss_peak_mb:8.1f} {m.rss_first_mb:9.1f} {m.rss_last_mb:8.1f} "
-              f"{m.growth_mb:+7.1f} {m.late_growth_mb:+8.1f}" for m in r.memory]
+              f"{m.growth_mb:+7.1f} {m.late_growth_mb:+8.1f}{'  floor ' if m.judged_on_floor else ''}"
+              + (f"{m.floor_first_mb:.0f} -> {m.floor_second_mb:.0f}" if m.judged_on_floor else "")
+              for m in r.memory]
     grew = ", ".join(f"{m.name} ({m.pid}) {m.late_growth_mb:+.0f} MB" for m in r.grew)
     lines.append(f"memory: {'grew: ' + grew if grew else 'flat'} (processes that lived through half the soak: "
-                 "within 10 % over the second half of their life)")
+                 "within 10 % over the second half of their life; workers on their floor, RSS net of their "
+                 "caches at each minute's quietest moment)")
     return "\n".join(lines)
