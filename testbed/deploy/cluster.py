@@ -10,6 +10,7 @@ recorded in the run, so teardown (and ``testbed clean`` after a crash) ends them
 
 from __future__ import annotations
 
+import contextlib
 import pwd
 import secrets
 import signal
@@ -28,7 +29,16 @@ from protocol.router_config import (
     WorkerDeath,
     WorkerEndpoint,
 )
-from protocol.worker_config import BrokerInfo, RunAs, Scales, WorkerConfig, WorkerFaults, WorkerRole, WorkerStats
+from protocol.worker_config import (
+    BrokerInfo,
+    MemoryReport,
+    RunAs,
+    Scales,
+    WorkerConfig,
+    WorkerFaults,
+    WorkerRole,
+    WorkerStats,
+)
 from testbed.deploy.broker import BrokerAccess, launch_broker, start_broker
 from testbed.deploy.emulation import EmulationPlan
 from testbed.deploy.forkserver import launch_worker
@@ -260,6 +270,15 @@ class Cluster:
         """The workers the router declared dead, in order (appended by the router as it happened)."""
         text = _written(Path(str(self.records_path) + ".deaths.jsonl"))
         return [WorkerDeath.model_validate_json(line) for line in text.splitlines()]
+
+    def memory_floors(self) -> dict[int, list[tuple[float, int]]]:
+        """Every worker process's and the router's memory floor so far, by pid
+        (``workers.allocator``): read while a soak runs, so a process killed later keeps its."""
+        reports = [w.memory for w in self.worker_stats().values() if w.memory is not None]
+        with contextlib.suppress(ValueError):
+            if text := _written(Path(str(self.records_path) + ".memory.json")):
+                reports.append(MemoryReport.model_validate_json(text))
+        return {m.pid: m.floor for m in reports}
 
     def worker_stats(self) -> dict[str, WorkerStats]:
         out = {}

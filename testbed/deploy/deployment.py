@@ -161,7 +161,7 @@ class Deployment:
         """Drive ``load``, apply the fault timeline, sample, collect every record and
         statistic, tear down, judge fidelity. One run per deployment."""
         net, cl, injector = self.net, self.cluster, self.injector
-        sampler = RssSampler(self.processes) if load.samples_memory else None
+        sampler = RssSampler(self.processes, floors=cl.memory_floors) if load.samples_memory else None
 
         before_load: list[DelayLineReport | None] = [None]
         steal0 = host_steal_s()

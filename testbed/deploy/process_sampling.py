@@ -101,9 +101,14 @@ class RssSampler:
     every ``period_s``; samples before ``warmup_s`` only count towards the peak."""
 
     def __init__(self, processes: Callable[[], list[tuple[str, int]]], period_s: float = 2.0,
-                 warmup_s: float = 60.0) -> None:
+                 warmup_s: float = 60.0, floors: Callable[[], dict[int, list[tuple[float, int]]]] | None = None,
+                 floors_every_s: float = 30.0) -> None:
         self.processes, self.period_s, self.warmup_s = processes, period_s, warmup_s
         self.series: list[tuple[float, str, int, float]] = []  # (t, name, pid, MB)
+        # Processes that keep a memory floor (workers, the router): read every
+        # ``floors_every_s``, the latest kept by pid, so one killed later keeps its own.
+        self.floors_of, self.floors_every_s = floors, floors_every_s
+        self.floors: dict[int, list[tuple[float, int]]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss", daemon=True)
         self.t0 = time.monotonic()
@@ -116,6 +121,7 @@ class RssSampler:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+        self._read_floors()
         by_proc: dict[tuple[str, int], list[tuple[float, float]]] = {}
         for t, name, pid, mb in self.series:
             by_proc.setdefault((name, pid), []).append((t, mb))
@@ -124,14 +130,27 @@ class RssSampler:
             settled = [(t, mb) for t, mb in pts if t >= self.warmup_s] or [pts[-1]]
             mid_t = (settled[0][0] + settled[-1][0]) / 2
             mid = next(mb for t, mb in settled if t >= mid_t)
-            out.append(ProcessMemory(name=name, pid=pid, samples=len(pts), rss_first_mb=settled[0][1],
-                                     rss_peak_mb=max(mb for _, mb in pts), rss_last_mb=pts[-1][1],
-                                     settled_s=pts[-1][0] - settled[0][0], rss_mid_mb=mid))
+            m = ProcessMemory(name=name, pid=pid, samples=len(pts), rss_first_mb=settled[0][1],
+                              rss_peak_mb=max(mb for _, mb in pts), rss_last_mb=pts[-1][1],
+                              settled_s=pts[-1][0] - settled[0][0], rss_mid_mb=mid)
+            out.append(with_floor(m, self.floors.get(pid, [])))
         return out
 
+    def _read_floors(self) -> None:
+        if self.floors_of is None:
+            return
+        try:
+            self.floors.update(self.floors_of())
+        except (OSError, ValueError) as e:  # a file being replaced, or invalid: the next read
+            print(f"memory floors: {e}", flush=True)
+
     def _run(self) -> None:
+        next_floors = self.floors_every_s
         while not self._stop.wait(self.period_s):
             t = time.monotonic() - self.t0
+            if t >= next_floors:
+                self._read_floors()
+                next_floors = t + self.floors_every_s
             for name, pid in [*self.processes(), ("orchestrator", os.getpid())]:
                 mb = rss_mb(pid)
                 if mb is not None:

@@ -48,7 +48,10 @@ from protocol.router_config import RequestRecord, RouterConfig
 from testbed.deploy.liveness import Liveness
 from testbed.policies import ClusterView, Policy, RequestState, make_policy
 from testbed.policies.base import WorkerView
+from workers.allocator import WATCH
 from workers.privilege import Identity, OutDir, drop_privileges
+
+MEMORY_REPORT_S = 30  # seconds between writes of the router's memory report
 
 # Finished requests kept in memory, for their late events (cut-off transfers, cache-only KV,
 # within seconds) and to drop a repeated request (a broker restart's resends, within seconds):
@@ -78,6 +81,7 @@ class Router:
         # Opened while privileged: the router writes only here once it has dropped root.
         self.out = OutDir(Path(cfg.records_path).parent)
         self.liveness = Liveness(cfg, self.view.workers, self._worker_died, self.out)
+        WATCH.add_cache(_Indexes(self.view))
         self.repeated_requests = 0
 
     async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
@@ -323,12 +327,33 @@ class Router:
         self.records.flush()
 
     async def _sweep(self) -> None:
+        n = 0
         while True:
             await asyncio.sleep(1.0)
+            n += 1
+            # Memory as the workers watch theirs (``workers.allocator``): the prefix indexes
+            # are the router's caches; the floor goes to a file ``testbed soak`` reads.
+            WATCH.sample()
+            if WATCH.trim_due():
+                WATCH.trim()
+            if n % MEMORY_REPORT_S == 0:
+                self.out.write_atomic(Path(self.cfg.records_path).name + ".memory.json",
+                                      WATCH.report().model_dump_json())
             now = time.time()
             for rid, req in list(self.inflight.items()):
                 if now - req.arrived > self.cfg.request_timeout_s:
                     await self._fail(rid, f"timed out after {self.cfg.request_timeout_s} s")
+
+
+class _Indexes:
+    """The router's prefix indexes as one cache, for its memory floor."""
+
+    def __init__(self, view: ClusterView) -> None:
+        self.view = view
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.nbytes for i in self.view.held.values())
 
 
 if __name__ == "__main__":

@@ -200,8 +200,10 @@ def run_soak(sc: Scenario, wl: Workload, opts: SoakOptions) -> int:
     with Deployment(sc, spec, emulation=plan, timeline=faults) as dep:
         run = dep.run(load)
     recs, router, applied = run.recs, run.router, run.faults
-    floors = {w.memory.pid: w.memory.floor for w in run.workers.values() if w.memory is not None}
-    memory = [with_floor(m, floors.get(m.pid, [])) for m in run.memory]
+    # The workers' final statistics carry their floors to the end (the sampler read them up to
+    # its last period); the router's came with its last report.
+    final = {w.memory.pid: w.memory.floor for w in run.workers.values() if w.memory is not None}
+    memory = [with_floor(m, final[m.pid]) if m.pid in final else m for m in run.memory]
     hung = [r for r in recs.values() if (r.error or "").startswith("no completion within the client timeout")]
     lost = [r for r in recs.values() if r.sent and r.last_rid not in router and not r.ok]
     retried = [a for r in recs.values() for a in r.retried]

@@ -103,7 +103,7 @@ class HttpFrontDoor:
             served=self.served, scales=self.plan.scales,
             pipelines=Pipelines(worker_roles(sc), {w: sc.datacenter_of(w) for w in cl.workers},
                                 isinstance(self.opts.policy, PddSpec)),
-            stats_paths={h: c.stats_path for h, c in cl.workers.items()}, out_dir=str(cl.out_dir),
+            stats_paths={h: c.stats_path for h, c in cl.workers.items() if c.stats_path}, out_dir=str(cl.out_dir),
             run_as=account(sc.workers.run_as),
         )  # fmt: skip
 
