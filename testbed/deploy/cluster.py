@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import pwd
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -44,7 +43,7 @@ from testbed.deploy.emulation import EmulationPlan
 from testbed.deploy.forkserver import launch_worker
 from testbed.deploy.model_files import ensure_model
 from testbed.errors import InputError
-from testbed.net import runstate
+from testbed.net import netns, runstate
 from testbed.net.build import Network
 from testbed.policies.spec import PolicySpec
 from testbed.scenario import Role, Scenario
@@ -234,12 +233,7 @@ class Cluster:
         """Stop mosquitto (it saves its sessions), wait ``downtime_s``, start it again; every
         component reconnects on its own (``protocol.mqtt_session``)."""
         old = self.broker
-        old.send_signal(signal.SIGTERM)
-        try:
-            old.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            old.kill()
-            old.wait()
+        netns.stop_child(old, 10)
         time.sleep(downtime_s)
         t0 = time.monotonic()
         self.broker = launch_broker(self.net, self.broker_host)
@@ -250,11 +244,7 @@ class Cluster:
         """Stop the router (it writes its records on exit) and read them."""
         if self.router.poll() is None:
             time.sleep(0.3)  # let the last events (e.g. kv_sent after done) reach it
-            self.router.send_signal(signal.SIGTERM)
-            try:
-                self.router.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.router.kill()
+            netns.stop_child(self.router, 10)
         out: dict[str, RequestRecord] = {}
         for line in _written(self.records_path).splitlines():
             rec = RequestRecord.model_validate_json(line)

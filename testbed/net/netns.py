@@ -211,6 +211,18 @@ def terminate(pids: Sequence[int], grace_s: float = 2.0) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def stop_child(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+    """SIGTERM a child of ours (if it still runs), wait ``grace_s`` for it to finish what it
+    does on SIGTERM, SIGKILL it otherwise; reaped either way."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _exists(pid: int) -> bool:
     # Reap our own children so they do not linger as zombies (a zombie still "exists").
     with contextlib.suppress(ChildProcessError):

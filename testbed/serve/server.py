@@ -15,7 +15,6 @@ client measured can be set beside the server's own view; then everything is torn
 from __future__ import annotations
 
 import contextlib
-import signal
 import socket
 import subprocess
 import sys
@@ -33,7 +32,7 @@ from testbed.deploy.fidelity import format_verdict
 from testbed.deploy.model_files import ensure_model
 from testbed.deploy.run_record import ClientRecord
 from testbed.errors import EXIT_INFIDELITY, InputError, Terminated, TestbedError
-from testbed.net import runstate
+from testbed.net import netns, runstate
 from testbed.outputs import new_run_dir
 from testbed.policies.spec import PddSpec, PolicySpec
 from testbed.scenario import Role, Scenario
@@ -158,13 +157,7 @@ def _answer(desk: socket.socket, dep: Deployment) -> None:
 
 def _stop(front: subprocess.Popen[bytes]) -> None:
     """SIGTERM: the front end ends its requests and writes them; SIGKILL if it does not."""
-    if front.poll() is None:
-        front.send_signal(signal.SIGTERM)
-        try:
-            front.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            front.kill()
-            front.wait()
+    netns.stop_child(front, 30)
     if front.stdout is not None:
         front.stdout.close()
 
