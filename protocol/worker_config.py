@@ -206,12 +206,13 @@ class DecodeCounters(Contract):
 
 
 class MemoryReport(Contract):
-    """The worker process's resident memory, its caches' bytes, what trimming the allocator
-    gave back, and per minute the lowest RSS net of the caches (``workers.allocator``)."""
+    """The worker process's resident memory, the KV it holds (caches, sequences, batches),
+    what trimming the allocator gave back, and per minute the lowest RSS net of that KV
+    (``workers.allocator``)."""
 
     pid: int = Field(ge=1)
     rss_bytes: int = Field(ge=0)
-    cache_bytes: int = Field(default=0, ge=0)
+    held_bytes: int = Field(default=0, ge=0)  # KV in caches, sequences and batches
     trims: int = Field(default=0, ge=0)
     trim_s: float = Field(default=0.0, ge=0)
     released_bytes: int = Field(default=0, ge=0)

@@ -128,3 +128,21 @@ def test_a_repeated_decode_command_leaves_the_request_in_flight(decoder: DecodeW
     w = decoder
     cmd = DecodeCmd(rid="r3", prompt=[1, 2, 3], max_new=2, main=MainPart(relay="relay"))
     assert w.first_delivery(cmd) and not w.first_delivery(cmd)
+
+
+def test_a_decoder_counts_the_kv_it_holds_outside_its_cache(decoder: DecodeWorker) -> None:
+    """What the memory floor leaves out besides the cache (``workers.allocator``): every
+    sequence's buffer, counted once however many of the worker's tables hold it."""
+    w = decoder
+    before = w.nbytes
+    kv, _ = w.runner.prefill([5, 6, 7, 8, 9, 10], None, 512)
+    seq = Seq("r-bytes", [5, 6, 7, 8, 9, 10], 4, 0.0)
+    seq.load(kv)
+    assert seq.buf is not None
+    w.running["r-bytes"] = seq
+    w.admission["r-bytes"] = (seq, 0.0)  # the same sequence in two tables: counted once
+    try:
+        assert w.nbytes - before == seq.buf.nbytes > 0
+    finally:
+        del w.running["r-bytes"], w.admission["r-bytes"]
+    assert w.nbytes == before

@@ -384,7 +384,7 @@ def test_the_memory_floor_is_rss_net_of_the_caches_at_each_minutes_lowest() -> N
     from workers.radix_cache import RadixCache
 
     watch, cache = MemoryWatch(), RadixCache(4, 1 << 20)
-    watch.add_cache(cache)
+    watch.add_holder(cache)
     watch.sample()
     base = watch.floor[-1][1]
     kv = torch.ones((2, 2, 2, 40_000, 64))  # 80 MB of KV, 10,000 blocks
@@ -397,5 +397,5 @@ def test_the_memory_floor_is_rss_net_of_the_caches_at_each_minutes_lowest() -> N
     cache.evict(40_000)
     assert cache.nbytes == 0 and cache.blocks == 0
     r = watch.report()
-    assert r.cache_bytes == 0 and r.rss_bytes > 0 and r.floor == watch.floor
+    assert r.held_bytes == 0 and r.rss_bytes > 0 and r.floor == watch.floor
     assert rss_bytes() > 0

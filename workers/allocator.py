@@ -1,4 +1,4 @@
-"""A worker process's memory: freed memory given back, and what it holds beyond its caches.
+"""A worker process's memory: freed memory given back, and what it holds beyond its KV.
 
 A worker allocates and frees KV all the time (a request's KV arrives, is decoded on, is
 cached or dropped; cache blocks are evicted). glibc's malloc keeps freed memory inside its
@@ -8,12 +8,13 @@ hands free pages in every arena back (``madvise``), at a cost of milliseconds; t
 trims every ``TRIM_PERIOD_S`` on a worker's compute thread, between steps, and counts what
 it gave back.
 
-What remains still moves with the work in flight and with the prefix caches, which fill to
-their configured size over minutes (a relay caches only what it relays: slowly). Neither is
-a leak, and RSS alone cannot tell them from one. So the process also keeps, per minute, the
-lowest RSS net of its caches' bytes it saw (sampled each status period): the *floor*. A leak
-raises the floor; a cache filling does not (it is subtracted), and neither does a burst (the
-floor is taken at the minute's quietest moment). ``testbed soak`` judges workers on it.
+What remains still moves with the KV in flight (every sequence's buffer, the decode batch)
+and with the prefix caches, which fill to their configured size over minutes (a relay caches
+only what it relays: slowly). Neither is a leak, and RSS alone cannot tell them from one. So
+the process also keeps, per minute, the lowest RSS net of the KV its holders (caches and
+workers, each saying its ``nbytes``) hold, sampled each status period: the *floor*. A leak
+raises the floor; a cache filling or a burst of requests does not. ``testbed soak`` judges
+workers on it.
 
 On a C library without ``malloc_trim`` (musl) nothing is trimmed and the counters stay 0.
 """
@@ -35,8 +36,11 @@ _libc = ctypes.CDLL(None)
 _trim = getattr(_libc, "malloc_trim", None)
 
 
-class _Cache(Protocol):
-    nbytes: int
+class _Holder(Protocol):
+    """A cache, or a worker, saying how many bytes of KV it holds."""
+
+    @property
+    def nbytes(self) -> int: ...
 
 
 def rss_bytes() -> int:
@@ -49,21 +53,21 @@ class MemoryWatch:
     """One per process (several modeled instances may share it): trims, and the floor."""
 
     def __init__(self) -> None:
-        self.caches: dict[int, _Cache] = {}
+        self.holders: dict[int, _Holder] = {}
         self.trims = 0
         self.trim_s = 0.0
         self.released = 0  # bytes of RSS given back, summed over trims
-        self.floor: list[tuple[float, int]] = []  # (minute's unix start, lowest RSS - cache bytes)
+        self.floor: list[tuple[float, int]] = []  # (minute's unix start, lowest RSS - KV held)
         self._last_trim = time.monotonic()
 
-    def add_cache(self, cache: _Cache) -> None:
-        self.caches[id(cache)] = cache
+    def add_holder(self, holder: _Holder) -> None:
+        self.holders[id(holder)] = holder
 
-    def cache_bytes(self) -> int:
-        return sum(c.nbytes for c in self.caches.values())
+    def held_bytes(self) -> int:
+        return sum(h.nbytes for h in self.holders.values())
 
     def sample(self) -> None:
-        net = rss_bytes() - self.cache_bytes()
+        net = rss_bytes() - self.held_bytes()
         minute = float(int(time.time()) // FLOOR_BUCKET_S * FLOOR_BUCKET_S)
         if self.floor and (self.floor[-1][0] == minute or len(self.floor) >= MAX_FLOOR_POINTS):
             self.floor[-1] = (self.floor[-1][0], min(self.floor[-1][1], net))
@@ -88,7 +92,7 @@ class MemoryWatch:
         self.trims += 1
 
     def report(self) -> MemoryReport:
-        return MemoryReport(pid=os.getpid(), rss_bytes=rss_bytes(), cache_bytes=self.cache_bytes(),
+        return MemoryReport(pid=os.getpid(), rss_bytes=rss_bytes(), held_bytes=self.held_bytes(),
                             trims=self.trims, trim_s=round(self.trim_s, 6), released_bytes=self.released,
                             floor=list(self.floor))
 

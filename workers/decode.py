@@ -98,6 +98,18 @@ class DecodeWorker(HandoffMixin, Worker):
     def active(self) -> int:
         return len(self.running)
 
+    @property
+    def nbytes(self) -> int:
+        """KV this worker holds outside its cache: every sequence's buffer (waiting, running,
+        held, admitted) and the running batch's; what its memory floor leaves out with the
+        cache (``workers.allocator``)."""
+        seqs = {id(s): s for s in (*self.waiting.values(), *self.running.values(), *self.held.values(),
+                                   *(s for s, _ in self.admission.values()))}
+        total = sum(s.buf.nbytes for s in seqs.values() if s.buf is not None)
+        if isinstance(self.dbatch, DecodeBatch):
+            total += sum(k.nbytes + v.nbytes for k, v in self.dbatch.bufs)
+        return total
+
     def queued(self) -> int:
         return len(self.waiting) + len(self.held) + len(self.admission)
 

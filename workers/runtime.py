@@ -193,6 +193,11 @@ class Worker:
     async def handle(self, cmd: Command) -> None:
         raise NotImplementedError
 
+    @property
+    def nbytes(self) -> int:
+        """KV this worker holds outside its cache (roles that keep some say how much)."""
+        return 0
+
     def active(self) -> int:
         return 0
 
@@ -324,7 +329,8 @@ class Worker:
             if n % 2 == 0:
                 self._sample_cache()
             if self.cache is not None:
-                WATCH.add_cache(self.cache)
+                WATCH.add_holder(self.cache)
+            WATCH.add_holder(self)
             WATCH.sample()
             if WATCH.trim_due():  # on the compute thread: between steps
                 await asyncio.get_running_loop().run_in_executor(self.compute, WATCH.trim)

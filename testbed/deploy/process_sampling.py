@@ -28,7 +28,7 @@ class ProcessMemory(BaseModel):
     rss_last_mb: float
     settled_s: float = 0.0  # seconds between the first sample after the warm-up and the last
     rss_mid_mb: float | None = None  # halfway through those seconds
-    # A worker's own floor (``workers.allocator``): the lowest RSS net of its caches in the
+    # A worker's own floor (``workers.allocator``): the lowest RSS net of the KV it holds in the
     # first and in the second half of its settled life; None for other processes.
     floor_first_mb: float | None = None
     floor_second_mb: float | None = None
@@ -43,7 +43,7 @@ class ProcessMemory(BaseModel):
 
     @property
     def late_growth_mb(self) -> float:
-        """Growth over the second half of its settled life: of the floor net of caches for a
+        """Growth over the second half of its settled life: of the floor net of KV for a
         worker that reports one, of RSS otherwise."""
         if self.floor_first_mb is not None and self.floor_second_mb is not None:
             return self.floor_second_mb - self.floor_first_mb
@@ -54,7 +54,7 @@ class ProcessMemory(BaseModel):
         ``FLAT_FLOOR_MB``, the page-granular noise of a process of a few MB). The first half
         is where bounded queues reach their depth (the delay line's) and where a decoder's
         radix cache fills: growth a leak keeps up and a full cache does not. A worker is
-        judged on its floor (RSS net of its caches at each minute's quietest moment), which a
+        judged on its floor (RSS net of the KV it holds, at each minute's lowest), which a
         cache still filling (a relay's, slowly) or the work in flight does not raise."""
         base = self.floor_first_mb if self.floor_first_mb is not None else (
             self.rss_mid_mb if self.rss_mid_mb is not None else self.rss_first_mb)

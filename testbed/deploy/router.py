@@ -81,7 +81,7 @@ class Router:
         # Opened while privileged: the router writes only here once it has dropped root.
         self.out = OutDir(Path(cfg.records_path).parent)
         self.liveness = Liveness(cfg, self.view.workers, self._worker_died, self.out)
-        WATCH.add_cache(_Indexes(self.view))
+        WATCH.add_holder(_Indexes(self.view))
         self.repeated_requests = 0
 
     async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:

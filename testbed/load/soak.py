@@ -11,8 +11,9 @@ bound) and *lost* (sent, yet unknown to the router and never finished) must both
 cluster serves again after the last fault; and every process that lived through at least half
 the soak kept its resident memory flat: within 10 % over the second half of its life (the first
 half is where bounded queues reach their depth; a leak keeps growing). Workers are judged on
-their floor, RSS net of their caches' bytes at each minute's quietest moment
-(``workers.allocator``), which neither a cache still filling nor a burst of work raises.
+their floor, RSS net of the KV they hold (caches, sequences, the decode batch) at each
+minute's lowest (``workers.allocator``), which neither a cache still filling nor a burst of
+work raises.
 Saved: ``soak.json`` (a ``SoakReport``), ``requests.csv``, ``rss.csv`` and ``rss.png``.
 """
 
@@ -258,6 +259,6 @@ def format_soak(r: SoakReport) -> str:
               for m in r.memory]
     grew = ", ".join(f"{m.name} ({m.pid}) {m.late_growth_mb:+.0f} MB" for m in r.grew)
     lines.append(f"memory: {'grew: ' + grew if grew else 'flat'} (processes that lived through half the soak: "
-                 "within 10 % over the second half of their life; workers on their floor, RSS net of their "
-                 "caches at each minute's quietest moment)")
+                 "within 10 % over the second half of their life; workers and the router on their floor, RSS "
+                 "net of the KV or index they hold at each minute's lowest)")
     return "\n".join(lines)
