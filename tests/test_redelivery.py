@@ -5,6 +5,7 @@ repeat must leave the request as if it had come once (issue #9's broker-restart 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections import OrderedDict
 from types import SimpleNamespace
 from typing import Any
@@ -132,17 +133,21 @@ def test_a_repeated_decode_command_leaves_the_request_in_flight(decoder: DecodeW
 
 def test_a_decoder_counts_the_kv_it_holds_outside_its_cache(decoder: DecodeWorker) -> None:
     """What the memory floor leaves out besides the cache (``workers.allocator``): every
-    sequence's buffer, counted once however many of the worker's tables hold it."""
+    sequence's buffer, counted once however many of the worker's tables hold it, and only
+    where it is resident: a buffer sized for every output token holds little before they come."""
     w = decoder
     before = w.nbytes
     kv, _ = w.runner.prefill([5, 6, 7, 8, 9, 10], None, 512)
-    seq = Seq("r-bytes", [5, 6, 7, 8, 9, 10], 4, 0.0)
+    seq = Seq("r-bytes", [5, 6, 7, 8, 9, 10], 20000, 0.0)
     seq.load(kv)
     assert seq.buf is not None
     w.running["r-bytes"] = seq
     w.admission["r-bytes"] = (seq, 0.0)  # the same sequence in two tables: counted once
     try:
-        assert w.nbytes - before == seq.buf.nbytes > 0
+        held = w.nbytes - before
+        assert kv.nbytes <= held < seq.buf.nbytes / 4
+        seq.buf.fill_(0)  # every page written: all of it counts (pages it shares at its ends too)
+        assert 0 <= w.nbytes - before - seq.buf.nbytes <= 2 * os.sysconf("SC_PAGE_SIZE")
     finally:
         del w.running["r-bytes"], w.admission["r-bytes"]
     assert w.nbytes == before

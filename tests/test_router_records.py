@@ -3,13 +3,20 @@ records file as they leave, so a long run's memory stays flat and nothing is los
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from protocol.router_config import RequestRecord, RouterConfig, WorkerEndpoint
 from protocol.worker_config import BrokerInfo
+from testbed.deploy.cluster import ROUTER_ENV
 from testbed.deploy.router import ENDED_KEPT, Router
 from testbed.policies import RequestState
 from testbed.policies.spec import parse_policy
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_finished_records_stream_to_disk_and_memory_stays_bounded(tmp_path: Path) -> None:
@@ -56,3 +63,65 @@ def test_finished_requests_leave_memory_once_older_than_the_late_event_window(tm
         assert set(router.ended) == set(router.finished) == set(router.ended_at) == {"r10", "r11"}
         assert [RequestRecord.model_validate_json(x).rid for x in path.read_text().splitlines()] == [
             f"r{i}" for i in range(10)]
+
+
+def _drive_a_burst(folder: str) -> None:
+    """A router given steady requests, then 150 at once, then steady ones again: prints its
+    memory floor (RSS net of its indexes, after a trim) before and after the burst."""
+    import asyncio
+    import random
+
+    from protocol.messages import Done, Request
+    from workers.allocator import WATCH, rss_bytes
+
+    cfg = RouterConfig(run_id="t3", broker=BrokerInfo(host="10.0.0.1", port=1883, username="r", password="p"),
+                       policy=parse_policy("pdd"), records_path=f"{folder}/records.jsonl", dilation=1e-6,
+                       workers={"prefill": WorkerEndpoint(role="prefill", dc="a", host="10.0.0.2", kv_port=7070),
+                                "relay": WorkerEndpoint(role="relay-decode", dc="a", host="10.0.0.3", kv_port=7070),
+                                "decode-b": WorkerEndpoint(role="decode", dc="b", host="10.0.0.4", kv_port=7070)})
+    router = Router(cfg)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(300, 32000) for _ in range(9000)] for _ in range(20)]
+
+    async def publish(topic: str, payload: bytes, retain: bool = False) -> None:
+        pass
+
+    async def requests(k: int, start: int) -> None:
+        for i in range(start, start + k):
+            req = Request(rid=f"r{i}", prompt=prompts[i % 20][: 2000 + i * 300 % 7000], max_new=100)
+            await router._admit(Request.model_validate_json(req.model_dump_json()))
+        for i in range(start, start + k):
+            st = router.inflight[f"r{i}"]
+            assert st.plan is not None
+            relay = st.plan.relay
+            await router._on_event(Done(rid=f"r{i}", worker=relay or st.plan.decode, t=0.0, output_tokens=100,
+                                        handed_off=False if relay else None))
+
+    def floor() -> float:
+        WATCH.trim()
+        return (rss_bytes() - WATCH.held_bytes()) / 2**20
+
+    async def main() -> None:
+        router.publish = publish  # type: ignore[method-assign]
+        for w in router.view.workers.values():
+            w.up = True
+        for i in range(0, 120, 2):
+            await requests(2, i)
+        before = floor()
+        await requests(150, 1000)
+        for i in range(2000, 2120, 2):
+            await requests(2, i)
+        print(json.dumps({"before": before, "after": floor()}))
+
+    with open(cfg.records_path, "w") as router.records:
+        asyncio.run(main())
+
+
+def test_a_burst_of_requests_leaves_the_routers_memory_floor_where_it_was(tmp_path: Path) -> None:
+    """The router runs on the C allocator (``ROUTER_ENV``) so that memory a burst of prompts
+    took goes back: on Python's arenas this burst raised the floor by ~30 MB, for good."""
+    script = f"from tests.test_router_records import _drive_a_burst; _drive_a_burst({str(tmp_path)!r})"
+    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, **ROUTER_ENV}, cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    floors = json.loads(out.splitlines()[-1])
+    assert floors["after"] - floors["before"] < 6, floors

@@ -16,6 +16,11 @@ workers, each saying its ``nbytes``) hold, sampled each status period: the *floo
 raises the floor; a cache filling or a burst of requests does not. ``testbed soak`` judges
 workers on it.
 
+A buffer allocated for a request's whole length (prompt and every output token) is resident
+only where it was written: holders count the pages of their buffers that are resident
+(``resident_bytes``, the kernel's ``mincore``), not their size, which overcounted a busy
+decoder's buffers by gigabytes and drove its floor below zero.
+
 On a C library without ``malloc_trim`` (musl) nothing is trimmed and the counters stay 0.
 """
 
@@ -32,8 +37,9 @@ TRIM_PERIOD_S = 10.0  # real seconds between trims
 FLOOR_BUCKET_S = 60
 MAX_FLOOR_POINTS = 1440  # a day of minutes; later minutes fold into the last one
 _PAGE = os.sysconf("SC_PAGE_SIZE")
-_libc = ctypes.CDLL(None)
+_libc = ctypes.CDLL(None, use_errno=True)
 _trim = getattr(_libc, "malloc_trim", None)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 
 
 class _Holder(Protocol):
@@ -47,6 +53,20 @@ def rss_bytes() -> int:
     """This process's resident set (``/proc/self/statm``)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * _PAGE
+
+
+def resident_bytes(addr: int, length: int) -> int:
+    """Bytes of the pages in ``[addr, addr + length)`` that are in memory (a page the range
+    shares with a neighbour counts whole)."""
+    if length <= 0:
+        return 0
+    start = addr - addr % _PAGE
+    pages = (addr + length - start + _PAGE - 1) // _PAGE
+    vec = ctypes.create_string_buffer(pages)
+    if _libc.mincore(start, pages * _PAGE, vec) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mincore: {os.strerror(err)}")
+    return vec.raw.count(1) * _PAGE  # bit 0: resident; the kernel sets no other bit
 
 
 class MemoryWatch:

@@ -47,6 +47,7 @@ from protocol.messages import (
 )
 from protocol.worker_config import DecodeCounters, WorkerConfig, WorkerStats
 from workers import kv_wire
+from workers.allocator import resident_bytes
 from workers.expected import Expected
 from workers.handoff import HandoffMixin
 from workers.model import DecodeBatch
@@ -100,15 +101,15 @@ class DecodeWorker(HandoffMixin, Worker):
 
     @property
     def nbytes(self) -> int:
-        """KV this worker holds outside its cache: every sequence's buffer (waiting, running,
-        held, admitted) and the running batch's; what its memory floor leaves out with the
-        cache (``workers.allocator``)."""
+        """KV this worker holds outside its cache, as resident bytes: every sequence's buffer
+        (waiting, running, held, admitted) and the running batch's; what its memory floor
+        leaves out with the cache (``workers.allocator``)."""
         seqs = {id(s): s for s in (*self.waiting.values(), *self.running.values(), *self.held.values(),
                                    *(s for s, _ in self.admission.values()))}
-        total = sum(s.buf.nbytes for s in seqs.values() if s.buf is not None)
+        bufs = [s.buf for s in seqs.values() if s.buf is not None]
         if isinstance(self.dbatch, DecodeBatch):
-            total += sum(k.nbytes + v.nbytes for k, v in self.dbatch.bufs)
-        return total
+            bufs += [t for kv in self.dbatch.bufs for t in kv]
+        return sum(resident_bytes(t.data_ptr(), t.nbytes) for t in bufs)
 
     def queued(self) -> int:
         return len(self.waiting) + len(self.held) + len(self.admission)

@@ -81,7 +81,7 @@ class Router:
         # Opened while privileged: the router writes only here once it has dropped root.
         self.out = OutDir(Path(cfg.records_path).parent)
         self.liveness = Liveness(cfg, self.view.workers, self._worker_died, self.out)
-        WATCH.add_holder(_Indexes(self.view))
+        WATCH.add_holder(_Indexes(self.view, self.policy))
         self.repeated_requests = 0
 
     async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
@@ -346,14 +346,15 @@ class Router:
 
 
 class _Indexes:
-    """The router's prefix indexes as one cache, for its memory floor."""
+    """The router's prefix indexes (its own and its policy's) as one cache, for its memory floor."""
 
-    def __init__(self, view: ClusterView) -> None:
+    def __init__(self, view: ClusterView, policy: Policy) -> None:
         self.view = view
+        self.policy = policy
 
     @property
     def nbytes(self) -> int:
-        return sum(i.nbytes for i in self.view.held.values())
+        return sum(i.nbytes for i in self.view.held.values()) + self.policy.nbytes
 
 
 if __name__ == "__main__":

@@ -199,6 +199,11 @@ class Policy(ABC):
         including by the router itself (a timeout, a dead worker) with no event from a
         worker (default: nothing)."""
 
+    @property
+    def nbytes(self) -> int:
+        """Memory the policy's own indexes hold (the router's memory floor leaves it out)."""
+        return 0
+
     def stats(self) -> PolicyReport:
         """Policy-level counters for the run's summary."""
         return PolicyReport(options=self.describe())

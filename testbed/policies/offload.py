@@ -45,6 +45,10 @@ class PrefillOffload(Policy):
         self.wan = WanEstimator(UNSHAPED_RATE_BPS)
         self.counts: Counter[str] = Counter()
 
+    @property
+    def nbytes(self) -> int:
+        return sum(i.nbytes for i in self.indexes.values())
+
     def describe(self) -> str:
         return OffloadSpec(options=self.opts).describe()
 

@@ -64,6 +64,10 @@ class Pdd(Policy):
         self.wan = WanEstimator(UNSHAPED_RATE_BPS)
         self.counts: Counter[str] = Counter()
 
+    @property
+    def nbytes(self) -> int:
+        return sum(i.nbytes for i in self.indexes.values())
+
     def describe(self) -> str:
         return PddSpec(options=self.opts).describe()
 
