@@ -5,18 +5,21 @@ repeat must leave the request as if it had come once (issue #9's broker-restart 
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
+import weakref
 from collections import OrderedDict
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from protocol.messages import DecodeCmd, ExtendCmd, HandoffAck, MainPart, PrefillCmd
+from protocol.messages import CancelCmd, DecodeCmd, ExtendCmd, HandoffAck, MainPart, PrefillCmd
 from protocol.token_stream import TokenChunk
 from protocol.worker_config import BrokerInfo, WorkerConfig
 from testbed.deploy.run_record import ClientRecord
 from workers.decode import DecodeWorker
+from workers.kv_wire import Incoming
 from workers.model import ensure_default_model
 from workers.runtime import Worker
 from workers.seq import MainState, RelayState, Seq
@@ -151,3 +154,32 @@ def test_a_decoder_counts_the_kv_it_holds_outside_its_cache(decoder: DecodeWorke
     finally:
         del w.running["r-bytes"], w.admission["r-bytes"]
     assert w.nbytes == before
+
+
+def test_a_finished_or_cancelled_request_leaves_nothing_on_the_decoder(decoder: DecodeWorker) -> None:
+    """The KV deadline (``kv_timeout_s``, minutes) holds only the request's id and ends when the
+    KV arrives or the request is dropped: a deadline holding the sequence kept every finished
+    request's KV in memory for the whole timeout (a soak's decoder grew by GBs)."""
+    w = decoder
+    prompt = [2, 7, 1, 8, 2, 8]
+    kv, first = w.runner.prefill(prompt, None, 512)
+
+    async def main() -> None:
+        w.emit = lambda event: None  # type: ignore[method-assign]
+        w.stream = lambda *a, **k: None  # type: ignore[method-assign]
+        refs = []
+        await w.handle(DecodeCmd(rid="r-arrives", prompt=prompt, max_new=1))
+        refs.append(weakref.ref(w.waiting["r-arrives"]))
+        await w._arrived(Incoming("r-arrives", prompt, 0, kv, first, kv.nbytes, 0.0, 0.0))  # done at once
+        await w.handle(DecodeCmd(rid="r-cancelled", prompt=prompt, max_new=4))
+        refs.append(weakref.ref(w.waiting["r-cancelled"]))
+        await w.handle(CancelCmd(rid="r-cancelled"))
+        deadlines = [t for t in w.tasks if "_kv_deadline" in t.get_coro().__qualname__]  # type: ignore[union-attr]
+        await asyncio.sleep(0)
+        assert len(deadlines) == 2 and all(t.cancelled() for t in deadlines)
+        gc.collect()
+        assert [r() for r in refs] == [None, None]  # while the loop still runs
+
+    w.cfg = w.cfg.model_copy(update={"kv_timeout_s": 3600.0})
+    asyncio.run(main())
+    assert not w.waiting and not w.running

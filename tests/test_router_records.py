@@ -7,13 +7,16 @@ import json
 import os
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 
+from protocol.messages import Request
 from protocol.router_config import RequestRecord, RouterConfig, WorkerEndpoint
 from protocol.worker_config import BrokerInfo
 from testbed.deploy.cluster import ROUTER_ENV
 from testbed.deploy.router import ENDED_KEPT, Router
 from testbed.policies import RequestState
+from testbed.policies.base import token_list_bytes
 from testbed.policies.spec import parse_policy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,3 +128,21 @@ def test_a_burst_of_requests_leaves_the_routers_memory_floor_where_it_was(tmp_pa
                          capture_output=True, text=True, timeout=120, check=True).stdout
     floors = json.loads(out.splitlines()[-1])
     assert floors["after"] - floors["before"] < 6, floors
+
+
+def test_the_router_counts_the_token_lists_it_holds_as_held() -> None:
+    """The router's memory floor leaves out the requests it holds (a window of prompts, which
+    grows with a session's context): each request says what its token lists take, within
+    10 % of what parsing one allocates."""
+    toks = [300 + (7919 * i) % 30000 for i in range(4096)]
+    raw = json.dumps({"rid": "c0-s0000.0", "prompt": toks, "max_new": 10, "hints": {"answer": toks[:100]}})
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        r = Request.model_validate_json(raw)
+        taken = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename"))
+    finally:
+        tracemalloc.stop()
+    req = RequestState(r.rid, r.prompt, r.max_new, 0.0, r.hints)
+    assert abs(req.nbytes - taken) <= 0.1 * taken
+    assert token_list_bytes(list(range(200))) == sys.getsizeof(list(range(200)))  # small ints are shared

@@ -159,7 +159,7 @@ class DecodeWorker(HandoffMixin, Worker):
             self.setup_handoff(seq, cmd)
             self.waiting[cmd.rid] = seq
             self.expected.expect(cmd.rid)
-            self.spawn(self._kv_deadline(seq))
+            seq.kv_deadline = self.spawn(self._kv_deadline(cmd.rid))
         elif isinstance(cmd, CancelCmd):
             seq = self.waiting.get(cmd.rid)
             if cmd.keep_kv and seq is not None:
@@ -173,10 +173,15 @@ class DecodeWorker(HandoffMixin, Worker):
         elif isinstance(cmd, ExtendCmd):
             await self.on_extend(cmd)
 
-    async def _kv_deadline(self, seq: Seq) -> None:
+    async def _kv_deadline(self, rid: str) -> None:
+        """Fails ``rid`` if its KV has not arrived in time. It holds the id, not the sequence,
+        and is cancelled when the sequence stops waiting: a timer holding the sequence kept
+        every finished request's KV alive for the whole timeout."""
         await asyncio.sleep(self.cfg.kv_timeout_s)
-        if self.waiting.get(seq.rid) is seq:
-            await self.fail(seq.rid, f"KV did not arrive at {self.cfg.name} within {self.cfg.kv_timeout_s} s")
+        seq = self.waiting.get(rid)
+        if seq is not None and seq.kv_deadline is asyncio.current_task():
+            seq.kv_deadline = None  # (not cancelled by the drop below)
+            await self.fail(rid, f"KV did not arrive at {self.cfg.name} within {self.cfg.kv_timeout_s} s")
 
     # ----------------------------------------------------------------- KV receive
     async def _offer(self, rid: str, tokens: list[int]) -> int:
@@ -197,6 +202,7 @@ class DecodeWorker(HandoffMixin, Worker):
         seq = self.waiting.pop(inc.request_id, None)
         if seq is None:
             return
+        seq.stop_kv_deadline()
         zeros = self._zero_kv()
         if zeros is not None:  # modeled: the whole prompt's KV is a zero view, nothing to join
             kv = zeros(inc.have + inc.kv.shape[3])
@@ -343,6 +349,8 @@ class DecodeWorker(HandoffMixin, Worker):
     async def drop(self, rid: str) -> Seq | None:
         seq = (self.waiting.pop(rid, None) or self.running.pop(rid, None) or self.held.pop(rid, None)
                or self.admission.pop(rid, (None, 0.0))[0])
+        if seq is not None:
+            seq.stop_kv_deadline()
         self.expected.forget(rid)
         if seq is not None and seq.path:
             self.cache.unlock(seq.path)

@@ -9,6 +9,7 @@ and only its length is kept, so loading a prompt or appending a token copies not
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -64,6 +65,12 @@ class Seq:
     cache_only: bool = False  # KV still welcome for the radix cache, nothing to decode
     relay: RelayState | None = None
     main: MainState | None = None
+    kv_deadline: asyncio.Task[None] | None = None  # fails the request if its KV does not arrive
+
+    def stop_kv_deadline(self) -> None:
+        if self.kv_deadline is not None:
+            self.kv_deadline.cancel()
+            self.kv_deadline = None
 
     @property
     def prompt_len(self) -> int:

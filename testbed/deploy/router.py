@@ -81,7 +81,7 @@ class Router:
         # Opened while privileged: the router writes only here once it has dropped root.
         self.out = OutDir(Path(cfg.records_path).parent)
         self.liveness = Liveness(cfg, self.view.workers, self._worker_died, self.out)
-        WATCH.add_holder(_Indexes(self.view, self.policy))
+        WATCH.add_holder(_Held(self))
         self.repeated_requests = 0
 
     async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
@@ -345,16 +345,19 @@ class Router:
                     await self._fail(rid, f"timed out after {self.cfg.request_timeout_s} s")
 
 
-class _Indexes:
-    """The router's prefix indexes (its own and its policy's) as one cache, for its memory floor."""
+class _Held:
+    """What the router holds by design, left out of its memory floor: its prefix indexes (its
+    own and its policy's) and the token lists of the requests in flight or just ended (a
+    window of requests, whose prompts grow as a session's context does)."""
 
-    def __init__(self, view: ClusterView, policy: Policy) -> None:
-        self.view = view
-        self.policy = policy
+    def __init__(self, router: Router) -> None:
+        self.router = router
 
     @property
     def nbytes(self) -> int:
-        return sum(i.nbytes for i in self.view.held.values()) + self.policy.nbytes
+        r = self.router
+        requests = sum(q.nbytes for q in r.inflight.values()) + sum(q.nbytes for q in r.ended.values())
+        return sum(i.nbytes for i in r.view.held.values()) + r.policy.nbytes + requests
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ options a worker understands are stated once, there.
 
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
@@ -136,6 +137,16 @@ class Plan:
         return {w for w in (self.prefill, self.decode, self.relay) if w}
 
 
+# A token id past CPython's small-int cache is its own object: 28 bytes, a 32-byte block.
+_INT_BYTES = 32
+
+
+def token_list_bytes(tokens: list[int]) -> int:
+    """Memory a parsed list of token ids takes: its pointer array and its int objects (a
+    4K-token prompt ~150 KB, where the wire carried ~20 KB)."""
+    return sys.getsizeof(tokens) + _INT_BYTES * sum(1 for t in tokens if not -5 <= t <= 256)
+
+
 @dataclass
 class RequestState:
     """A request in the router, from admission to its end."""
@@ -150,6 +161,10 @@ class RequestState:
     handed_off: bool = False  # a relay handed the stream to the main decoder
     md_failed: str | None = None  # the main decoder failed; the relay finishes alone
     cut_off: bool = False  # the WAN transfer to the main decoder was cut off
+    nbytes: int = field(init=False, default=0)  # what its token lists take in memory (the router's floor)
+
+    def __post_init__(self) -> None:
+        self.nbytes = token_list_bytes(self.prompt) + token_list_bytes(self.hints.answer or [])
 
     @property
     def prompt_len(self) -> int:
