@@ -329,7 +329,7 @@ def test_paced_and_dilated_pdd_produces_the_reference_tokens() -> None:
 
 def _tpot(sc: Any, policy: str, dilation: float) -> tuple[float, float]:
     # 0.7 s apart: each request (TTFT <= 0.4 s, 30 steps of ~7 ms) ends before the next.
-    specs = [RequestSpec(f"t{i}", synth_tokens(f"tpot-{i}", 200), 30, at=0.7 * i) for i in range(5)]
+    specs = [RequestSpec(f"t{i}", synth_tokens(f"tpot-{i}", 200), 30, at=0.7 * i) for i in range(4)]
     plan = _plan(sc, dilation, "float32")
     with Deployment(sc, parse_policy(policy), emulation=plan, dtype="float32") as dep:
         run = dep.run(TraceReplay([RequestSpec(s.rid, s.prompt, s.max_new, at=s.at * dilation) for s in specs],
@@ -359,7 +359,7 @@ def test_no_wan_round_trip_on_the_decode_path() -> None:
     assert same == pytest.approx(0.002 + 15.22e9 / 3.35e12, rel=0.15)
     # A 200-token KV transfer over the idle line: HELLO/OFFER (one round trip), 11.5 MB at
     # 10 Gbit/s (9 ms), half a round trip: ~0.2 s, plus the first (fresh) connection's slow
-    # start for one request of five. Fresh connections per transfer made this 1.6-3.0 s, and
+    # start for one request of four. Fresh connections per transfer made this 1.6-3.0 s, and
     # dependent on the dilation (the kernel's TCP timers are not dilated).
     assert cross_ttft < 0.4, cross_ttft
     # That reports do not depend on the dilation: tests/test_invariants.py.

@@ -25,7 +25,8 @@ from .conftest import ROOT, TOPOLOGIES, built, needs_root, small_wan
 pytestmark = needs_root
 
 
-@pytest.mark.parametrize(("delay_ms", "rate_mbit"), [(5, 50), (20, 100), (50, 500)])
+# The two ends of the range (a middle case took 7 s of `make test` and found nothing they miss).
+@pytest.mark.parametrize(("delay_ms", "rate_mbit"), [(5, 50), (50, 500)])
 def test_rtt_and_goodput_match_configuration(delay_ms: float, rate_mbit: float) -> None:
     with built(small_wan(delay_ms, rate_mbit)) as net:
         rows = check.run_check(net, rtt_samples=25, goodput_s=2.0, wan_only=True)  # LANs: the CLI's test

@@ -302,7 +302,7 @@ def test_drc_off_md_caches_nothing_and_routing_uses_what_md_lacks() -> None:
     # d0 long enough for the MD to take over: its KV takes ~0.8 s to cross, 400 tokens on the
     # relay (unpaced, float64) take about twice that.
     specs = [RequestSpec("d0", head + synth_tokens("d0", 40), 400, at=0.0),
-             RequestSpec("d1", head + synth_tokens("d1", 40), 12, at=6.0)]
+             RequestSpec("d1", head + synth_tokens("d1", 40), 12, at=4.0)]
     refs = _refs(specs)
     on_recs, on, on_stats, _ = _serve("pdd", specs, slow)
     off_recs, off, off_stats, _ = _serve("pdd:drc=off", specs, slow)
