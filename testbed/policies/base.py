@@ -143,7 +143,7 @@ _INT_BYTES = 32
 
 def token_list_bytes(tokens: list[int]) -> int:
     """Memory a parsed list of token ids takes: its pointer array and its int objects (a
-    4K-token prompt ~150 KB, where the wire carried ~20 KB)."""
+    4K-token prompt ~160 KB, where the wire carried ~20 KB)."""
     return sys.getsizeof(tokens) + _INT_BYTES * sum(1 for t in tokens if not -5 <= t <= 256)
 
 
