@@ -90,6 +90,9 @@ class Topics:
 SAFE_NAME = r"^[A-Za-z0-9_.:=@-]{1,128}$"
 RequestId = Annotated[str, Field(pattern=SAFE_NAME)]
 _SAFE = re.compile(SAFE_NAME)
+# A token id as a client may send it: a 4-byte integer (every vocabulary fits), which is how
+# the router holds prompts (``testbed/policies/token_ids.py``).
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 
 # ------------------------------------------------------------------------- client -> router
@@ -103,12 +106,12 @@ class RequestHints(Contract):
     eager: int | None = Field(default=None, ge=0)  # fixed eager-token budget (verify, experiments)
     # The tokens the session's next turn carries as this turn's answer (a trace's stand-in):
     # what the prefill side caches after the request when the scenario keeps answers cached.
-    answer: list[int] | None = None
+    answer: list[TokenId] | None = None
 
 
 class Request(Contract):
     rid: RequestId
-    prompt: list[int] = Field(min_length=1)
+    prompt: list[TokenId] = Field(min_length=1)
     max_new: int = Field(ge=1)
     hints: RequestHints = RequestHints()
     ignore_eos: bool = False  # decode all ``max_new`` tokens even past the end-of-sequence token

@@ -173,6 +173,12 @@ def test_malformed_events_and_requests_are_rejected() -> None:
         Request.model_validate_json(b'{"rid": "r1", "prompt": [], "max_new": 1}')
     with pytest.raises(ValidationError, match="meta"):
         Request.model_validate_json(b'{"rid": "r1", "prompt": [1], "max_new": 1, "meta": {}}')
+    for bad in (b"-1", b"2147483648", b"99999999999999999999999"):  # the router holds ids as 4-byte ints
+        with pytest.raises(ValidationError, match="prompt.1"):
+            Request.model_validate_json(b'{"rid": "r1", "prompt": [1, ' + bad + b'], "max_new": 1}')
+        with pytest.raises(ValidationError, match="answer.0"):
+            Request.model_validate_json(b'{"rid": "r1", "prompt": [1], "max_new": 1, '
+                                        b'"hints": {"answer": [' + bad + b"]}}")
     assert rid_of(b"\xff not json") is None and rid_of(b"[1, 2]") is None and rid_of(b'{"rid": 3}') is None
 
 

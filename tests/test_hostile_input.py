@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from protocol import kv_format, token_stream
 from protocol.messages import SAFE_NAME, Request, RouterStatus, Status, Tokens, Topics, parse_command, parse_event
 from protocol.token_stream import TokenChunk
+from testbed.policies import RequestState
 from workers import kv_wire
 from workers.kv_wire import BLOCK, END, HDR, HELLO, MAGIC, VERSION, ModelShape
 
@@ -233,7 +234,9 @@ def test_fuzzed_control_messages_are_models_or_validation_errors() -> None:
         data = _mutate(rng, rng.choice(seeds)) if rng.random() < 0.9 else rng.randbytes(rng.randint(0, 200))
         for decode in decoders:
             with contextlib.suppress(ValidationError):
-                decode(data)
+                msg = decode(data)
+                if isinstance(msg, Request):  # what the router holds of an admitted request
+                    RequestState(msg.rid, msg.prompt, msg.max_new, 0.0, msg.hints)
 
 
 # ------------------------------------------------------------------------- token batches

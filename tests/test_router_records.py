@@ -16,7 +16,7 @@ from protocol.worker_config import BrokerInfo
 from testbed.deploy.cluster import ROUTER_ENV
 from testbed.deploy.router import ENDED_KEPT, Router
 from testbed.policies import RequestState
-from testbed.policies.base import token_list_bytes
+from testbed.policies.prefix_index import PrefixIndex
 from testbed.policies.spec import parse_policy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -130,19 +130,24 @@ def test_a_burst_of_requests_leaves_the_routers_memory_floor_where_it_was(tmp_pa
     assert floors["after"] - floors["before"] < 6, floors
 
 
-def test_the_router_counts_the_token_lists_it_holds_as_held() -> None:
+def test_the_router_holds_a_requests_tokens_compactly_and_counts_them() -> None:
     """The router's memory floor leaves out the requests it holds (a window of prompts, which
-    grows with a session's context): each request says what its token lists take, within
-    10 % of what parsing one allocates."""
+    grows with a session's context): what a request keeps once its message is gone is its
+    token arrays, 4 bytes an id, and what it says it holds is within 10 % of that (as lists
+    of ints it kept ~10x more, most of it uncounted on the router's allocator)."""
     toks = [300 + (7919 * i) % 30000 for i in range(4096)]
     raw = json.dumps({"rid": "c0-s0000.0", "prompt": toks, "max_new": 10, "hints": {"answer": toks[:100]}})
     tracemalloc.start()
     try:
         before = tracemalloc.take_snapshot()
         r = Request.model_validate_json(raw)
-        taken = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename"))
+        req = RequestState(r.rid, r.prompt, r.max_new, 0.0, r.hints)
+        del r
+        kept = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename"))
     finally:
         tracemalloc.stop()
-    req = RequestState(r.rid, r.prompt, r.max_new, 0.0, r.hints)
-    assert abs(req.nbytes - taken) <= 0.1 * taken
-    assert token_list_bytes(list(range(200))) == sys.getsizeof(list(range(200)))  # small ints are shared
+    assert abs(req.nbytes - kept) <= 0.1 * kept and req.nbytes < 5 * (4096 + 100)
+    assert req.prompt.tolist() == toks and req.answer.tolist() == toks[:100] and req.hints.answer is None
+    index = PrefixIndex(16, 1 << 20)
+    index.insert(req.prompt)  # the router indexes the array; a policy may ask with the message's list
+    assert index.match(toks) == 4096 and index.match(toks[:100] + [1] * 60) == 96

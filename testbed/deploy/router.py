@@ -279,8 +279,8 @@ class Router:
     async def _cache_answer(self, req: RequestState) -> None:
         """``cache_outputs``: the prefill instance that served a completed request computes
         the KV of its answer while idle, so the session's next turn finds it cached."""
-        if self.cfg.cache_outputs and req.hints.answer and req.plan is not None:
-            cmd = WarmCmd(rid=req.rid, tokens=req.prompt + req.hints.answer, start=len(req.prompt))
+        if self.cfg.cache_outputs and req.answer and req.plan is not None:
+            cmd = WarmCmd(rid=req.rid, tokens=(req.prompt + req.answer).tolist(), start=len(req.prompt))
             await self.publish(self.topics.cmd(req.plan.prefill), cmd.dump())
 
     async def _fail(self, rid: str, reason: str) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import sys
 from abc import ABC, abstractmethod
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -19,6 +21,7 @@ from pydantic import Field
 from protocol.messages import DecodeCmd, Event, HandoffCmd, PrefillDone, RequestHints
 from protocol.worker_config import Contract
 from testbed.policies.prefix_index import PrefixIndex
+from testbed.policies.token_ids import token_array
 
 
 class PolicyContext(Contract):
@@ -85,7 +88,7 @@ class ClusterView:
     cache_tokens: int = 262144
     held: dict[str, PrefixIndex] = field(default_factory=dict)
 
-    def pick(self, role: str, dc: str | None = None, prompt: list[int] | None = None) -> WorkerView:
+    def pick(self, role: str, dc: str | None = None, prompt: Sequence[int] | None = None) -> WorkerView:
         """A live worker of a role (optionally in one datacenter): the least loaded; given a
         prompt, the one expected to hold the longest prefix of it (prefix-cache affinity),
         unless that one has more than ``AFFINITY_SLACK`` requests beyond the least loaded."""
@@ -102,14 +105,14 @@ class ClusterView:
             return least
         return best
 
-    def pick_outside(self, role: str, dc: str, prompt: list[int] | None = None) -> WorkerView:
+    def pick_outside(self, role: str, dc: str, prompt: Sequence[int] | None = None) -> WorkerView:
         """As ``pick``, in the first other datacenter that has a live worker of the role."""
         remote = sorted({w.dc for w in self.workers.values() if w.role == role and w.dc != dc and w.up})
         if not remote:
             raise LookupError(f"no live {role} worker outside datacenter {dc}")
         return self.pick(role, dc=remote[0], prompt=prompt)
 
-    def remember(self, worker: str, prompt: list[int]) -> None:
+    def remember(self, worker: str, prompt: Sequence[int]) -> None:
         """``worker`` was given ``prompt``: its prefix cache will hold it (affinity hint). A
         role with one instance has no choice to make: nothing is hashed for it."""
         role = self.workers[worker].role
@@ -137,34 +140,29 @@ class Plan:
         return {w for w in (self.prefill, self.decode, self.relay) if w}
 
 
-# A token id past CPython's small-int cache is its own object: 28 bytes, a 32-byte block.
-_INT_BYTES = 32
-
-
-def token_list_bytes(tokens: list[int]) -> int:
-    """Memory a parsed list of token ids takes: its pointer array and its int objects (a
-    4K-token prompt ~160 KB, where the wire carried ~20 KB)."""
-    return sys.getsizeof(tokens) + _INT_BYTES * sum(1 for t in tokens if not -5 <= t <= 256)
-
-
 @dataclass
 class RequestState:
     """A request in the router, from admission to its end."""
 
     rid: str
-    prompt: list[int]
+    prompt: array[int]  # any sequence of ids given; held as ``token_array``
     max_new: int
     arrived: float
-    hints: RequestHints = field(default_factory=RequestHints)
+    hints: RequestHints = field(default_factory=RequestHints)  # held without ``answer``
     plan: Plan | None = None
     events: list[Event] = field(default_factory=list)
     handed_off: bool = False  # a relay handed the stream to the main decoder
     md_failed: str | None = None  # the main decoder failed; the relay finishes alone
     cut_off: bool = False  # the WAN transfer to the main decoder was cut off
-    nbytes: int = field(init=False, default=0)  # what its token lists take in memory (the router's floor)
+    answer: array[int] = field(init=False)  # ``hints.answer``: the tokens the session's next turn carries
+    nbytes: int = field(init=False, default=0)  # what its token arrays take in memory (the router's floor)
 
     def __post_init__(self) -> None:
-        self.nbytes = token_list_bytes(self.prompt) + token_list_bytes(self.hints.answer or [])
+        self.prompt = token_array(self.prompt)
+        self.answer = token_array(self.hints.answer or ())
+        if self.hints.answer is not None:
+            self.hints = self.hints.model_copy(update={"answer": None})
+        self.nbytes = sys.getsizeof(self.prompt) + sys.getsizeof(self.answer)
 
     @property
     def prompt_len(self) -> int:
@@ -195,7 +193,7 @@ class Policy(ABC):
 
     def decode_command(self, req: RequestState, plan: Plan, worker: str) -> DecodeCmd:
         """The decode command sent to ``worker`` (default: decode the request to its end)."""
-        return DecodeCmd(rid=req.rid, prompt=req.prompt, max_new=req.max_new)
+        return DecodeCmd(rid=req.rid, prompt=req.prompt.tolist(), max_new=req.max_new)
 
     def handoff(self, req: RequestState, cluster: ClusterView) -> HandoffCmd:
         """How the relay hands over once the main decoder holds the KV (relay plans only)."""

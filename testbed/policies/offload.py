@@ -90,7 +90,7 @@ class PrefillOffload(Policy):
         return Plan(f"P-D({d.dc})", p.name, d.name)
 
     def decode_command(self, req: RequestState, plan: Plan, worker: str) -> DecodeCmd:
-        return DecodeCmd(rid=req.rid, prompt=req.prompt, max_new=req.max_new)
+        return DecodeCmd(rid=req.rid, prompt=req.prompt.tolist(), max_new=req.max_new)
 
     def on_event(self, req: RequestState, event: Event) -> None:
         plan = req.plan

@@ -110,7 +110,7 @@ class Pdd(Policy):
         return Plan("P-MD", p.name, md.name, info=info)
 
     def decode_command(self, req: RequestState, plan: Plan, worker: str) -> DecodeCmd:
-        cmd = DecodeCmd(rid=req.rid, prompt=req.prompt, max_new=req.max_new, drc=self.drc)
+        cmd = DecodeCmd(rid=req.rid, prompt=req.prompt.tolist(), max_new=req.max_new, drc=self.drc)
         if worker == plan.relay:
             budget = req.hints.eager if req.hints.eager is not None else self.opts.eager  # a trace may fix it
             return cmd.model_copy(update={"drc": True, "relay": RelayPart(main=plan.decode, eager_budget=budget)})

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Sequence
 
-# Memory one indexed block costs (a 16-byte digest and its ordered-dict entry), measured
-# with tracemalloc over 100,000 entries: what ``nbytes`` reports.
-ENTRY_BYTES = 155
+from testbed.policies.token_ids import TOKEN_BYTES, token_array
+
+# Memory one indexed block costs (a 16-byte digest and its ordered-dict entry): the resident
+# memory 100,000 entries with eviction took on the C allocator the router runs on (trimmed),
+# 187 bytes; Python's own count (tracemalloc) says 155. What ``nbytes`` reports.
+ENTRY_BYTES = 187
 
 
 class PrefixIndex:
@@ -23,15 +27,18 @@ class PrefixIndex:
         self.capacity_blocks = capacity_tokens // block_size
         self._blocks: OrderedDict[bytes, None] = OrderedDict()
 
-    def _hashes(self, tokens: list[int]) -> list[bytes]:
+    def _hashes(self, tokens: Sequence[int]) -> list[bytes]:
+        # Over the ids as 4-byte integers, whatever sequence holds them: a list and the
+        # router's arrays of the same prompt index alike.
+        raw = token_array(tokens).tobytes()
         out, h = [], b""
-        bs = self.block_size
-        for i in range(0, len(tokens) - bs + 1, bs):
-            h = hashlib.blake2b(h + repr(tokens[i : i + bs]).encode(), digest_size=16).digest()
+        step = self.block_size * TOKEN_BYTES
+        for i in range(0, len(raw) - step + 1, step):
+            h = hashlib.blake2b(h + raw[i : i + step], digest_size=16).digest()
             out.append(h)
         return out
 
-    def match(self, tokens: list[int]) -> int:
+    def match(self, tokens: Sequence[int]) -> int:
         n = 0
         for h in self._hashes(tokens):
             if h not in self._blocks:
@@ -40,7 +47,7 @@ class PrefixIndex:
             n += 1
         return n * self.block_size
 
-    def insert(self, tokens: list[int]) -> None:
+    def insert(self, tokens: Sequence[int]) -> None:
         for h in self._hashes(tokens):
             self._blocks[h] = None
             self._blocks.move_to_end(h)
