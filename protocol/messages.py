@@ -27,17 +27,21 @@ fails that request alone and goes on serving the others.
 
 from __future__ import annotations
 
-import json
 import re
 import socket
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, TypeAdapter, ValidationError, model_validator
+import pydantic_core
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from protocol.validation import one_line
 from protocol.worker_config import Contract, WorkerRole
 
 QOS = 1
+# The largest message any component takes from the broker (the broker refuses larger ones
+# too, ``message_size_limit``): a prefill command for the longest prompt a KV frame allows
+# (``kv_format.MAX_PROMPT_TOKENS``, ~11 bytes a token id in JSON) fits with room to spare.
+MAX_MESSAGE_BYTES = 16 << 20
 
 
 class Topics:
@@ -85,6 +89,13 @@ class Topics:
         return f"{self.root}/router/status"
 
 
+class Message(Contract):
+    """A message on the control plane: a contract whose numbers are finite (a time or a size
+    of ``inf`` or ``nan`` from a peer would poison every sum and comparison it enters)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
 # A request id or session name becomes part of an MQTT topic (``tokens/<rid>``), a file name
 # and a CSV cell: ``/``, ``+``, ``#``, spaces and control characters would break them.
 SAFE_NAME = r"^[A-Za-z0-9_.:=@-]{1,128}$"
@@ -96,7 +107,7 @@ TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 
 # ------------------------------------------------------------------------- client -> router
-class RequestHints(Contract):
+class RequestHints(Message):
     """What the trace says about a request beyond its tokens (policies may use it)."""
 
     session: RequestId | None = None
@@ -109,7 +120,7 @@ class RequestHints(Contract):
     answer: list[TokenId] | None = None
 
 
-class Request(Contract):
+class Request(Message):
     rid: RequestId
     prompt: list[TokenId] = Field(min_length=1)
     max_new: int = Field(ge=1)
@@ -117,7 +128,7 @@ class Request(Contract):
     ignore_eos: bool = False  # decode all ``max_new`` tokens even past the end-of-sequence token
 
 
-class CancelRequest(Contract):
+class CancelRequest(Message):
     """A client no longer wants request ``rid`` (its HTTP client went away): the router ends
     it everywhere it runs."""
 
@@ -126,13 +137,13 @@ class CancelRequest(Contract):
 
 
 # ------------------------------------------------------------------------- commands
-class KVTarget(Contract):
+class KVTarget(Message):
     worker: str
     host: str
     port: int = Field(ge=1, le=65535)
 
 
-class PrefillCmd(Contract):
+class PrefillCmd(Message):
     """Compute the prompt's KV (what the prefix cache lacks) and ship it to every target."""
 
     op: Literal["prefill"] = "prefill"
@@ -141,21 +152,21 @@ class PrefillCmd(Contract):
     kv_to: list[KVTarget] = []
 
 
-class RelayPart(Contract):
+class RelayPart(Message):
     """This decoder relays (PDD's RLD): it streams eager tokens, then hands over to ``main``."""
 
     main: str
     eager_budget: int | None = Field(default=None, ge=0)  # hand over after exactly this many
 
 
-class MainPart(Contract):
+class MainPart(Message):
     """This decoder takes over from a relay (PDD's MD): it holds the KV until ``relay``'s
     eager tokens arrive by ``ExtendCmd``."""
 
     relay: str
 
 
-class DecodeCmd(Contract):
+class DecodeCmd(Message):
     """Expect the request's KV over TCP, then decode ``max_new`` tokens (or until EOS)."""
 
     op: Literal["decode"] = "decode"
@@ -174,7 +185,7 @@ class DecodeCmd(Contract):
         return self
 
 
-class CancelCmd(Contract):
+class CancelCmd(Message):
     """Stop working on a request. On a prefill worker ``target`` cuts off only the transfer
     to that worker; on a decoder ``keep_kv`` keeps the arriving KV for the cache only."""
 
@@ -184,7 +195,7 @@ class CancelCmd(Contract):
     keep_kv: bool = False
 
 
-class HandoffCmd(Contract):
+class HandoffCmd(Message):
     """To a relay: the main decoder holds the KV; hand the stream over (``one-shot``: all
     eager tokens at once; ``catch-up``: batches of at most ``batch``) or, ``local``, finish
     the request here because the main decoder cannot take it."""
@@ -195,7 +206,7 @@ class HandoffCmd(Contract):
     batch: int = Field(default=64, ge=1)
 
 
-class HandoffAck(Contract):
+class HandoffAck(Message):
     """To a relay: the main decoder has extended ``extended`` eager tokens (catch-up)."""
 
     op: Literal["handoff_ack"] = "handoff_ack"
@@ -203,7 +214,7 @@ class HandoffAck(Contract):
     extended: int = Field(ge=0)
 
 
-class ExtendCmd(Contract):
+class ExtendCmd(Message):
     """To a main decoder: eager token IDs at output indices ``start ..``; ``final`` hands
     the stream over."""
 
@@ -214,7 +225,7 @@ class ExtendCmd(Contract):
     final: bool = False
 
 
-class WarmCmd(Contract):
+class WarmCmd(Message):
     """To a prefill instance, after a request completed: compute and cache the KV of
     ``tokens`` (its prompt, then its answer from ``start``) when no prefill is waiting, so the
     session's next turn finds the whole conversation cached (``workers.cache_outputs``)."""
@@ -236,7 +247,7 @@ def parse_command(payload: bytes | bytearray | str) -> Command:
 
 
 # ------------------------------------------------------------------------- events
-class _Event(Contract):
+class _Event(Message):
     rid: RequestId
     worker: str
     t: float
@@ -330,7 +341,7 @@ def parse_event(payload: bytes | bytearray | str) -> Event:
 
 
 # ------------------------------------------------------------------------- streams and status
-class Tokens(Contract):
+class Tokens(Message):
     rid: RequestId
     start: int = Field(ge=0)  # index of the first token in this message within the output
     tokens: list[int]
@@ -340,7 +351,7 @@ class Tokens(Contract):
     error: str | None = None
 
 
-class Status(Contract):
+class Status(Message):
     worker: str
     role: WorkerRole
     state: Literal["up", "dead"]
@@ -351,7 +362,7 @@ class Status(Contract):
     cache_hit_rate: float | None = None
 
 
-class RouterStatus(Contract):
+class RouterStatus(Message):
     # "down": the router's last will (its process ended or lost the broker without a word)
     state: Literal["ready", "stopped", "down"]
     workers: dict[str, WorkerRole]  # name -> role
@@ -374,10 +385,14 @@ def why_invalid(error: ValidationError) -> str:
 
 def rid_of(payload: bytes | bytearray | str) -> str | None:
     """The request id a (possibly malformed) message names, if it names a well-formed one
-    (an id with ``#`` or ``/`` must never become a topic, a file name or a reply)."""
+    (an id with ``#`` or ``/`` must never become a topic, a file name or a reply). Parsed as
+    pydantic parses the message itself: bounded in size and depth (``json.loads`` of a
+    payload nested a few thousand deep raises ``RecursionError``, which no handler expects)."""
+    if len(payload) > MAX_MESSAGE_BYTES:
+        return None
     try:
-        data = json.loads(payload)
-    except ValueError:
+        data = pydantic_core.from_json(payload)
+    except ValueError:  # invalid JSON or UTF-8, nesting past the parser's limit, a number out of range
         return None
     rid = data.get("rid") if isinstance(data, dict) else None
     return rid if isinstance(rid, str) and _SAFE.fullmatch(rid) else None

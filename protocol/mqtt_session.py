@@ -15,6 +15,11 @@ What it guarantees about publishing (QoS 1, at least once):
 * a message may arrive twice across a reconnection (QoS 1): readers of token streams skip
   exact repeats (``testbed.load.replay_client``);
 * ``held`` counts publishes made while disconnected, ``reconnects`` the reconnections.
+
+What it guarantees about receiving: one message never ends the component. A message over
+``MAX_MESSAGE_BYTES`` is refused unread; any exception its handler raises is logged with the
+topic and handed to ``on_error`` (which fails the request the message named, if any), and
+the session reads on.
 """
 
 from __future__ import annotations
@@ -23,13 +28,16 @@ import asyncio
 import contextlib
 import sys
 import time
+import traceback
 from collections.abc import Awaitable, Callable
 
 import aiomqtt
 import paho.mqtt.client as paho
 
-from protocol.messages import QOS, no_delay
+from protocol.messages import MAX_MESSAGE_BYTES, QOS, no_delay
 
+# What a component does about a message it could not handle: (topic, payload, why).
+OnError = Callable[[str, bytes, str], Awaitable[None]]
 RETRY_S = 0.2
 STOP_GRACE_S = 2.0  # real seconds a stopping component waits to say goodbye to the broker
 KEEPALIVE_S = 5.0  # emulated seconds: a worker silent for 1.5x this is announced dead (its will)
@@ -52,6 +60,8 @@ class Session:
         self.held = 0
         self.reconnected_at: float | None = None  # time.monotonic() of the last reconnection
         self.losses = 0  # connections lost
+        self.on_error: OnError | None = None
+        self.refused = 0  # messages refused (too large) or whose handler raised
 
     @staticmethod
     def client_for(host: str, port: int, username: str, password: str, identifier: str, keepalive: int,
@@ -139,4 +149,28 @@ class Session:
 
     async def _read(self, on_message: Callable[[aiomqtt.Message], Awaitable[None]]) -> None:
         async for message in self.client.messages:
-            await on_message(message)
+            payload = message.payload if isinstance(message.payload, (bytes, bytearray)) else b""
+            if len(payload) > MAX_MESSAGE_BYTES:
+                await self._refuse(str(message.topic), b"", f"{len(payload)} bytes, more than a message may carry "
+                                                            f"({MAX_MESSAGE_BYTES})")
+                continue
+            try:
+                await on_message(message)
+            except aiomqtt.MqttError:
+                raise  # the connection's, not the message's: reconnect
+            except Exception as e:  # noqa: BLE001 - one message's fault ends at most its request
+                traceback.print_exception(e, limit=-4, file=sys.stderr)
+                await self._refuse(str(message.topic), bytes(payload), f"handling it raised {type(e).__name__}: {e}")
+
+    async def _refuse(self, topic: str, payload: bytes, why: str) -> None:
+        self.refused += 1
+        print(f"{self.name}: refused a message on {topic}: {why}"[:2000], file=sys.stderr, flush=True)
+        if self.on_error is None:
+            return
+        try:
+            await self.on_error(topic, payload, why)
+        except aiomqtt.MqttError:
+            raise
+        except Exception as e:  # noqa: BLE001 - failing the request failed too: logged, serve on
+            print(f"{self.name}: could not fail the request of that message: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)

@@ -103,7 +103,7 @@ def decode(payload: bytes | bytearray) -> tuple[str, float, list[TokenChunk]]:
 
     def name(n: int, what: str) -> str:
         s = bytes(take(n, what)).decode("ascii", errors="replace")
-        if not _NAME.match(s):
+        if not _NAME.fullmatch(s):
             raise fail(f"{what}: {s[:40]!r} is not a valid name")
         return s
 

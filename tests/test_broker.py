@@ -13,15 +13,17 @@ from pathlib import Path
 from typing import Any
 
 import aiomqtt
+import pytest
 
 from protocol.messages import QOS, Topics
 from protocol.worker_config import BrokerInfo
-from testbed.deploy.broker import MOSQUITTO_USER, start_broker
+from testbed.deploy.broker import MOSQUITTO_USER, launch_broker, start_broker
 from testbed.deploy.deployment import network_session
 from testbed.net import netns
 from testbed.scenario import Role
+from workers.privilege import OutDir, open_regular
 
-from .conftest import needs_root, scenario_with
+from .conftest import needs_root, scenario_with, status_of
 
 pytestmark = needs_root
 
@@ -57,7 +59,7 @@ def _connect(b: BrokerInfo, ident: str) -> aiomqtt.Client:
 
 def test_each_component_reads_and_writes_only_its_own_topics() -> None:
     with network_session(scenario_with(), "auto") as net:
-        proc, access = start_broker(net, net.scenario.hosts_with_role(Role.ROUTER)[0], WORKERS)
+        proc, access, _ = start_broker(net, net.scenario.hosts_with_role(Role.ROUTER)[0], WORKERS)
         t = Topics(net.run.run_id)
         ns = net.ns_of(net.scenario.hosts_with_role(Role.CLIENT)[0])
 
@@ -97,13 +99,101 @@ def test_each_component_reads_and_writes_only_its_own_topics() -> None:
         got = _in_namespace(ns, body)
         status = Path(f"/proc/{proc.pid}/status").read_text().splitlines()
         uid = next(int(line.split()[1]) for line in status if line.startswith("Uid:"))
-        files = {p.name: os.stat(p) for p in (net.run.dir / "broker").iterdir() if p.name in ("passwd", "acl")}
-    assert uid == pwd.getpwnam(MOSQUITTO_USER).pw_uid  # mosquitto dropped root
-    mosq = pwd.getpwnam(MOSQUITTO_USER).pw_uid
-    assert {n: (st.st_uid, st.st_mode & 0o777) for n, st in files.items()} == {"passwd": (mosq, 0o600),
-                                                                               "acl": (mosq, 0o600)}
+        files = {p.name: os.stat(p) for p in (net.run.dir / "broker").iterdir()}
+        folders = {name: os.stat(net.run.dir / name) for name in ("broker", "broker-state")}
+    mosq = pwd.getpwnam(MOSQUITTO_USER)
+    assert uid == mosq.pw_uid  # mosquitto dropped root
+    # What mosquitto runs on is root's; what it may write is its sessions' folder alone.
+    assert {n: (st.st_uid, st.st_gid, st.st_mode & 0o777) for n, st in files.items()} == {
+        "passwd": (0, mosq.pw_gid, 0o640), "acl": (0, mosq.pw_gid, 0o640), "mosquitto.conf": (0, 0, 0o600),
+        "mosquitto.log": (0, 0, 0o600)}
+    assert {n: (st.st_uid, st.st_gid, st.st_mode & 0o777) for n, st in folders.items()} == {
+        "broker": (0, mosq.pw_gid, 0o750), "broker-state": (mosq.pw_uid, mosq.pw_gid, 0o700)}
     seen = {k: set(v) for k, v in got.items()}
     assert seen["prefill"] == {"admin to worker/prefill/cmd"}, seen
     assert seen["client"] == {"admin to tokens/r1", "relay's tokens"}, seen
     sent_by_components = seen["admin"] - {m for m in seen["admin"] if m.startswith("admin to")}
     assert sent_by_components == {"relay to decode-b", "relay's tokens", "request from client"}, seen
+
+
+def _as_mosquitto(fn: Any) -> Any:
+    """``fn()`` in a child process running as the broker's account: what a compromised
+    broker could do."""
+    mosq = pwd.getpwnam(MOSQUITTO_USER)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 0
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setresgid(mosq.pw_gid, mosq.pw_gid, mosq.pw_gid)
+            os.setresuid(mosq.pw_uid, mosq.pw_uid, mosq.pw_uid)
+            os.write(w, repr(fn()).encode())
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            os.write(w, f"{type(e).__name__}".encode())
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        out = f.read()
+    os.waitpid(pid, 0)
+    return out
+
+
+def test_a_compromised_broker_account_cannot_change_what_root_starts_it_on(tmp_path: Path) -> None:
+    """The broker's account tries what a compromised broker would: rewrite its configuration
+    (``user root``), plant links where root writes. Its configuration is not its own to
+    write; a broker restart writes every file again and starts mosquitto off root; root
+    opens nothing through the links."""
+    secret = tmp_path / "root-only"
+    secret.write_text("root's")
+    secret.chmod(0o600)
+    with network_session(scenario_with(), "auto") as net:
+        router = net.scenario.hosts_with_role(Role.ROUTER)[0]
+        proc, _, files = start_broker(net, router, WORKERS)
+        conf, state = net.run.dir / "broker" / "mosquitto.conf", net.run.dir / "broker-state"
+
+        def rewrite() -> str:
+            with open(conf, "a") as f:
+                f.write("user root\n")
+            return "written"
+
+        def plant() -> str:
+            (state / "mosquitto.log").symlink_to(secret)
+            (state / "mosquitto.db").symlink_to(secret)
+            return "planted"
+
+        assert _as_mosquitto(rewrite) == "PermissionError"
+        assert _as_mosquitto(lambda: os.rename(conf, state / "x")) == "PermissionError"
+        assert _as_mosquitto(plant) == "'planted'"
+        # Root itself tampers, as a broker that had won would have: the restart undoes it.
+        with open(conf, "a") as f:
+            f.write("user root\n")
+        netns.stop_child(proc, 10)
+        restarted = launch_broker(net, router, files)
+        st = status_of(restarted.pid)
+        conf_text = conf.read_text()
+    assert st["Uid"].split()[0] == str(pwd.getpwnam(MOSQUITTO_USER).pw_uid), st["Uid"]
+    assert "user root" not in conf_text and f"user {MOSQUITTO_USER}" in conf_text
+    assert secret.read_text() == "root's"  # mosquitto saved its sessions over the link, not through it
+
+
+def test_root_opens_no_link_and_no_fifo_an_unprivileged_process_left(tmp_path: Path) -> None:
+    """A log root opens for a child, a file of the output folder: a link is refused, a FIFO
+    is refused at once (it would block the opener), a new file is 0600."""
+    target = tmp_path / "target"
+    target.write_text("root's")
+    (tmp_path / "link.log").symlink_to(target)
+    os.mkfifo(tmp_path / "fifo.jsonl")
+    for bad in ("link.log", "fifo.jsonl"):
+        with pytest.raises(OSError):
+            os.close(open_regular(tmp_path / bad, os.O_WRONLY | os.O_CREAT | os.O_APPEND))
+        with pytest.raises(OSError):
+            os.close(OutDir(tmp_path).open(bad))
+    with pytest.raises(OSError):
+        netns.spawn(None, ["true"], log_path=tmp_path / "link.log")
+    netns.spawn(None, ["true"], log_path=tmp_path / "new.log").wait()
+    assert (tmp_path / "new.log").stat().st_mode & 0o777 == 0o600
+    assert target.read_text() == "root's"

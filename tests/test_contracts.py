@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from protocol import token_stream
 from protocol.messages import (
+    MAX_MESSAGE_BYTES,
     QOS,
     CancelCmd,
     DecodeCmd,
@@ -49,6 +50,7 @@ from protocol.messages import (
 from protocol.messages import (
     Tokens as TokensMsg,
 )
+from protocol.mqtt_session import Session
 from protocol.router_config import PlanInfo, PolicyContext, PolicyReport, RequestRecord, RouterConfig, WorkerEndpoint
 from protocol.token_stream import TokenChunk
 from protocol.worker_config import (
@@ -250,6 +252,13 @@ def _inject_when_streaming(cl: Cluster, victim: str, worker: str, seen: dict[str
                         whole = token_stream.encode(worker, time.time(), [TokenChunk("victim3", 0, [5, 6], worker)])
                         await c.publish(topics.stream(worker), whole[:-3], qos=QOS)
                         await c.publish(topics.stream(worker), b"PTS1 garbage", qos=QOS)
+                        # What a parser may choke on, to every reader: nesting past any
+                        # recursion limit, numbers out of range, invalid UTF-8, a payload
+                        # over the size a message may have.
+                        for payload in HOSTILE_PAYLOADS:
+                            for topic in (topics.requests, topics.events, topics.cancels, topics.cmd(worker),
+                                          topics.cmd("prefill"), topics.tokens("ghost"), topics.stream(worker)):
+                                await c.publish(topic, payload, qos=QOS)
                     elif str(msg.topic) == topics.tokens("bad-req"):
                         seen["bad-req"] = Tokens.model_validate_json(payload)
                     elif str(msg.topic) == topics.events:
@@ -269,6 +278,64 @@ def _inject_when_streaming(cl: Cluster, victim: str, worker: str, seen: dict[str
     th = threading.Thread(target=run, daemon=True)
     th.start()
     return th
+
+
+_DEEP = b"[" * 5000 + b"]" * 5000
+HOSTILE_PAYLOADS = [
+    b'{"rid": ' + _DEEP + b"}",
+    b'{"op": "cancel", "rid": "victim", "x": ' + _DEEP + b"}",
+    b'{"kind": "failed", "rid": "victim", "worker": "w", "t": 1e999999, "reason": "x"}',
+    b'{"op": "extend", "rid": "victim", "start": 1' + b"0" * 5000 + b"}",
+    b'{"op": "cancel", "rid": "\xff\xfe"}',
+    b'{"rid": "victim", "prompt": [1], "max_new": 1, "hints": {"tag": "\xc3\x28"}}',
+    b"x" * (MAX_MESSAGE_BYTES + 1),
+]
+
+
+@pytest.mark.parametrize("payload", HOSTILE_PAYLOADS, ids=["deep", "deep-field", "inf", "huge-int", "bad-utf8",
+                                                            "bad-utf8-field", "oversize"])
+def test_the_request_id_of_a_hostile_payload_is_read_without_raising(payload: bytes) -> None:
+    """``rid_of`` reads any payload (``json.loads`` raised RecursionError on the first)."""
+    assert rid_of(payload) in (None, "victim")
+    for parse in (parse_command, parse_event, Request.model_validate_json, Tokens.model_validate_json):
+        with pytest.raises(ValidationError):
+            parse(payload)
+
+
+def test_a_handler_that_raises_fails_its_message_and_the_session_reads_on() -> None:
+    """``Session`` guards every reader: a handler's exception and an oversized message are
+    handed to ``on_error`` with the topic, and the next message is read."""
+
+    class Msg:
+        def __init__(self, topic: str, payload: bytes) -> None:
+            self.topic, self.payload = topic, payload
+
+    class Client:
+        async def _gen(self) -> Any:
+            for m in (Msg("a", b'{"rid": "r1"}'), Msg("b", b"x" * (MAX_MESSAGE_BYTES + 1)), Msg("c", b"ok")):
+                yield m
+
+        @property
+        def messages(self) -> Any:
+            return self._gen()
+
+    handled: list[str] = []
+    refused: list[tuple[str, str]] = []
+
+    async def on_message(m: Any) -> None:
+        if m.topic == "a":
+            raise KeyError("boom")
+        handled.append(m.topic)
+
+    async def on_error(topic: str, payload: bytes, why: str) -> None:
+        refused.append((topic, why))
+
+    session = Session(Client(), [], "test")  # type: ignore[arg-type]
+    session.on_error = on_error
+    asyncio.run(session._read(on_message))
+    assert handled == ["c"]
+    assert [t for t, _ in refused] == ["a", "b"] and "KeyError" in refused[0][1] and "bytes" in refused[1][1]
+    assert session.refused == 2
 
 
 @needs_root
@@ -306,6 +373,8 @@ def test_a_malformed_message_fails_only_the_request_it_names() -> None:
     assert "rejected a message on" in logs["router"] and "for no request: rid:" in logs["router"]  # a#b
     assert "rejected a command for no request: cancel.rid:" in logs["worker-decode-a"]  # x#y
     assert "dropped a repeated request victim" in logs["router"]  # the victim kept its own state
+    for name in ("router", "worker-decode-a", "worker-prefill"):  # the hostile payloads: refused, logged
+        assert "recursion limit exceeded" in logs[name] and "Traceback" not in logs[name], (name, logs[name][-3000:])
 
 
 @needs_root

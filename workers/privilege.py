@@ -22,6 +22,7 @@ import ctypes
 import os
 import signal
 import socket
+import stat
 import sys
 import threading
 from pathlib import Path
@@ -77,6 +78,22 @@ def _import_what_comes_later() -> None:
     import unicodedata  # noqa: F401
 
 
+def open_regular(path: str | Path, flags: int = os.O_RDONLY, dir_fd: int | None = None) -> int:
+    """A descriptor for a regular file, opened as a privileged process must open anything an
+    unprivileged one could have put there: never through a link (``O_NOFOLLOW``), never
+    blocking on a FIFO (``O_NONBLOCK``, cleared once the file is known to be regular), created
+    0600 when ``flags`` create it; anything but a regular file is refused."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path}: not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class OutDir:
     """A folder opened while privileged; written through its descriptor afterwards."""
 
@@ -87,8 +104,8 @@ class OutDir:
     def open(self, name: str, mode: str = "w") -> int:
         """A descriptor for ``name`` in the folder (``w``: truncated, ``a``: appended), never
         through a link."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_APPEND if mode == "a" else os.O_TRUNC)
-        return os.open(name, flags, 0o600, dir_fd=self.fd)
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if mode == "a" else os.O_TRUNC)
+        return open_regular(name, flags, dir_fd=self.fd)
 
     def write_atomic(self, name: str, text: str) -> None:
         tmp = f".{name}.{os.getpid()}.tmp"

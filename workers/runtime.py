@@ -260,6 +260,7 @@ class Worker:
         client = Session.client_for(b.host, b.port, b.username, b.password, identifier,
                                     keepalive=keepalive_for(self.cfg.scales.dilation), will=will)
         self.session = Session(client, [self.topics.cmd(self.cfg.name)], self.cfg.name)
+        self.session.on_error = self._on_bad_message
 
         async def on_connect(first: bool) -> None:
             if first:
@@ -283,10 +284,22 @@ class Worker:
         try:
             cmd = parse_command(payload)
         except ValidationError as e:
-            self.reject(payload, e)
+            self.reject(payload, why_invalid(e))
             return
         if self.first_delivery(cmd):
-            self.spawn(self.handle(cmd))
+            self.spawn(self._handle(str(message.topic), cmd))
+
+    async def _handle(self, topic: str, cmd: Command) -> None:
+        """One command: an exception while handling it fails its request, not the worker (a
+        task that raises ends the worker: ``_task_done``)."""
+        try:
+            await self.handle(cmd)
+        except Exception as e:  # noqa: BLE001 - logged with the traceback, the request fails
+            traceback.print_exception(e, limit=-4, file=sys.stderr)
+            self.reject(cmd.dump(), f"handling its {cmd.op} on {topic} raised {type(e).__name__}: {e}")
+
+    async def _on_bad_message(self, topic: str, payload: bytes, why: str) -> None:
+        self.reject(payload, why)
 
     def first_delivery(self, cmd: Command) -> bool:
         """False for a repeat of a command that starts a request here. QoS 1 delivers at
@@ -307,9 +320,9 @@ class Worker:
             self.started.popitem(last=False)
         return True
 
-    def reject(self, payload: bytes | bytearray, error: ValidationError) -> None:
-        """A command failed validation: log it and fail the request it names, if any."""
-        why = why_invalid(error)
+    def reject(self, payload: bytes | bytearray, why: str) -> None:
+        """A command failed validation or could not be handled: log it and fail the request
+        it names, if any."""
         rid = rid_of(payload)
         print(f"{self.cfg.name}: rejected a command for {rid or 'no request'}: {why}", file=sys.stderr, flush=True)
         if rid is not None:

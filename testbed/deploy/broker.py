@@ -10,7 +10,9 @@ command topics of the other decoders: PDD's relay and main decoder hand over dir
 the router reads requests, events and statuses and writes commands, rejections and its
 status; the client writes requests and reads tokens and the router's status. ``admin``
 (the orchestrator: tests, diagnostics) may use every topic of the run. mosquitto drops
-root for its own user once its listener is bound; its files are that user's, mode 0600.
+root for its own user once its listener is bound. It can write only its persistent
+sessions: its configuration, password file, ACL and log are root's, written again before
+every launch (``BrokerFiles``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocol.messages import Topics
+from protocol.messages import MAX_MESSAGE_BYTES, Topics
 from protocol.worker_config import BrokerInfo
 from testbed.errors import BuildError
 from testbed.net import netns, runstate
@@ -72,74 +74,111 @@ def acl_text(run_id: str, rules: dict[str, list[tuple[str, str]]]) -> str:
     return "\n".join(lines)
 
 
-def _own(path: Path, uid: int | None, gid: int | None, mode: int) -> None:
-    if uid is not None and gid is not None:
-        os.chown(path, uid, gid)
-    path.chmod(mode)
+@dataclass(frozen=True)
+class BrokerFiles:
+    """What mosquitto is started on, kept by the orchestrator and written again, root-owned,
+    before every launch (the first and each ``broker-restart``): a broker account that
+    rewrote its configuration (``user root``) would otherwise be started as root on it.
+
+    Two folders: ``broker/`` (root, group mosquitto, 0750) holds the configuration
+    (root 0600: read by mosquitto while still root), the password file and the ACL (root,
+    group mosquitto, 0640: mosquitto reads both after it has dropped root) and mosquitto's
+    log, which root opens as its standard output; ``broker-state/`` (mosquitto, 0700) holds only
+    the persistent sessions, the one thing the broker writes."""
+
+    conf: str
+    passwd: str  # hashed by mosquitto_passwd
+    acl: str
+
+    @staticmethod
+    def conf_path(run: runstate.Run) -> Path:
+        return run.dir / "broker" / "mosquitto.conf"
+
+    @staticmethod
+    def log_path(run: runstate.Run) -> Path:
+        return run.dir / "broker" / "mosquitto.log"
+
+    def write(self, run: runstate.Run) -> None:
+        mosq = _mosquitto_ids()
+        conf_dir = run.folder_for("broker", 0, mosq[1] if mosq else 0, 0o750)
+        run.folder_for("broker-state", *(mosq or (0, 0)))
+        runstate.write_private(self.conf_path(run), self.conf)
+        for name, text in (("passwd", self.passwd), ("acl", self.acl)):
+            path = conf_dir / name
+            runstate.write_private(path, text)
+            if mosq:
+                os.chown(path, 0, mosq[1])
+                path.chmod(0o640)
+
+
+def _mosquitto_ids() -> tuple[int, int] | None:
+    """The broker account's uid and gid (None: no such account, mosquitto stays root)."""
+    try:
+        owner = pwd.getpwnam(MOSQUITTO_USER)
+    except KeyError:
+        return None
+    return owner.pw_uid, owner.pw_gid
 
 
 def start_broker(net: Network, router_host: str, workers: dict[str, str]) -> tuple[subprocess.Popen[bytes],
-                                                                                    BrokerAccess]:
-    d = net.run.dir / "broker"
-    d.mkdir(exist_ok=True)
-    try:
-        owner = pwd.getpwnam(MOSQUITTO_USER)
-        uid, gid, user = owner.pw_uid, owner.pw_gid, MOSQUITTO_USER
-    except KeyError:  # no such user (not a Debian package): mosquitto keeps running as root
-        uid, gid, user = None, None, "root"
+                                                                                    BrokerAccess, BrokerFiles]:
+    conf_dir, state_dir = net.run.folder_for("broker", 0, 0), net.run.dir / "broker-state"
+    user = MOSQUITTO_USER if _mosquitto_ids() else "root"  # no such user (not a Debian package): stays root
     topics = Topics(net.run.run_id)
     rules = acl_rules(topics, workers)
     ip = net.ip_of(router_host)
     creds = {p: BrokerInfo(host=ip, port=PORT, username=f"{net.run.run_id}-{p}", password=secrets.token_urlsafe(16))
              for p in rules}
-    pw, acl, conf = d / "passwd", d / "acl", d / "mosquitto.conf"
-    # Plain "user:password" lines, then hashed in place by mosquitto_passwd -U; 0600 throughout.
-    pw.touch(mode=0o600)
-    pw.write_text("".join(f"{c.username}:{c.password}\n" for c in creds.values()))
-    subprocess.run([MOSQUITTO_PASSWD, "-U", str(pw)], check=True, capture_output=True)
-    acl.touch(mode=0o600)
-    acl.write_text(acl_text(net.run.run_id, rules))
-    conf.write_text(
-        "\n".join([
-            "per_listener_settings false",
-            f"listener {PORT} {ip}",
-            "allow_anonymous false",
-            f"password_file {pw}",
-            f"acl_file {acl}",
-            # Persistent sessions survive a broker restart (a fault of #11): saved on exit only.
-            "persistence true",
-            f"persistence_location {d}/",
-            "autosave_interval 0",
-            f"log_dest file {d / 'mosquitto.log'}",
-            "log_type error",
-            "log_type warning",
-            "log_type notice", "log_type information",
-            "max_inflight_messages 0",
-            "max_queued_messages 100000",
-            "set_tcp_nodelay true",
-            f"user {user}",
-            "",
-        ])
-    )
-    for path in (pw, acl, conf):
-        _own(path, uid, gid, 0o600)
-    _own(d, uid, gid, 0o700)
+    # Plain "user:password" lines, hashed in place by mosquitto_passwd -U in a root-only
+    # temporary; the hashed text is what every launch writes.
+    plain = conf_dir / ".passwd.plain"
+    runstate.write_private(plain, "".join(f"{c.username}:{c.password}\n" for c in creds.values()))
+    try:
+        subprocess.run([MOSQUITTO_PASSWD, "-U", str(plain)], check=True, capture_output=True)
+        hashed = runstate.read_nofollow(plain)
+    finally:
+        plain.unlink(missing_ok=True)
+    conf = "\n".join([
+        "per_listener_settings false",
+        f"listener {PORT} {ip}",
+        "allow_anonymous false",
+        f"password_file {conf_dir / 'passwd'}",
+        f"acl_file {conf_dir / 'acl'}",
+        # Persistent sessions survive a broker restart (a fault of #11): saved on exit only.
+        "persistence true",
+        f"persistence_location {state_dir}/",
+        "autosave_interval 0",
+        # To standard error, which root opened in the root-owned folder: a log file that
+        # mosquitto opened by name would be one in a folder it can write.
+        "log_dest stderr",
+        "log_type error",
+        "log_type warning",
+        "log_type notice", "log_type information",
+        "max_inflight_messages 0",
+        "max_queued_messages 100000",
+        f"message_size_limit {MAX_MESSAGE_BYTES}",
+        "set_tcp_nodelay true",
+        f"user {user}",
+        "",
+    ])
+    files = BrokerFiles(conf, hashed, acl_text(net.run.run_id, rules))
     access = BrokerAccess(admin=creds["admin"], router=creds["router"], client=creds["client"],
                           workers={name: creds[f"w-{name}"] for name in workers})
-    return launch_broker(net, router_host), access
+    return launch_broker(net, router_host, files), access, files
 
 
-def launch_broker(net: Network, router_host: str) -> subprocess.Popen[bytes]:
-    """Start mosquitto with the run's configuration (written by ``start_broker``) and wait
+def launch_broker(net: Network, router_host: str, files: BrokerFiles) -> subprocess.Popen[bytes]:
+    """Write the broker's files again (``BrokerFiles``), start mosquitto on them and wait
     until it listens; also how a ``broker-restart`` fault brings it back."""
-    d = net.run.dir / "broker"
+    files.write(net.run)
     ip = net.ip_of(router_host)
-    proc = net.spawn(router_host, [MOSQUITTO, "-c", str(d / "mosquitto.conf")], name=runstate.BROKER,
-                     log=d / "stdout.log")
+    log = BrokerFiles.log_path(net.run)
+    proc = net.spawn(router_host, [MOSQUITTO, "-c", str(BrokerFiles.conf_path(net.run))], name=runstate.BROKER,
+                     log=log)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise BuildError(f"mosquitto exited ({proc.returncode}): {(d / 'stdout.log').read_text()[-500:]}")
+            raise BuildError(f"mosquitto exited ({proc.returncode}): {runstate.read_nofollow(log)[-500:]}")
         with netns.entered(net.ns_of(router_host)):
             s = socket.socket()
         try:

@@ -39,7 +39,7 @@ from protocol.worker_config import (
     WorkerRole,
     WorkerStats,
 )
-from testbed.deploy.broker import BrokerAccess, launch_broker, start_broker
+from testbed.deploy.broker import BrokerAccess, BrokerFiles, launch_broker, start_broker
 from testbed.deploy.emulation import EmulationPlan
 from testbed.deploy.forkserver import launch_worker
 from testbed.deploy.model_files import ensure_model
@@ -146,6 +146,7 @@ class Cluster:
     access: BrokerAccess  # every component's broker credential; ``admin`` for the orchestrator
     broker: subprocess.Popen[bytes]
     broker_host: str
+    broker_files: BrokerFiles
     workers: dict[str, WorkerConfig] = field(default_factory=dict)
     groups: dict[str, list[str]] = field(default_factory=dict)  # process name -> hosts it runs
     router: subprocess.Popen[bytes] = field(init=False)
@@ -174,8 +175,8 @@ class Cluster:
         routers = sc.hosts_with_role(Role.ROUTER)
         if not routers:
             raise InputError(f"{sc.source}: scenario has no host with role router")
-        broker, access = start_broker(net, routers[0], worker_roles(sc))
-        cl = cls(net, policy, access, broker, routers[0])
+        broker, access, files = start_broker(net, routers[0], worker_roles(sc))
+        cl = cls(net, policy, access, broker, routers[0], files)
         ws = sc.workers
         model = ensure_model(sc.model_dir())
         # Only the run's workers may hand a KV receiver a transfer: a per-run token in HELLO.
@@ -244,7 +245,7 @@ class Cluster:
         netns.stop_child(old, 10)
         time.sleep(downtime_s)
         t0 = time.monotonic()
-        self.broker = launch_broker(self.net, self.broker_host)
+        self.broker = launch_broker(self.net, self.broker_host, self.broker_files)
         took = time.monotonic() - t0
         return f"mosquitto pid {old.pid} stopped; pid {self.broker.pid} listening {took:.2f} s after its start"
 

@@ -102,6 +102,7 @@ class Router:
                                     will=will)
         self.session = Session(client, [self.topics.requests, self.topics.cancels, self.topics.all_status,
                                         self.topics.events], "router")
+        self.session.on_error = self._reject
         self.liveness.session = self.session
 
         async def on_connect(first: bool) -> None:
@@ -137,16 +138,16 @@ class Router:
             elif topic.endswith("/status"):
                 await self._on_status(Status.model_validate_json(payload))
         except ValidationError as e:
-            await self._reject(topic, payload, e)
+            await self._reject(topic, bytes(payload), why_invalid(e))
 
     async def _publish_state(self, state: str) -> None:
         workers = {n: x.role for n, x in self.view.workers.items()} if state == "ready" else {}
         await self.publish(self.topics.router_status, RouterStatus(state=state, workers=workers,  # type: ignore[arg-type]
                                                                    policy=self.policy.describe()).dump(), retain=True)
 
-    async def _reject(self, topic: str, payload: bytes | bytearray, error: ValidationError) -> None:
-        """A message failed validation: log it; fail the request it names (if any), nothing else."""
-        why = why_invalid(error)
+    async def _reject(self, topic: str, payload: bytes, why: str) -> None:
+        """A message failed validation, or handling it raised (``Session``): log it; fail the
+        request it names (if any), nothing else."""
         rid = rid_of(payload)
         print(f"router: rejected a message on {topic} for {rid or 'no request'}: {why}", file=sys.stderr, flush=True)
         if rid is None:

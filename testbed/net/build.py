@@ -13,6 +13,7 @@ can finish the job after a crash.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import subprocess
 import time
@@ -29,6 +30,7 @@ from testbed.net.mininet_nodes import MininetNodes
 from testbed.net.nodes import NodeBackend, NodeKind, Pyroute2Nodes
 from testbed.net.plan import NetworkPlan, make_plan, size_lan
 from testbed.scenario import Scenario
+from workers.privilege import open_regular
 
 # Large TCP windows: a WAN of 1 Gbit/s x 40 ms needs 5 MB in flight, a 10G LAN more.
 TCP_MEM = "4096 33554432 134217728"
@@ -82,9 +84,15 @@ class Network:
         be copied is reported; teardown goes on)."""
         try:
             dest.mkdir(parents=True, exist_ok=True)
-            for log in sorted(self.run.dir.rglob("*.log")):  # the broker's are in broker/
-                if log.is_file() and not log.is_symlink():
-                    shutil.copyfile(log, dest / "-".join(log.relative_to(self.run.dir).parts))
+            for log in sorted(self.run.dir.rglob("*.log")):  # the broker's is in broker/
+                name = dest / "-".join(log.relative_to(self.run.dir).parts)
+                try:  # copied from the descriptor that was checked: no link, no FIFO, a regular file
+                    src = os.fdopen(open_regular(log), "rb")
+                except OSError as e:
+                    print(f"log {log} not kept: {e}", flush=True)
+                    continue
+                with src, open(name, "wb") as out:
+                    shutil.copyfileobj(src, out)
         except OSError as e:
             print(f"logs not kept in {dest}: {e}", flush=True)
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from pyroute2 import IPRoute
 
 from workers.namespace import CLONE_NEWNET, NETNS_DIR, entered, libc, setns_fd
+from workers.privilege import open_regular
 
 PR_SET_PDEATHSIG = 1
 
@@ -283,7 +284,8 @@ def _spawn(ns: str | None, argv: list[str], log_path: Path | None, env: dict[str
             os.close(fd)
         die_with_parent()
 
-    out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - handed to the child
+    # Root opens the log: never through a link, never a FIFO, 0600 (``open_regular``).
+    out = open_regular(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND) if log_path else None
     try:
         return subprocess.Popen(
             argv,
@@ -296,5 +298,5 @@ def _spawn(ns: str | None, argv: list[str], log_path: Path | None, env: dict[str
             pass_fds=pass_fds,
         )
     finally:
-        if out:
-            out.close()
+        if out is not None:
+            os.close(out)

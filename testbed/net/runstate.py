@@ -33,6 +33,7 @@ from typing import Any
 
 from testbed.errors import InputError
 from testbed.net import netns
+from workers.privilege import open_regular
 
 
 def _tmpfs(path: str) -> bool:
@@ -94,10 +95,7 @@ def check_state_root(create: bool = False) -> bool:
 
 def read_nofollow(path: Path) -> str:
     """A regular file's text, never through a link (nor a FIFO left to block the reader)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    with os.fdopen(fd) as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path}: not a regular file")
+    with os.fdopen(open_regular(path)) as f:
         return f.read()
 
 
@@ -157,16 +155,17 @@ class Run:
         run.save()
         return run
 
-    def folder_for(self, name: str, uid: int, gid: int) -> Path:
+    def folder_for(self, name: str, uid: int, gid: int, mode: int = 0o700) -> Path:
         """A folder of the run (0700) that belongs to ``uid``: what an unprivileged process
-        writes. Files read back from it are read without following links."""
+        writes. Files read back from it are read without following links. A folder that
+        already exists (never a link) is given that owner and mode again."""
         path = self.dir / name
         with contextlib.suppress(FileExistsError):
             os.mkdir(path, 0o700)
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
             os.fchown(fd, uid, gid)
-            os.fchmod(fd, 0o700)
+            os.fchmod(fd, mode)
         finally:
             os.close(fd)
         return path
