@@ -373,7 +373,8 @@ def no_delay(client: Any) -> None:
     """Send every packet of a connected ``aiomqtt.Client`` at once. paho leaves Nagle's
     algorithm on, so a token message would wait for the acknowledgement of the previous
     one (a WAN round trip from datacenter b) and tokens would arrive in bursts."""
-    sock = client._client.socket()  # aiomqtt has no public accessor for paho's socket
+    paho = getattr(client, "_client", None)  # aiomqtt has no public accessor for paho's socket
+    sock = paho.socket() if paho is not None else None  # (a simulator's client has none)
     if isinstance(sock, socket.socket):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 

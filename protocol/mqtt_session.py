@@ -27,13 +27,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-import time
 import traceback
 from collections.abc import Awaitable, Callable
 
 import aiomqtt
 import paho.mqtt.client as paho
 
+from protocol import clock
 from protocol.messages import MAX_MESSAGE_BYTES, QOS, no_delay
 
 # What a component does about a message it could not handle: (topic, payload, why).
@@ -58,7 +58,7 @@ class Session:
         self.connected = asyncio.Event()
         self.reconnects = 0
         self.held = 0
-        self.reconnected_at: float | None = None  # time.monotonic() of the last reconnection
+        self.reconnected_at: float | None = None  # clock.monotonic() of the last reconnection
         self.losses = 0  # connections lost
         self.on_error: OnError | None = None
         self.refused = 0  # messages refused (too large) or whose handler raised
@@ -84,7 +84,7 @@ class Session:
 
     def since_reconnect(self) -> float:
         """Seconds since the last reconnection (inf: connected once, never lost)."""
-        return float("inf") if self.reconnected_at is None else time.monotonic() - self.reconnected_at
+        return float("inf") if self.reconnected_at is None else clock.monotonic() - self.reconnected_at
 
     async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
         """Hand a QoS-1 message to paho; waits for the broker's acknowledgement only while
@@ -117,7 +117,7 @@ class Session:
                     attempts = 0
                     if not first:
                         self.reconnects += 1
-                        self.reconnected_at = time.monotonic()
+                        self.reconnected_at = clock.monotonic()
                         print(f"{self.name}: reconnected to the broker", file=sys.stderr, flush=True)
                     await on_connect(first)
                     first = False

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -174,8 +173,7 @@ def test_every_reported_time_is_divided_by_the_dilation() -> None:
     assert (stretched[0].at, stretched[1].delay) == (6.0, 3.0) and len(wl_specs) == 2
     sc = scenario_with(emulated=True)
     plan = EmulationPlan.make(sc, 4, 2.0, 4096)
-    fake_net = SimpleNamespace(run=SimpleNamespace(run_id="abc", dir=Path("/tmp")), ip_of=lambda h: "10.213.1.10")
-    cfgs = worker_configs(sc, fake_net, BrokerInfo(host="h", port=1, username="u", password="p"),  # type: ignore[arg-type]
+    cfgs = worker_configs(sc, "abc", lambda h: "10.213.1.10", BrokerInfo(host="h", port=1, username="u", password="p"),
                           "/m", emulation=plan)
     assert cfgs["decode-b"].kv_timeout_s == 2.0 * sc.workers.kv_timeout_s
     assert cfgs["decode-b"].scales == plan.scales and cfgs["decode-b"].device.name == "h20"

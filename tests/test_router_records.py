@@ -47,6 +47,7 @@ def test_finished_requests_leave_memory_once_older_than_the_late_event_window(tm
     """Late events come within seconds: what ended more than ENDED_KEEP_S (emulated) ago is on
     disk only, however few requests that is, so a long run's router stays flat."""
     import testbed.deploy.router as router_mod
+    from protocol import clock as clocks
 
     path = tmp_path / "records.jsonl"
     cfg = RouterConfig(run_id="t2", broker=BrokerInfo(host="10.0.0.1", port=1883, username="r", password="p"),
@@ -54,7 +55,7 @@ def test_finished_requests_leave_memory_once_older_than_the_late_event_window(tm
                        workers={"decode-a": WorkerEndpoint(role="decode", dc="a", host="10.0.0.2", kv_port=7070)})
     router = Router(cfg)
     clock = [100.0]
-    monkeypatch.setattr(router_mod.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(clocks, "monotonic", lambda: clock[0])
     with path.open("w") as router.records:
         for i in range(10):
             router._finish(RequestState(f"r{i}", list(range(1000)), 4, 0.0), None)

@@ -73,6 +73,9 @@ class MemoryWatch:
     """One per process (several modeled instances may share it): trims, and the floor."""
 
     def __init__(self) -> None:
+        # Off in a simulation (``testbed/sim/``): its processes are not the emulated system's,
+        # and a trim runs on a thread, which virtual time cannot wait for.
+        self.enabled = True
         self.holders: dict[int, _Holder] = {}
         self.trims = 0
         self.trim_s = 0.0
@@ -81,12 +84,15 @@ class MemoryWatch:
         self._last_trim = time.monotonic()
 
     def add_holder(self, holder: _Holder) -> None:
-        self.holders[id(holder)] = holder
+        if self.enabled:
+            self.holders[id(holder)] = holder
 
     def held_bytes(self) -> int:
         return sum(h.nbytes for h in self.holders.values())
 
     def sample(self) -> None:
+        if not self.enabled:
+            return
         net = rss_bytes() - self.held_bytes()
         minute = float(int(time.time()) // FLOOR_BUCKET_S * FLOOR_BUCKET_S)
         if self.floor and (self.floor[-1][0] == minute or len(self.floor) >= MAX_FLOOR_POINTS):
@@ -97,7 +103,7 @@ class MemoryWatch:
     def trim_due(self) -> bool:
         """True once per ``TRIM_PERIOD_S`` (whichever instance of the process asks first)."""
         now = time.monotonic()
-        if now - self._last_trim < TRIM_PERIOD_S:
+        if not self.enabled or now - self._last_trim < TRIM_PERIOD_S:
             return False
         self._last_trim = now
         return True

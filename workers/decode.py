@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from collections import deque
 from collections.abc import Callable
 
 import torch
 
+from protocol import clock
 from protocol.messages import (
     CancelCmd,
     Command,
@@ -55,6 +55,7 @@ from workers.modeled import ModeledBatch, ModeledRunner
 from workers.radix_cache import RadixCache
 from workers.runtime import Worker
 from workers.seq import Seq
+from workers.transport import HOST, Transport
 
 # Columns a batch can grow by (steps, and joiners longer than its end) before it is rebuilt.
 # Unused headroom and spare rows cost no copying (the buffer is not zeroed), only memory that
@@ -63,9 +64,9 @@ BATCH_HEADROOM = 512
 
 
 class DecodeWorker(HandoffMixin, Worker):
-    def __init__(self, cfg: WorkerConfig) -> None:
-        super().__init__(cfg)
-        self.cache: RadixCache = RadixCache(cfg.block_size, cfg.cache_tokens, copy_blocks=cfg.compute != "modeled")
+    def __init__(self, cfg: WorkerConfig, transport: Transport = HOST) -> None:
+        super().__init__(cfg, transport)
+        self.cache: RadixCache = RadixCache(cfg.block_size, cfg.cache_tokens, keeps_kv=cfg.compute != "modeled")
         self.waiting: dict[str, Seq] = {}
         self.running: dict[str, Seq] = {}
         self.held: dict[str, Seq] = {}  # main decoder: KV here, stream still on the relay
@@ -73,7 +74,7 @@ class DecodeWorker(HandoffMixin, Worker):
         self.expected = Expected()  # requests whose KV may arrive here
         self.wake = asyncio.Event()
         self.step_log: deque[tuple[int, float]] = deque(maxlen=2000)  # (batch size, real seconds), recent
-        self.server: asyncio.Server | None = None
+        self.server: object | None = None  # the KV listener (its transport's)
         self.tokens_out = 0
         self.dbatch: DecodeBatch | ModeledBatch | None = None  # the running batch's KV, kept across steps
         self.dbatch_rows: list[Seq] = []
@@ -86,10 +87,10 @@ class DecodeWorker(HandoffMixin, Worker):
         self.admission_queue_max = 0
 
     async def start(self) -> None:
-        self.server = await kv_wire.serve_kv(self.cfg.host_ip, self.cfg.kv_port, self._offer, self._arrived,
-                                             self._transfer_failed, expect=self.runner.shape,
-                                             token=self.cfg.kv_token, zeros=self._zero_kv(), netns=self.cfg.netns,
-                                             timeout_s=self.cfg.kv_read_timeout_s)
+        self.server = await self.transport.serve_kv(self.cfg.host_ip, self.cfg.kv_port, self._offer, self._arrived,
+                                                    self._transfer_failed, expect=self.runner.shape,
+                                                    token=self.cfg.kv_token, zeros=self._zero_kv(),
+                                                    netns=self.cfg.netns, timeout_s=self.cfg.kv_read_timeout_s)
         self.spawn(self._loop())
 
     def _zero_kv(self) -> Callable[[int], torch.Tensor] | None:
@@ -131,7 +132,7 @@ class DecodeWorker(HandoffMixin, Worker):
             if not self._has_room(seq):
                 return
             del self.admission[rid]
-            self.admission_wait_max_s = max(self.admission_wait_max_s, time.time() - since)
+            self.admission_wait_max_s = max(self.admission_wait_max_s, clock.time() - since)
             await self._start(seq)
 
     def activity(self) -> tuple[int, ...]:
@@ -154,7 +155,7 @@ class DecodeWorker(HandoffMixin, Worker):
     # ----------------------------------------------------------------- commands
     async def handle(self, cmd: Command) -> None:
         if isinstance(cmd, DecodeCmd):
-            seq = Seq(cmd.rid, cmd.prompt, cmd.max_new, time.time(), drc=cmd.drc, ignore_eos=cmd.ignore_eos,
+            seq = Seq(cmd.rid, cmd.prompt, cmd.max_new, clock.time(), drc=cmd.drc, ignore_eos=cmd.ignore_eos,
                       zeros=self._zero_kv())
             self.setup_handoff(seq, cmd)
             self.waiting[cmd.rid] = seq
@@ -221,7 +222,7 @@ class DecodeWorker(HandoffMixin, Worker):
             return
         seq.load(kv)
         seq.out = [inc.first_token]
-        seq.kv_arrived = time.time()
+        seq.kv_arrived = clock.time()
         seq.kv_bytes = inc.bytes_received
         self.emit(received)
         if seq.main is not None:  # the relay streams; wait for its eager tokens
@@ -234,7 +235,7 @@ class DecodeWorker(HandoffMixin, Worker):
                                      f"capacity of {cap}")
             return
         if self.admission or not self._has_room(seq):
-            self.admission[seq.rid] = (seq, time.time())
+            self.admission[seq.rid] = (seq, clock.time())
             self.admission_waits += 1
             self.admission_queue_max = max(self.admission_queue_max, len(self.admission))
             return

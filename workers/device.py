@@ -27,9 +27,9 @@ CPU is the device).
 from __future__ import annotations
 
 import heapq
-import time
 from dataclasses import dataclass, field
 
+from protocol import clock
 from protocol.worker_config import (
     LATE_WAKE,
     LATE_WAKE_FLOOR_S,
@@ -153,7 +153,7 @@ class Pacer:
             counts[1] += 1
             self.overrun_s += real_s - modeled_s
             # The largest few, with when they happened: what a reader needs to find the cause.
-            heapq.heappush(self.worst, (real_s - modeled_s, kind, real_s, modeled_s, time.time(), detail))
+            heapq.heappush(self.worst, (real_s - modeled_s, kind, real_s, modeled_s, clock.time(), detail))
             if len(self.worst) > WORST_KEPT:
                 heapq.heappop(self.worst)
             return 0.0

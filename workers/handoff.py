@@ -31,12 +31,12 @@ Guarantees (greedy decoding):
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
 import torch
 
+from protocol import clock
 from protocol.messages import (
     DecodeCmd,
     Done,
@@ -191,7 +191,7 @@ class HandoffMixin:
         # must not extend the same tokens twice.
         ms.claimed += len(toks)
         ms.final_claimed = cmd.final
-        t0 = time.time()
+        t0 = clock.time()
         real = 0.0
         if toks:
             async with self.device:
@@ -210,7 +210,7 @@ class HandoffMixin:
         self.extends_done += 1
         self.emit(Extended(**self.stamp(cmd.rid), tokens=len(toks), start=cmd.start, final=cmd.final,
                            mismatches=ms.mismatches, compute_s=real, t_start=t0,
-                           since_kv_s=time.time() - seq.kv_arrived))
+                           since_kv_s=clock.time() - seq.kv_arrived))
         if not cmd.final:
             # Spawned, not awaited: the ack crosses the WAN and must not hold this worker up.
             self.send(self.topics.cmd(ms.relay), HandoffAck(rid=cmd.rid, extended=ms.extended).dump())

@@ -37,12 +37,12 @@ import contextlib
 import hmac
 import socket
 import struct
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import torch
 
+from protocol import clock
 from protocol.kv_format import (  # noqa: F401 - the format's names are part of this module's interface
     ACK,
     BLOCK,
@@ -152,7 +152,7 @@ async def _send(
     # The sender's event loop runs beside a compute thread that needs the GIL after every
     # torch op: Python work per frame is time taken from a paced step (see FRAME_TOKENS).
     per_frame = max(block_size, (frame_tokens or FRAME_TOKENS) // block_size * block_size)
-    st = TransferStats(request_id, f"{host}:{port}", time.time())
+    st = TransferStats(request_id, f"{host}:{port}", clock.time())
     layers, _, heads, n, head_dim = kv.shape
     reader, writer = conn
     sock = writer.get_extra_info("socket")
@@ -213,7 +213,7 @@ async def _send(
         if not st.cancelled:
             raise KVTransferError(f"transfer to {host}:{port} broke: {e}") from e
     finally:
-        st.end = time.time()
+        st.end = clock.time()
         if watcher is not None:
             watcher.cancel()
         if clean and not st.cancelled and pool is not None:
@@ -299,7 +299,7 @@ async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
             return False  # the sender closed the connection between transfers
         except PeerSilent:
             return False  # idle too long: closed without a word (a sender finds it closed and reconnects)
-        start = time.time()  # the transfer's start (a kept connection may idle before it)
+        start = clock.time()  # the transfer's start (a kept connection may idle before it)
         received += HDR.size + len(payload)
         if ftype != HELLO:
             raise KVTransferError(f"expected HELLO, got frame type {ftype}")
@@ -330,7 +330,7 @@ async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                     raise KVTransferError(f"transfer ended at token {pos} of {n}")
                 await write_frame(writer, ACK, b'{"ok": true}', timeout_s)
                 ok = True
-                await done(Incoming(rid, tokens, have, kv, end.first_token, received, start, time.time()))
+                await done(Incoming(rid, tokens, have, kv, end.first_token, received, start, clock.time()))
                 return keep_open
             if ftype != BLOCK:
                 raise KVTransferError(f"unexpected frame type {ftype}")

@@ -38,8 +38,8 @@ class ModeledRunner:
         self.shape = ModelShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, DTYPES[dtype])
         self.vocab = int(cfg.vocab_size)
         self.eos_token_id: int | None = None  # outputs run to their length
-        s = self.shape
-        self._zeros = torch.zeros((s.layers, 2, s.kv_heads, 4096, s.head_dim), dtype=s.dtype)
+        self._zero = torch.zeros((), dtype=self.shape.dtype)
+        self._one = self.kv(1)  # a decode step's KV of one token, for every row
 
     def next_token(self, token: int, pos: int) -> int:
         """The token that follows ``token`` at position ``pos`` (a multiplicative hash)."""
@@ -47,15 +47,14 @@ class ModeledRunner:
         return FIRST_ID + h % (self.vocab - FIRST_ID)
 
     def kv(self, n: int) -> torch.Tensor:
-        """KV of ``n`` tokens: a view of one zero tensor, grown by doubling, never written
-        (the radix cache keeps views of it, a receiver hands one over after checking the
-        blocks it was sent, a request keeps only its length). Allocating or copying megabytes
-        per request stalled a modeled worker's event loop by up to 40 ms under load."""
-        if n > self._zeros.shape[3]:
-            s = self.shape
-            self._zeros = torch.zeros((s.layers, 2, s.kv_heads, max(n, 2 * self._zeros.shape[3]), s.head_dim),
-                                      dtype=s.dtype)
-        return self._zeros[:, :, :, :n]
+        """KV of ``n`` tokens: one zero element expanded to the shape (no memory of its own),
+        never written (the radix cache keeps views of it, a receiver hands one over after
+        checking the blocks it was sent, a request keeps only its length). Allocating or
+        copying megabytes per request stalled a modeled worker's event loop by up to 40 ms
+        under load; a zero tensor grown to the longest context held 256 MB per instance at
+        64K tokens."""
+        s = self.shape
+        return self._zero.expand(s.layers, 2, s.kv_heads, n, s.head_dim)
 
     def prefill(self, tokens: list[int], cached: object, chunk: int) -> tuple[torch.Tensor, int]:
         """KV of the whole prompt (what a real prefill returns) and the first output token."""
@@ -96,6 +95,7 @@ class ModeledBatch:
 
     def step(self, tokens: list[int]) -> list[tuple[torch.Tensor, int]]:
         assert len(tokens) == self.rows, (len(tokens), self.rows)
-        out = [(self.runner.kv(1), self.runner.next_token(t, n)) for t, n in zip(tokens, self.lens, strict=True)]
+        one, nxt = self.runner._one, self.runner.next_token
+        out = [(one, nxt(t, n)) for t, n in zip(tokens, self.lens, strict=True)]
         self.lens = [n + 1 for n in self.lens]
         return out

@@ -12,25 +12,26 @@ cached) runs only when no prefill waits.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
 
 import torch
 
+from protocol import clock
 from protocol.messages import CancelCmd, Command, Failed, KvSent, KVTarget, PrefillCmd, PrefillDone, WarmCmd
 from protocol.worker_config import PrefillCounters, TransferTotals, WorkerConfig, WorkerStats
-from workers import kv_conn, kv_wire
+from workers import kv_wire
 from workers.kv_queue import PeerQueues
 from workers.radix_cache import RadixCache
 from workers.runtime import Worker
+from workers.transport import HOST, Transport
 
 WARMS_KEPT = 256  # waiting warm commands; the oldest is dropped past this (a prefill that is never idle)
 
 
 class PrefillWorker(Worker):
-    def __init__(self, cfg: WorkerConfig) -> None:
-        super().__init__(cfg)
-        self.cache: RadixCache = RadixCache(cfg.block_size, cfg.cache_tokens, copy_blocks=cfg.compute != "modeled")
+    def __init__(self, cfg: WorkerConfig, transport: Transport = HOST) -> None:
+        super().__init__(cfg, transport)
+        self.cache: RadixCache = RadixCache(cfg.block_size, cfg.cache_tokens, keeps_kv=cfg.compute != "modeled")
         self.queue: asyncio.Queue[PrefillCmd] = asyncio.Queue()
         self.warms: deque[WarmCmd] = deque()
         self.work = asyncio.Event()  # a prefill or a warm command is waiting
@@ -49,7 +50,7 @@ class PrefillWorker(Worker):
 
     async def start(self) -> None:
         # The KV port answers the router's liveness probe (decoders serve KV on theirs).
-        self.liveness = await kv_conn.serve_liveness(self.cfg.host_ip, self.cfg.kv_port, self.cfg.netns)
+        self.liveness = await self.transport.serve_liveness(self.cfg.host_ip, self.cfg.kv_port, self.cfg.netns)
         self.spawn(self._loop())
 
     async def handle(self, cmd: Command) -> None:
@@ -151,7 +152,7 @@ class PrefillWorker(Worker):
         try:
             cached = self.cache.blocks_of(path)  # the runner copies them in once
             hit = len(path) * self.cfg.block_size
-            t0 = time.time()
+            t0 = clock.time()
             (kv, first), real = await self.run_compute(self.runner.prefill, tokens, cached, self.cfg.prefill_chunk)
             modeled = None if self.pacer.native else self.pacer.prefill_time(len(tokens) - hit, hit)
             await self.pace("prefill", real, modeled, f"{len(tokens) - hit} tokens after {hit}")
@@ -161,7 +162,7 @@ class PrefillWorker(Worker):
         finally:
             self.cache.unlock(path)
         self.emit(PrefillDone(**self.stamp(cmd.rid), hit_tokens=hit, computed=len(tokens) - hit,
-                              first_token=first, start=t0, end=time.time(), real_s=real, modeled_s=modeled))
+                              first_token=first, start=t0, end=clock.time(), real_s=real, modeled_s=modeled))
         self.pending_ships[cmd.rid] = len(cmd.kv_to)
         if not cmd.kv_to:
             self.cancels.pop(cmd.rid, None)
@@ -183,21 +184,21 @@ class PrefillWorker(Worker):
             cancel.set()
 
         watcher = asyncio.ensure_future(relay_cancel())
-        queued = time.time()
+        queued = clock.time()
         try:
             if not await self.peers.turn(target.worker, cancel):
                 self._count_transfer(0, cancelled=True)
                 self.emit(KvSent(**self.stamp(cmd.rid), to=target.worker, bytes=0, written=0, payload=0,
-                                 planned_payload=0, tokens=0, had=0, start=queued, end=time.time(),
-                                 queued_s=time.time() - queued, cancelled=True))
+                                 planned_payload=0, tokens=0, had=0, start=queued, end=clock.time(),
+                                 queued_s=clock.time() - queued, cancelled=True))
                 return
-            waited = time.time() - queued
+            waited = clock.time() - queued
             try:
-                st = await kv_wire.send_kv(target.host, target.port, cmd.rid, cmd.prompt, kv, first,
-                                           self.cfg.block_size, cancel=cancel, corrupt_block=corrupt,
-                                           token=self.cfg.kv_token, pool=self.kv_conns,
-                                           zeros=self.cfg.compute == "modeled", netns=self.cfg.netns,
-                                           timeout_s=self.cfg.kv_read_timeout_s)
+                st = await self.transport.send_kv(target.host, target.port, cmd.rid, cmd.prompt, kv, first,
+                                                  self.cfg.block_size, cancel=cancel, corrupt_block=corrupt,
+                                                  token=self.cfg.kv_token, pool=self.kv_conns,
+                                                  zeros=self.cfg.compute == "modeled", netns=self.cfg.netns,
+                                                  timeout_s=self.cfg.kv_read_timeout_s)
             finally:
                 self.peers.release(target.worker)
         except kv_wire.KVTransferError as e:

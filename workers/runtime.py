@@ -16,7 +16,6 @@ import concurrent.futures
 import contextlib
 import signal
 import sys
-import time
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable
@@ -27,7 +26,7 @@ import aiomqtt
 import torch
 from pydantic import ValidationError
 
-from protocol import token_stream
+from protocol import clock, token_stream
 from protocol.messages import (
     QOS,
     Command,
@@ -50,6 +49,7 @@ from workers.model import ModelRunner
 from workers.modeled import ModeledRunner
 from workers.privilege import OutDir
 from workers.radix_cache import RadixCache
+from workers.transport import HOST, Transport
 
 T = TypeVar("T")
 
@@ -59,8 +59,9 @@ REMEMBERED_STARTS = 100_000  # request ids whose start command a worker remember
 
 
 class Worker:
-    def __init__(self, cfg: WorkerConfig) -> None:
+    def __init__(self, cfg: WorkerConfig, transport: Transport = HOST) -> None:
         self.cfg = cfg
+        self.transport = transport  # the broker and KV peers: the host's network or a simulator's
         self.topics = Topics(cfg.run_id)
         self.runner: ModelRunner | ModeledRunner = (
             ModeledRunner(cfg.model_path, cfg.dtype) if cfg.compute == "modeled"
@@ -103,12 +104,12 @@ class Worker:
         """Run torch work on the compute thread; returns (result, real seconds). A modeled
         worker's step (lengths and zeros, ~0.2 ms) runs here on the loop: handing it to the
         thread and back costs two wake-ups, more than the step."""
-        t0 = time.perf_counter()
+        t0 = clock.perf_counter()
         if self.cfg.compute == "modeled":
             res = fn(*args)
         else:
             res = await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
-        return res, time.perf_counter() - t0
+        return res, clock.perf_counter() - t0
 
     async def pace(self, kind: str, real_s: float, modeled_s: float | None, detail: str = "") -> None:
         wait = self.pacer.account(kind, real_s, modeled_s, detail)
@@ -117,9 +118,9 @@ class Worker:
             # scheduler): ~0.2 ms here. Waking that much early, learnt from the last wake-ups,
             # ends the typical step on time; what is left is judged (``Pacer.woke``).
             sleep = max(0.0, wait - self.wake_lead)
-            t0 = time.perf_counter()
+            t0 = clock.perf_counter()
             await asyncio.sleep(sleep)
-            slept = time.perf_counter() - t0
+            slept = clock.perf_counter() - t0
             self.wake_lead = min(WAKE_LEAD_MAX_S, 0.9 * self.wake_lead + 0.1 * max(0.0, slept - sleep))
             self.pacer.woke(modeled_s or 0.0, slept - wait)
 
@@ -129,7 +130,7 @@ class Worker:
 
     def stamp(self, rid: str) -> dict[str, Any]:
         """The fields every event carries: request, this worker, now."""
-        return {"rid": rid, "worker": self.cfg.name, "t": time.time()}
+        return {"rid": rid, "worker": self.cfg.name, "t": clock.time()}
 
     # Events, tokens and commands are published without waiting for the broker's
     # acknowledgement: a QoS-1 ack is a round trip to the broker (across the WAN from
@@ -156,7 +157,7 @@ class Worker:
         if self.outbox:
             batch, self.outbox = self.outbox, []
             for i in range(0, len(batch), token_stream.MAX_CHUNKS):
-                payload = token_stream.encode(self.cfg.name, time.time(), batch[i : i + token_stream.MAX_CHUNKS])
+                payload = token_stream.encode(self.cfg.name, clock.time(), batch[i : i + token_stream.MAX_CHUNKS])
                 self.spawn(self.publish(self.topics.stream(self.cfg.name), payload))
 
     def spawn(self, coro: Any) -> asyncio.Task[Any]:
@@ -231,7 +232,7 @@ class Worker:
         if c is None or len(self.cache_series) >= 7200:
             return
         if not self.cache_series or self.cache_series[-1][2] != c.lookup_tokens:
-            self.cache_series.append((round(time.time(), 3), c.hit_tokens, c.lookup_tokens))
+            self.cache_series.append((round(clock.time(), 3), c.hit_tokens, c.lookup_tokens))
 
     # ----------------------------------------------------------------- main loop
     def warm_up(self) -> None:
@@ -256,9 +257,8 @@ class Worker:
         b = self.cfg.broker
         identifier = f"{self.cfg.run_id}-{self.cfg.name}"
         with contextlib.suppress(aiomqtt.MqttError):  # no broker yet: the session below reports it
-            await Session.discard(b.host, b.port, b.username, b.password, identifier)
-        client = Session.client_for(b.host, b.port, b.username, b.password, identifier,
-                                    keepalive=keepalive_for(self.cfg.scales.dilation), will=will)
+            await self.transport.discard_session(b, identifier)
+        client = self.transport.mqtt_client(b, identifier, keepalive_for(self.cfg.scales.dilation), will)
         self.session = Session(client, [self.topics.cmd(self.cfg.name)], self.cfg.name)
         self.session.on_error = self._on_bad_message
 

@@ -99,10 +99,13 @@ class RunSummary(_Saved):
     scenario: Scenario  # as validated for the run (emulated units, not the wire's)
     policies: dict[str, PolicySummary]
     workers: dict[str, dict[str, WorkerStats]]
+    engine: str = "emulation"  # what produced it: "emulation" (processes, bytes) or "sim" (the simulator)
 
     @property
     def units(self) -> str:
         e = self.emulation
+        if self.engine == "sim":
+            return f"emulated seconds (simulated); TPOT per emulated token (s_out = {e.s_out})"
         if e.emulating:
             return f"emulated seconds (D = {e.dilation:g}); TPOT per emulated token (s_out = {e.s_out})"
         return "host seconds (no emulation)"

@@ -118,6 +118,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                        help="the router's failure detector (default: the scenario's workers.failure_detection): "
                             "probe confirms a last will and ends a dead worker's requests at once; none ignores "
                             "wills, as a router without health checks (docs/faults.md, the PD outage)")
+        p.add_argument("--engine", choices=["emulation", "sim"], default="emulation",
+                       help="emulation: real processes, bytes and TCP in namespaces (default); sim: the same router, "
+                            "policies, workers and device model in virtual time, with the network modeled: seconds "
+                            "instead of minutes, and production lengths (docs/simulation.md)")
         p.add_argument("--resume", action="store_true",
                        help="with --out naming an earlier run's folder: keep every replay it saved that matches this "
                             "one (trace, load, scenario, emulation) and run only what is missing")

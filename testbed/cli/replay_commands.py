@@ -21,6 +21,7 @@ from testbed.outputs import new_run_dir
 from testbed.policies import make_policy
 from testbed.policies.spec import PolicySpec, parse_policy_list
 from testbed.scenario import Scenario
+from testbed.sim.scope import check_simulable
 from testbed.traces import load_trace
 
 if TYPE_CHECKING:  # the replaying modules (pandas, torch) load only for a command that replays
@@ -61,8 +62,14 @@ def replay_inputs(args: argparse.Namespace) -> tuple[Scenario, list[PolicySpec],
     wl = load_trace(args.trace, args.format, args.token_scale).select(args.limit, _window(args.window))
     if not wl.requests:
         raise InputError(f"{args.trace}: --window/--limit leave no request")
+    if args.engine == "sim":
+        if args.dilation is not None:
+            raise InputError("--dilation: the simulator runs in emulated time (no host to dilate for); "
+                             "leave it out with --engine sim")
+        check_simulable(sc)
     opts = RunOptions(args.impairment, args.dilation, False, 1.0, args.limit, args.window,
-                      Slo(args.slo_ttft, args.slo_tpot), args.timeout, retry=retry_policy(args), resume=args.resume)
+                      Slo(args.slo_ttft, args.slo_tpot), args.timeout, retry=retry_policy(args), resume=args.resume,
+                      engine=args.engine)
     if args.resume and args.out is None:
         raise InputError("--resume: needs --out, the folder of the run to resume")
     return sc, policies, wl, opts

@@ -17,6 +17,7 @@ import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,13 +84,14 @@ def worker_roles(sc: Scenario) -> dict[str, str]:
             if spec.role in WORKER_ROLES}
 
 
-def worker_configs(sc: Scenario, net: Network, broker: BrokerInfo | dict[str, BrokerInfo], model: str,
-                   dtype: str | None = None, faults: dict[str, WorkerFaults] | None = None,
+def worker_configs(sc: Scenario, run_id: str, ip_of: Callable[[str], str], broker: BrokerInfo | dict[str, BrokerInfo],
+                   model: str, dtype: str | None = None, faults: dict[str, WorkerFaults] | None = None,
                    emulation: EmulationPlan | None = None, kv_token: str = "", out_dir: Path | None = None,
                    run_as: RunAs | None = None) -> dict[str, WorkerConfig]:
-    """Every worker's configuration, from the scenario: the one place a WorkerConfig is built.
-    ``broker``: each worker's own credential (by name), or one for all; ``out_dir``: where
-    workers write their statistics (the run's folder by default), as ``run_as``."""
+    """Every worker's configuration, from the scenario: the one place a WorkerConfig is built
+    (the emulation's and the simulator's). ``ip_of``: a host's address on the emulated
+    network; ``broker``: each worker's own credential (by name), or one for all; ``out_dir``:
+    where workers write their statistics ("": none), as ``run_as``."""
     ws = sc.workers
     d = emulation.dilation if emulation else 1.0
     out = {}
@@ -100,7 +102,7 @@ def worker_configs(sc: Scenario, net: Network, broker: BrokerInfo | dict[str, Br
                 continue
             device = sc.device_spec(host)
             out[host] = WorkerConfig(
-                name=host, role=role, run_id=net.run.run_id, host_ip=net.ip_of(host), kv_port=KV_PORT,
+                name=host, role=role, run_id=run_id, host_ip=ip_of(host), kv_port=KV_PORT,
                 broker=broker if isinstance(broker, BrokerInfo) else broker[host], kv_token=kv_token,
                 model_path=model, compute=spec.compute, dtype=dtype or ws.dtype, threads=ws.threads,
                 block_size=ws.block_size, prefill_chunk=ws.prefill_chunk,
@@ -112,10 +114,35 @@ def worker_configs(sc: Scenario, net: Network, broker: BrokerInfo | dict[str, Br
                 device=device,
                 cost=emulation.cost() if emulation else None,
                 scales=emulation.scales if emulation else Scales(),
-                stats_path=str((out_dir or net.run.dir) / f"worker-{host}.json"), run_as=run_as,
+                stats_path=str(out_dir / f"worker-{host}.json") if out_dir else "", run_as=run_as,
                 faults=(faults or {}).get(host, WorkerFaults()),
             )  # fmt: skip
     return out
+
+
+def router_config(sc: Scenario, run_id: str, policy: PolicySpec, workers: dict[str, WorkerConfig],
+                  broker: BrokerInfo, records_path: Path, model: str, dtype: str | None = None,
+                  emulation: EmulationPlan | None = None, run_as: RunAs | None = None) -> RouterConfig:
+    """The router's configuration, from the (wire) scenario and the workers': the one place a
+    RouterConfig is built (the emulation's and the simulator's)."""
+    ws = sc.workers
+    d = emulation.dilation if emulation else 1.0
+    router = sc.hosts_with_role(Role.ROUTER)[0]
+    fwd = sc.wan.forward
+    context = PolicyContext(
+        wan_rate_bps=fwd.rate_mbit * 1e6 if fwd.rate_mbit else None, wan_rtt_s=2 * fwd.delay_ms / 1000, dilation=d,
+        wan_back_rate_bps=sc.wan.reverse.rate_mbit * 1e6 if sc.wan.reverse.rate_mbit else None,
+        kv_bytes_per_token=kv_bytes_per_token(model, dtype or ws.dtype), block_size=ws.block_size,
+        decode_cache_tokens=ws.decode_cache_tokens, home_dc=sc.datacenter_of(router),
+        token_scale=emulation.scales.s_in if emulation else 1,
+    )  # fmt: skip
+    endpoints = {h: WorkerEndpoint(role=c.role, dc=sc.datacenter_of(h), host=c.host_ip, kv_port=c.kv_port)
+                 for h, c in workers.items()}
+    return RouterConfig(run_id=run_id, broker=broker, policy=policy, workers=endpoints,
+                        request_timeout_s=ws.request_timeout_s * d, records_path=str(records_path),
+                        dilation=d, unreachable_grace_s=ws.unreachable_grace_s * d,
+                        context=context, cache_outputs=ws.cache_outputs,
+                        failure_detection=ws.failure_detection, run_as=run_as)
 
 
 def process_groups(sc: Scenario, cfgs: dict[str, WorkerConfig], alone: set[str]) -> dict[str, list[str]]:
@@ -182,9 +209,8 @@ class Cluster:
         # Only the run's workers may hand a KV receiver a transfer: a per-run token in HELLO.
         run_as = account(ws.run_as)
         net.run.folder_for(OUT_DIR, run_as.uid if run_as else 0, run_as.gid if run_as else 0)
-        cl.workers = worker_configs(sc, net, access.workers, model, dtype, faults, emulation,
+        cl.workers = worker_configs(sc, net.run.run_id, net.ip_of, access.workers, model, dtype, faults, emulation,
                                     kv_token=secrets.token_urlsafe(16), out_dir=cl.out_dir, run_as=run_as)
-        d = emulation.dilation if emulation else 1.0
         cl.groups = process_groups(sc, cl.workers, set(alone))
         for name, hosts in cl.groups.items():
             if len(hosts) > 1:  # each instance opens its sockets in its own host's namespace
@@ -195,21 +221,8 @@ class Cluster:
                 text = cl.workers[hosts[0]].model_dump_json()
             runstate.write_private(net.run.dir / f"{name}.cfg.json", text)  # holds broker credentials
             cl._start_process(name)
-        fwd = sc.wan.forward
-        context = PolicyContext(
-            wan_rate_bps=fwd.rate_mbit * 1e6 if fwd.rate_mbit else None, wan_rtt_s=2 * fwd.delay_ms / 1000, dilation=d,
-            wan_back_rate_bps=sc.wan.reverse.rate_mbit * 1e6 if sc.wan.reverse.rate_mbit else None,
-            kv_bytes_per_token=kv_bytes_per_token(model, dtype or ws.dtype), block_size=ws.block_size,
-            decode_cache_tokens=ws.decode_cache_tokens, home_dc=sc.datacenter_of(routers[0]),
-            token_scale=emulation.scales.s_in if emulation else 1,
-        )  # fmt: skip
-        endpoints = {h: WorkerEndpoint(role=c.role, dc=sc.datacenter_of(h), host=c.host_ip, kv_port=c.kv_port)
-                     for h, c in cl.workers.items()}
-        rcfg = RouterConfig(run_id=net.run.run_id, broker=access.router, policy=policy, workers=endpoints,
-                            request_timeout_s=ws.request_timeout_s * d, records_path=str(cl.records_path),
-                            dilation=d, unreachable_grace_s=ws.unreachable_grace_s * d,
-                            context=context, cache_outputs=ws.cache_outputs,
-                            failure_detection=ws.failure_detection, run_as=run_as)
+        rcfg = router_config(sc, net.run.run_id, policy, cl.workers, access.router, cl.records_path, model, dtype,
+                             emulation, run_as)
         rpath = net.run.dir / "router.cfg.json"
         runstate.write_private(rpath, rcfg.model_dump_json())
         cl.router = net.spawn(routers[0], [sys.executable, "-m", "testbed.deploy.router", str(rpath)], name="router",

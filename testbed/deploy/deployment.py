@@ -20,10 +20,10 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from protocol.messages import Topics
 from protocol.worker_config import BrokerInfo, WorkerFaults
@@ -36,12 +36,15 @@ from testbed.deploy.run_record import ClientRecord, PolicyRun
 from testbed.errors import InputError
 from testbed.faults.inject import FaultInjector, annotate_failures
 from testbed.faults.timeline import Fault
-from testbed.net import runstate
+from testbed.net import netns, runstate
 from testbed.net.build import Network
 from testbed.net.delayline_contract import DelayLineReport
 from testbed.policies.spec import PolicySpec
 from testbed.scenario import Role, Scenario
 from testbed.traces.workload import RequestSpec
+from workers.transport import HOST, Transport
+
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -60,14 +63,33 @@ def network_session(scenario: Scenario, impairment: str) -> Iterator[Network]:
             run.destroy()
 
 
+class LoadTarget(Protocol):
+    """What a load driver drives: an emulated ``Deployment`` or a simulated one
+    (``testbed.sim.engine.SimDeployment``), alike to the driver."""
+
+    @property
+    def dilation(self) -> float: ...
+
+    @property
+    def topics(self) -> Topics: ...
+
+    @property
+    def client_broker(self) -> BrokerInfo: ...
+
+    def run_client(self, client: Callable[[Transport], Coroutine[Any, Any, T]]) -> T:
+        """Run ``client(transport)`` from the client host and wait for it: the driver's
+        requests and measurements, with the transport that reaches this deployment."""
+        ...
+
+
 class LoadDriver(Protocol):
     """What sends requests into a deployment and records what came back."""
 
     label: str
     samples_memory: bool  # sample every process's resident memory while it runs
 
-    def drive(self, dep: Deployment, begin: Callable[[float], None]) -> tuple[list[RequestSpec],
-                                                                            dict[str, ClientRecord]]:
+    def drive(self, dep: Any, begin: Callable[[float], None]) -> tuple[list[RequestSpec],
+                                                                     dict[str, ClientRecord]]:
         """Send the load; call ``begin(t0)`` (time.monotonic) when the first request is due,
         which starts the fault timeline and the sampling. Returns what was sent and the
         client's record of each request."""
@@ -153,6 +175,11 @@ class Deployment:
     def client_ns(self) -> str:
         return self.net.ns_of(self.client_host)
 
+    def run_client(self, client: Callable[[Transport], Coroutine[Any, Any, T]]) -> T:
+        """Run a load driver's client on a thread inside the client host's namespace (its
+        connections cross the emulated network from there) and wait for it."""
+        return netns.run_async_in(self.client_ns, lambda: client(HOST))
+
     def processes(self) -> list[tuple[str, int]]:
         return [(p.name, p.pid) for p in self.net.run.processes]
 
@@ -207,9 +234,6 @@ class Deployment:
             tail = self.cluster.log_tail(name, 1500)
             if tail:
                 print(f"--- {name} log ---\n{tail}", file=sys.stderr)
-
-
-T = TypeVar("T")
 
 
 def _started(part: T | None) -> T:

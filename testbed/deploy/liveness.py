@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from protocol import clock
 from protocol.messages import Status
 from protocol.mqtt_session import Session
 from protocol.router_config import RouterConfig, WorkerDeath
@@ -37,13 +37,16 @@ PROBE_TIMEOUT_S = 0.5  # a worker's host that answers no connection within this 
 PROBE_EVERY_S = 1.0  # how often an unreachable worker is probed again
 
 OnDead = Callable[[str, str], Awaitable[None]]  # (worker, why)
+Probe = Callable[[str, int, float], Awaitable[str]]  # (host, port, timeout) -> refused | no answer | alive
 
 
 class Liveness:
-    def __init__(self, cfg: RouterConfig, workers: dict[str, WorkerView], on_dead: OnDead, out: OutDir) -> None:
+    def __init__(self, cfg: RouterConfig, workers: dict[str, WorkerView], on_dead: OnDead, out: OutDir,
+                 probe: Probe) -> None:
         self.cfg, self.workers, self.on_dead, self.out = cfg, workers, on_dead, out
+        self._probe = probe  # the router's transport's
         self.session: Session | None = None  # the router's, once connected
-        self.last_up: dict[str, float] = {}  # worker -> time.monotonic() of its last "up" status
+        self.last_up: dict[str, float] = {}  # worker -> clock.monotonic() of its last "up" status
         self.suspects: set[str] = set()  # workers whose "dead" status is being confirmed
         self.unreachable: dict[str, float] = {}  # worker -> since (monotonic): requests kept, none routed
         self.pending: set[asyncio.Task[None]] = set()
@@ -55,12 +58,12 @@ class Liveness:
             return
         if st.state == "up":
             w.up, w.active, w.queued = True, st.active, st.queued
-            self.last_up[st.worker] = time.monotonic()
+            self.last_up[st.worker] = clock.monotonic()
         elif self.cfg.failure_detection == "probe" and w.up and st.worker not in self.suspects:
             # Still routable until confirmed: a request planned onto it meanwhile fails with
             # the others if the death is real.
             self.suspects.add(st.worker)
-            task = asyncio.create_task(self._confirm_death(st.worker, time.monotonic(), time.time()))
+            task = asyncio.create_task(self._confirm_death(st.worker, clock.monotonic(), clock.time()))
             self.pending.add(task)
             task.add_done_callback(self.pending.discard)
 
@@ -80,17 +83,17 @@ class Liveness:
             await session.connected.wait()
             await asyncio.sleep(max(0.0, RESTART_GRACE_S * d - session.since_reconnect()))
         w = self.workers[name]
-        deadline = time.monotonic() + self.cfg.unreachable_grace_s
+        deadline = clock.monotonic() + self.cfg.unreachable_grace_s
         why = "died"
         while self.last_up.get(name, 0.0) <= news_at:  # no "up" since the news
             answer = await self.probe(w)
             if answer == "refused":
                 break
-            if time.monotonic() >= deadline:
+            if clock.monotonic() >= deadline:
                 why = f"unreachable for {self.cfg.unreachable_grace_s / d:g} s"
                 break
             if name not in self.unreachable:
-                self.unreachable[name] = time.monotonic()
+                self.unreachable[name] = clock.monotonic()
                 w.up = False  # no new requests; those it holds wait for the line
                 print(f"router: worker {name} is unreachable ({answer}); its requests wait", file=sys.stderr,
                       flush=True)
@@ -99,23 +102,15 @@ class Liveness:
         since = self.unreachable.pop(name, None)
         if self.last_up.get(name, 0.0) > news_at:
             if since is not None:
-                print(f"router: worker {name} is back after {(time.monotonic() - since) / d:.1f} s", file=sys.stderr,
+                print(f"router: worker {name} is back after {(clock.monotonic() - since) / d:.1f} s", file=sys.stderr,
                       flush=True)
             return
         w.up = False
-        death = WorkerDeath(worker=name, news_t=news_t, t=time.time(), why=why)
+        death = WorkerDeath(worker=name, news_t=news_t, t=clock.time(), why=why)
         self.out.append_line(self.deaths_name, death.model_dump_json())  # one line per death, as it happens
         await self.on_dead(name, why)
 
     async def probe(self, w: WorkerView) -> str:
         """"refused" when the worker's host answers that nothing listens on its port (the
         process is gone), "no answer" when it does not answer in time, else "alive"."""
-        try:
-            async with asyncio.timeout(PROBE_TIMEOUT_S * self.cfg.dilation):
-                _, writer = await asyncio.open_connection(w.host, w.kv_port)
-        except ConnectionRefusedError:
-            return "refused"
-        except (OSError, TimeoutError):
-            return "no answer"
-        writer.close()
-        return "alive"
+        return await self._probe(w.host, w.kv_port, PROBE_TIMEOUT_S * self.cfg.dilation)

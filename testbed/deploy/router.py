@@ -16,13 +16,13 @@ import gc
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import TextIO
 
 import aiomqtt
 from pydantic import ValidationError
 
+from protocol import clock
 from protocol.messages import (
     CancelCmd,
     CancelRequest,
@@ -50,6 +50,7 @@ from testbed.policies import ClusterView, Policy, RequestState, make_policy
 from testbed.policies.base import WorkerView
 from workers.allocator import WATCH
 from workers.privilege import Identity, OutDir, drop_privileges
+from workers.transport import HOST, Transport
 
 MEMORY_REPORT_S = 30  # seconds between writes of the router's memory report
 
@@ -63,8 +64,9 @@ ENDED_KEPT = 4096
 
 
 class Router:
-    def __init__(self, cfg: RouterConfig) -> None:
+    def __init__(self, cfg: RouterConfig, transport: Transport = HOST) -> None:
         self.cfg = cfg
+        self.transport = transport  # the broker and the workers' ports: the host's network or a simulator's
         self.topics = Topics(cfg.run_id)
         self.policy: Policy = make_policy(cfg.policy)
         self.policy.bind(cfg.context)
@@ -75,12 +77,12 @@ class Router:
         self.finished: dict[str, RequestRecord] = {}  # the latest ENDED_KEPT: rid -> record (late events land)
         self.records: TextIO | None = None  # one JSON line per finished request, as it leaves memory
         self.ended: dict[str, RequestState] = {}  # finished requests, for the policy's late events
-        self.ended_at: dict[str, float] = {}  # rid -> time.monotonic() it ended, oldest first
+        self.ended_at: dict[str, float] = {}  # rid -> clock.monotonic() it ended, oldest first
         self.session: Session | None = None
         self.ready = False
         # Opened while privileged: the router writes only here once it has dropped root.
         self.out = OutDir(Path(cfg.records_path).parent)
-        self.liveness = Liveness(cfg, self.view.workers, self._worker_died, self.out)
+        self.liveness = Liveness(cfg, self.view.workers, self._worker_died, self.out, transport.probe)
         WATCH.add_holder(_Held(self))
         self.repeated_requests = 0
 
@@ -88,18 +90,19 @@ class Router:
         assert self.session is not None
         await self.session.publish(topic, payload, retain=retain)
 
-    async def main(self) -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+    async def main(self, stop: asyncio.Event | None = None) -> None:
+        """Route until ``stop`` is set (None: until SIGTERM or SIGINT)."""
+        if stop is None:
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
         b = self.cfg.broker
         # The last will: a router that dies (or loses the broker) says so, retained, instead of
         # leaving its "ready" for clients to wait on until their timeout.
         down = RouterStatus(state="down", workers={}, policy=self.policy.describe()).dump()
         will = aiomqtt.Will(self.topics.router_status, down, qos=1, retain=True)
-        client = Session.client_for(b.host, b.port, b.username, b.password, f"{self.cfg.run_id}-router", keepalive=5,
-                                    will=will)
+        client = self.transport.mqtt_client(b, f"{self.cfg.run_id}-router", 5, will)
         self.session = Session(client, [self.topics.requests, self.topics.cancels, self.topics.all_status,
                                         self.topics.events], "router")
         self.session.on_error = self._reject
@@ -157,7 +160,7 @@ class Router:
             await self._fail(rid, reason)
         elif topic == self.topics.requests:  # never admitted: the client still waits for an answer
             await self.publish(self.topics.tokens(rid), Tokens(rid=rid, start=0, tokens=[], worker="router",
-                                                               t=time.time(), done=True, error=reason).dump())
+                                                               t=clock.time(), done=True, error=reason).dump())
 
     async def _on_status(self, st: Status) -> None:
         self.liveness.on_status(st)
@@ -215,7 +218,7 @@ class Router:
             self.repeated_requests += 1
             print(f"router: dropped a repeated request {r.rid}", file=sys.stderr, flush=True)
             return
-        req = RequestState(r.rid, r.prompt, r.max_new, time.time(), r.hints)
+        req = RequestState(r.rid, r.prompt, r.max_new, clock.time(), r.hints)
         self.inflight[r.rid] = req
         try:
             plan = self.policy.plan(req, self.view)
@@ -292,7 +295,7 @@ class Router:
             for w in req.plan.workers:
                 await self.publish(self.topics.cmd(w), CancelCmd(rid=rid).dump())
         await self.publish(self.topics.tokens(rid), Tokens(rid=rid, start=0, tokens=[], worker="router",
-                                                           t=time.time(), done=True, error=reason).dump())
+                                                           t=clock.time(), done=True, error=reason).dump())
         self._finish(req, reason)
 
     def _finish(self, req: RequestState, error: str | None) -> None:
@@ -311,7 +314,7 @@ class Router:
                 "decode_dc": w[plan.decode].dc, "prefill_dc": w[plan.prefill].dc, "plan_info": plan.info})
         self.finished[req.rid] = rec
         self.ended[req.rid] = req
-        now = time.monotonic()
+        now = clock.monotonic()
         self.ended_at[req.rid] = now
         horizon = now - ENDED_KEEP_S * self.cfg.dilation
         while self.ended_at and (len(self.ended_at) > ENDED_KEPT or next(iter(self.ended_at.values())) < horizon):
@@ -340,7 +343,7 @@ class Router:
             if n % MEMORY_REPORT_S == 0:
                 self.out.write_atomic(Path(self.cfg.records_path).name + ".memory.json",
                                       WATCH.report().model_dump_json())
-            now = time.time()
+            now = clock.time()
             for rid, req in list(self.inflight.items()):
                 if now - req.arrived > self.cfg.request_timeout_s:
                     await self._fail(rid, f"timed out after {self.cfg.request_timeout_s} s")

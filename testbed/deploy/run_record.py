@@ -118,3 +118,4 @@ class PolicyRun:
     rss: list[tuple[float, str, int, float]] = field(default_factory=list)  # (t, process, pid, MB)
     fault_t0_wall: float = 0.0  # emulated time 0 of the fault timeline, on the client's clock
     deaths: list[WorkerDeath] = field(default_factory=list)  # workers the router declared dead, in order
+    engine: str = "emulation"  # what produced it: the emulation, or the simulator ("sim")

@@ -187,7 +187,10 @@ class SweepOptions:
 
 
 def fixed_dilation(sc: Scenario, wl: Workload, opts: RunOptions) -> RunOptions:
-    """One dilation for every point (``auto`` calibrated once, on the trace at its own rate)."""
+    """One dilation for every point (``auto`` calibrated once, on the trace at its own rate;
+    the simulator's is 1)."""
+    if opts.engine == "sim":
+        return dataclasses.replace(opts, dilation=1.0)
     plan = emulation_plan(sc, wl, wl.specs(1.0), opts.dilation)
     return dataclasses.replace(opts, dilation=plan.dilation)
 

@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import pandas as pd
 
@@ -33,6 +34,7 @@ from testbed.load.trace_replay import TraceReplay
 from testbed.outputs import new_run_dir
 from testbed.policies.spec import PolicySpec
 from testbed.scenario import Scenario
+from testbed.sim.engine import SimDeployment, sim_plan
 from testbed.traces.workload import Workload
 
 
@@ -52,20 +54,25 @@ class RunOptions:
     faults: tuple[Fault, ...] = ()  # from the command line; the scenario's own come first
     retry: RetryPolicy = RetryPolicy()  # the client's, as an agent's SDK retries
     resume: bool = False  # keep the policies a matching run already saved in ``out``
+    engine: Literal["emulation", "sim"] = "emulation"  # real processes and bytes, or the simulator
 
 
 def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunOptions) -> int:
     """Replay ``wl`` under each policy on a fresh network; print, save and plot. Exit code:
     0 when every request of every policy completed with a passing fidelity verdict; 3 when
     a verdict failed (unless ``allow_infidelity``); 1 when requests failed."""
-    forkserver.prestart()  # importing torch for the workers while the run is prepared
-    plan = emulation_plan(sc, wl, wl.specs(opts.speed), opts.dilation)
+    if opts.engine == "sim":
+        plan = sim_plan(sc, wl.token_scale)
+    else:
+        forkserver.prestart()  # importing torch for the workers while the run is prepared
+        plan = emulation_plan(sc, wl, wl.specs(opts.speed), opts.dilation)
     d = plan.dilation
     specs = wl.specs(opts.speed / d)  # arrivals and think times stretched by the dilation
     out = opts.out or new_run_dir("")
     print(f"trace {wl.source}: {len(specs)} requests ({wl.format}, token scale {wl.token_scale}, "
           f"speed {opts.speed:g}); scenario {sc.name}; policies {', '.join(p.label for p in policies)}", flush=True)
-    print(plan.describe(sc), flush=True)
+    print(plan.describe(sc) + ("\nengine: the simulator (the same code in virtual time; docs/simulation.md)"
+                                if opts.engine == "sim" else ""), flush=True)
     frames: dict[str, pd.DataFrame] = {}
     summaries: dict[str, PolicySummary] = {}
     workers: dict[str, dict[str, WorkerStats]] = {}
@@ -75,7 +82,7 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
             trace=TraceInfo(trace=str(wl.source), format=wl.format, requests=len(wl.requests),
                             token_scale=wl.token_scale, block_size=wl.block_size, meta=wl.meta),
             speed=opts.speed, limit=opts.limit, window=opts.window, emulation=plan.summary(sc), scenario=sc,
-            policies=summaries, workers=workers,
+            policies=summaries, workers=workers, engine=opts.engine,
         )  # fmt: skip
 
     if opts.resume:
@@ -85,9 +92,14 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
         if spec.label in summaries:
             continue
         t0 = time.monotonic()
-        with Deployment(sc, spec, emulation=plan, impairment=opts.impairment, timeline=timeline,
-                        logs_to=out / "logs" / spec.label) as dep:
-            run = dep.run(TraceReplay(specs, opts.timeout_s * d, spec.label, retry=opts.retry))
+        load = TraceReplay(specs, opts.timeout_s * d, spec.label, retry=opts.retry)
+        if opts.engine == "sim":
+            with SimDeployment(sc, spec, emulation=plan, timeline=timeline) as sim:
+                run = sim.run(load)
+        else:
+            with Deployment(sc, spec, emulation=plan, impairment=opts.impairment, timeline=timeline,
+                            logs_to=out / "logs" / spec.label) as dep:
+                run = dep.run(load)
         name = spec.label
         frames[name], s = measure(sc, spec, plan, run, opts.slo)
         summaries[name] = s

@@ -14,17 +14,19 @@ done, and any error (a fault that could not be applied is reported, never silent
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from protocol import clock
 from testbed.faults.timeline import NETWORK_KINDS, AppliedFault, Fault
 from testbed.net import netns
-from testbed.net.build import Network
 from testbed.net.delayline_contract import DirectionOverride
+from testbed.net.plan import NetworkPlan
 
 
 @dataclass
@@ -35,12 +37,30 @@ class _Wire:
     rate_bps: Callable[[float], float] = field(default=lambda bps: bps)
 
 
+class WanControl(Protocol):
+    """What network faults act on: the emulation's ``Network`` or the simulator's links."""
+
+    @property
+    def plan(self) -> NetworkPlan: ...
+
+    def impair_wan(self, overrides: dict[tuple[str, str], DirectionOverride]) -> None: ...
+
+    def set_wan_rate(self, src: str, dst: str, rate_bps: int | None) -> None: ...
+
+
 class FaultInjector:
-    def __init__(self, net: Network, faults: list[Fault], dilation: float = 1.0,
+    """``start`` runs the timeline on a thread against the host's clock (the emulation);
+    ``run_async`` on the running event loop (the simulator, in virtual time). Both apply each
+    fault through ``fire``; ``kill_worker`` (host -> what was done) replaces the signal to the
+    worker's process (the simulator ends its worker itself)."""
+
+    def __init__(self, net: WanControl, faults: list[Fault], dilation: float = 1.0,
                  wire_rate_bps: Callable[[float], float] | None = None,
                  restart_broker: Callable[[float], str] | None = None,
-                 restart_worker: Callable[[str], str] | None = None) -> None:
+                 restart_worker: Callable[[str], str] | None = None,
+                 kill_worker: Callable[[str], str] | None = None) -> None:
         self.net = net
+        self.kill_worker = kill_worker
         self.faults = sorted(faults, key=lambda f: f.at_s)
         self.wire = _Wire(dilation, wire_rate_bps or (lambda bps: bps))
         self.restart_broker = restart_broker
@@ -50,15 +70,14 @@ class FaultInjector:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
-        self.t0_wall = time.time()  # emulated time 0 on the wall clock (the client's records)
+        self.t0_wall = clock.time()  # emulated time 0 on the wall clock (the client's records)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, t0: float | None = None) -> None:
         """Start the timeline; ``t0`` (time.monotonic) is emulated time 0."""
         if self._thread is not None:
             return
-        self._t0 = time.monotonic() if t0 is None else t0
-        self.t0_wall = time.time() - (time.monotonic() - self._t0)
+        self._set_t0(t0)
         if not self.faults:
             return
         self._thread = threading.Thread(target=self._run, name="faults", daemon=True)
@@ -74,25 +93,44 @@ class FaultInjector:
                 self.log[i] = entry.model_copy(update={"error": "not applied: the replay ended first"})
         return self.log
 
+    def _set_t0(self, t0: float | None) -> None:
+        self._t0 = clock.monotonic() if t0 is None else t0
+        self.t0_wall = clock.time() - (clock.monotonic() - self._t0)
+
     def emulated_now(self) -> float:
-        return (time.monotonic() - self._t0) / self.wire.dilation
+        return (clock.monotonic() - self._t0) / self.wire.dilation
 
     # ------------------------------------------------------------------ the timeline
+    def events(self) -> list[tuple[float, int, int]]:
+        """(emulated time, clear?, fault index), in the order they happen."""
+        return sorted([(f.at_s, 0, i) for i, f in enumerate(self.faults)]
+                      + [(f.end_s, 1, i) for i, f in enumerate(self.faults) if f.end_s is not None])
+
     def _run(self) -> None:
-        events = sorted([(f.at_s, 0, i) for i, f in enumerate(self.faults)]
-                        + [(f.end_s, 1, i) for i, f in enumerate(self.faults) if f.end_s is not None])
-        for at_s, clear, i in events:
-            if self._stop.wait(max(0.0, self._t0 + at_s * self.wire.dilation - time.monotonic())):
+        for at_s, clear, i in self.events():
+            if self._stop.wait(max(0.0, self._t0 + at_s * self.wire.dilation - clock.monotonic())):
                 return
-            if clear and self.log[i].applied_s is None:
-                continue  # never applied: nothing to clear
-            now = self.emulated_now()
-            try:
-                detail = self._clear(i) if clear else self._apply(i)
-            except Exception as e:  # noqa: BLE001 - a fault that fails is reported, the run goes on
-                self._record(i, clear, now, error=f"{type(e).__name__}: {e}")
-                continue
-            self._record(i, clear, now, detail=detail)
+            self.fire(i, bool(clear))
+
+    async def run_async(self, t0: float | None = None) -> None:
+        """The timeline on the running loop from ``t0`` (its clock, ``protocol.clock``);
+        cancel the task to stop it."""
+        self._set_t0(t0)
+        for at_s, clear, i in self.events():
+            await asyncio.sleep(max(0.0, self._t0 + at_s * self.wire.dilation - clock.monotonic()))
+            self.fire(i, bool(clear))
+
+    def fire(self, i: int, clear: bool) -> None:
+        """Apply (or clear) fault ``i`` now, and record it."""
+        if clear and self.log[i].applied_s is None:
+            return  # never applied: nothing to clear
+        now = self.emulated_now()
+        try:
+            detail = self._clear(i) if clear else self._apply(i)
+        except Exception as e:  # noqa: BLE001 - a fault that fails is reported, the run goes on
+            self._record(i, clear, now, error=f"{type(e).__name__}: {e}")
+            return
+        self._record(i, clear, now, detail=detail)
 
     def _record(self, i: int, clear: bool, now: float, detail: str = "", error: str | None = None) -> None:
         entry = self.log[i]
@@ -113,7 +151,7 @@ class FaultInjector:
             self.active.add(i)
             return self._push_network(f)
         if f.kind == "kill":
-            return self._kill(f.host or "")
+            return self.kill_worker(f.host or "") if self.kill_worker else self._kill(f.host or "")
         if f.kind == "broker-restart":
             if self.restart_broker is None:
                 raise RuntimeError("no broker in this run")
@@ -174,7 +212,7 @@ class FaultInjector:
 
     def _kill(self, host: str) -> str:
         name = f"worker-{host}"
-        procs = [p for p in self.net.run.processes if p.name == name]
+        procs = [p for p in self.net.run.processes if p.name == name]  # type: ignore[attr-defined]  # the emulation's
         if not procs:
             raise LookupError(f"no process {name} in this run")
         pid, start = procs[-1].pid, procs[-1].starttime

@@ -12,13 +12,9 @@ network.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
-import gc
 import secrets
 import sys
-import threading
-import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -26,15 +22,15 @@ from typing import Any
 import aiomqtt
 from pydantic import ValidationError
 
-from protocol import token_stream
+from protocol import clock, token_stream
 from protocol.messages import Request, RouterStatus, Topics, why_invalid
 from protocol.mqtt_session import Session
 from protocol.token_stream import TokenStreamError
 from protocol.worker_config import BrokerInfo
 from testbed.deploy.run_record import ClientRecord
 from testbed.load.retry import NO_RETRY, RetryPolicy, attempt_rid, retryable
-from testbed.net import netns
 from testbed.traces.workload import RequestSpec
+from workers.transport import Transport
 
 
 class ProtocolError(Exception):
@@ -76,13 +72,11 @@ class ClientOptions:
     backoff_scale: float = 1.0  # real seconds per second of the retry policy's backoff (the dilation)
 
 
-async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[RequestSpec], opts: ClientOptions,
-                  progress: Callable[[int, int, int], None] | None,
-                  on_start: Callable[[float], None] | None = None) -> dict[str, ClientRecord]:
-    # aiomqtt connects from an executor thread: those threads must live in the namespace too.
-    asyncio.get_running_loop().set_default_executor(
-        concurrent.futures.ThreadPoolExecutor(2, initializer=netns.join, initargs=(ns,))
-    )
+async def replay(transport: Transport, broker: BrokerInfo, topics: Topics, specs: list[RequestSpec],
+                 opts: ClientOptions, progress: Callable[[int, int, int], None] | None,
+                 on_start: Callable[[float], None] | None = None) -> dict[str, ClientRecord]:
+    """Send ``specs`` at their times (and sessions' turns after their previous one) through
+    ``transport``'s broker; every request's record once each has ended or the timeout passed."""
     recs = {s.rid: ClientRecord(s.rid, len(s.prompt), s.max_new) for s in specs}
     live = dict(recs)  # by the id of each request's current attempt
     by_rid = {s.rid: s for s in specs}
@@ -95,8 +89,7 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
     finished = asyncio.Event()
     n_done = 0
     pending: set[asyncio.Task[None]] = set()
-    client = Session.client_for(broker.host, broker.port, broker.username, broker.password,
-                                f"{topics.root}-client-{secrets.token_hex(4)}", keepalive=10)
+    client = transport.mqtt_client(broker, f"{topics.root}-client-{secrets.token_hex(4)}", 10)
     session = Session(client, [topics.all_streams, topics.all_tokens, topics.router_status], "client")
     ready = asyncio.Event()
 
@@ -112,7 +105,7 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
 
     async def on_message(msg: aiomqtt.Message) -> None:
         nonlocal router_gone
-        now = time.time()
+        now = clock.time()
         payload = msg.payload if isinstance(msg.payload, (bytes, bytearray)) else b""
         topic = str(msg.topic)
         try:
@@ -155,7 +148,7 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
             return
         nxt = attempt_rid(rec.rid, tries + 1)
         del live[rec.last_rid]  # what still comes for the failed attempt is dropped
-        rec.retry(nxt, time.time())
+        rec.retry(nxt, clock.time())
         live[nxt] = rec
         later(send(by_rid[rec.rid], opts.retry.backoff_s(rec.rid, tries) * opts.backoff_scale))
 
@@ -167,7 +160,7 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
     def complete(rec: ClientRecord) -> None:
         nonlocal n_done
         n_done += 1
-        rec.ended = time.time()
+        rec.ended = clock.time()
         if n_done == len(recs):
             finished.set()
         for nxt in followers.get(rec.rid, []):
@@ -183,16 +176,16 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
         if delay > 0:
             await asyncio.sleep(delay)
         rec = recs[spec.rid]
-        rec.attempt_sent = time.time()
+        rec.attempt_sent = clock.time()
         rec.sent = rec.sent or rec.attempt_sent
         req = Request(rid=rec.last_rid, prompt=spec.prompt, max_new=spec.max_new, hints=spec.hints)
         await session.publish(topics.requests, req.dump())
 
     stop = asyncio.Event()
     connection = await connect_when_ready(session, on_message, ready, stop)
-    t0 = time.time()
+    t0 = clock.time()
     if on_start is not None:
-        on_start(time.monotonic())
+        on_start(clock.monotonic())
 
     async def ticker() -> None:
         while True:
@@ -203,14 +196,14 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
 
     tick = asyncio.create_task(ticker())
     for spec in sorted((s for s in specs if s.after is None), key=lambda s: s.at):
-        await send(spec, t0 + spec.at - time.time())
+        await send(spec, t0 + spec.at - clock.time())
     try:
         await asyncio.wait_for(finished.wait(), timeout=opts.timeout_s)
     except TimeoutError:
         for r in recs.values():
             if not r.done:
                 what = "no completion" if r.sent else "not sent (waiting for its previous turn)"
-                r.error, r.done, r.ended = f"{what} within the client timeout ({opts.timeout_s} s)", True, time.time()
+                r.error, r.done, r.ended = f"{what} within the client timeout ({opts.timeout_s} s)", True, clock.time()
     tick.cancel()
     for task in list(pending):
         task.cancel()
@@ -218,29 +211,3 @@ async def _replay(ns: str, broker: BrokerInfo, topics: Topics, specs: list[Reque
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(connection, 5)
     return recs
-
-
-def replay_in_namespace(ns: str, broker: BrokerInfo, topics: Topics, specs: list[RequestSpec],
-                        opts: ClientOptions, progress: Callable[[int, int, int], None] | None = None,
-                        on_start: Callable[[float], None] | None = None) -> dict[str, ClientRecord]:
-    """Run the client on a thread inside namespace ``ns`` and wait for it."""
-    result: dict[str, dict[str, ClientRecord]] = {}
-    error: list[BaseException] = []
-
-    def body() -> None:
-        try:
-            with netns.entered(ns):
-                result["r"] = asyncio.run(_replay(ns, broker, topics, specs, opts, progress, on_start))
-        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
-            error.append(e)
-
-    # The client's clock is the measurement: keep the collector's full passes off everything
-    # this process built before the replay (pandas, torch, the trace).
-    gc.collect()
-    gc.freeze()
-    th = threading.Thread(target=body, name="client", daemon=True)
-    th.start()
-    th.join()
-    if error:
-        raise error[0]
-    return result["r"]

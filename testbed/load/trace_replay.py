@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from testbed.deploy.deployment import Deployment
+from testbed.deploy.deployment import LoadTarget
 from testbed.deploy.run_record import ClientRecord
 from testbed.load.progress import Progress
-from testbed.load.replay_client import ROUTER_GRACE_S, ClientOptions, replay_in_namespace
+from testbed.load.replay_client import ROUTER_GRACE_S, ClientOptions, replay
 from testbed.load.retry import NO_RETRY, RetryPolicy
 from testbed.traces.workload import RequestSpec
 
@@ -31,13 +31,13 @@ class TraceReplay:
         self.router_grace_s = router_grace_s  # emulated s after the router's "down" to wait for its "ready"
         self.retry = retry
 
-    def drive(self, dep: Deployment, begin: Callable[[float], None]) -> tuple[list[RequestSpec],
+    def drive(self, dep: LoadTarget, begin: Callable[[float], None]) -> tuple[list[RequestSpec],
                                                                             dict[str, ClientRecord]]:
         progress = Progress(self.label) if self.show_progress else None
         try:
             opts = ClientOptions(self.timeout_s, self.router_grace_s * dep.dilation, self.retry, dep.dilation)
-            recs = replay_in_namespace(dep.client_ns, dep.client_broker, dep.topics, self.specs, opts, progress,
-                                       begin)
+            recs = dep.run_client(lambda transport: replay(transport, dep.client_broker, dep.topics, self.specs, opts,
+                                                           progress, begin))
         finally:
             if progress is not None:
                 progress.close()

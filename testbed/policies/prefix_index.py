@@ -9,6 +9,7 @@ decoder is expected to have; it errs only where the decoder's own eviction order
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -31,12 +32,7 @@ class PrefixIndex:
         # Over the ids as 4-byte integers, whatever sequence holds them: a list and the
         # router's arrays of the same prompt index alike.
         raw = token_array(tokens).tobytes()
-        out, h = [], b""
-        step = self.block_size * TOKEN_BYTES
-        for i in range(0, len(raw) - step + 1, step):
-            h = hashlib.blake2b(h + raw[i : i + step], digest_size=16).digest()
-            out.append(h)
-        return out
+        return _chained(raw, self.block_size * TOKEN_BYTES)
 
     def match(self, tokens: Sequence[int]) -> int:
         n = 0
@@ -62,3 +58,16 @@ class PrefixIndex:
         """About what the index holds in memory (it fills to its capacity like the cache it
         shadows)."""
         return len(self._blocks) * ENTRY_BYTES
+
+
+@functools.lru_cache(maxsize=16)
+def _chained(raw: bytes, step: int) -> list[bytes]:
+    """Chained block hashes of ``raw``. Remembered for the last prompts: routing one request
+    looks its prompt up in every candidate's index (a prefill per instance, a main decoder
+    per instance, the policy's own), then inserts it; a 64K-token prompt is 4,096 hashes.
+    The list returned is shared: never changed."""
+    out, h = [], b""
+    for i in range(0, len(raw) - step + 1, step):
+        h = hashlib.blake2b(h + raw[i : i + step], digest_size=16).digest()
+        out.append(h)
+    return out

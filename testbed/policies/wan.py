@@ -11,8 +11,9 @@ the estimated rate as time passes, so a stale backlog does not linger.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
+
+from protocol import clock
 
 SETUP_RTTS = 3
 MIN_SAMPLE_BYTES = 256 * 1024  # smaller transfers say more about round trips than about the rate
@@ -39,7 +40,7 @@ class WanEstimator:
         return self.rate_bps / 8 * self.efficiency
 
     def backlog_bytes(self, now: float | None = None) -> float:
-        now = time.time() if now is None else now
+        now = clock.time() if now is None else now
         total = sum(t.nbytes for t in self.inflight.values())
         oldest = min((t.started for t in self.inflight.values()), default=now)
         return max(0.0, total - (now - oldest) * self.bytes_per_s)
@@ -53,7 +54,7 @@ class WanEstimator:
         return SETUP_RTTS * self.rtt_s + self._byte_time(delta_bytes, now)
 
     def started(self, rid: str, nbytes: int, now: float | None = None) -> None:
-        now = time.time() if now is None else now
+        now = clock.time() if now is None else now
         self.inflight[rid] = _Transfer(nbytes, now, self._byte_time(nbytes, now))
 
     def finished(self, rid: str, observed_s: float | None, cancelled: bool = False) -> None:

@@ -24,15 +24,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from protocol.messages import RequestHints
 
 VOCAB_LOW, VOCAB_HIGH = 3, 8192  # ids 0..2 are pad/bos/eos in the default model (vocabulary 8192)
 
 
 def synth_tokens(key: str, n: int) -> list[int]:
-    """``n`` token IDs determined by ``key``; a shorter cut is a prefix of a longer one."""
-    rng = random.Random(key)
-    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
+    """``n`` token IDs determined by ``key``; a shorter cut is a prefix of a longer one (the
+    generator's bytes are drawn in order, four per id). A 64K-token context is made in a few
+    milliseconds (``randrange`` per id took 50x longer)."""
+    words = np.frombuffer(random.Random(key).randbytes(4 * n), dtype="<u4")
+    return (words % np.uint32(VOCAB_HIGH - VOCAB_LOW) + np.uint32(VOCAB_LOW)).tolist()
 
 
 @functools.lru_cache(maxsize=512)

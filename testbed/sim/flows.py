@@ -1,0 +1,217 @@
+"""TCP flows on the link model: max-min fair sharing, slow start, stalls and timeouts.
+
+A KV transfer's bytes are a flow over a path (``links.Path``). ``Flows`` keeps every flow in
+progress and moves them on between events (a flow starts or ends, a window doubles, a stall
+ends, a fault changes a link), at rates recomputed at each one:
+
+* **sharing**: progressive filling, so every link's capacity is shared max-min fairly
+  among the flows that cross it (what competing TCP flows through one fifo converge to),
+  each flow also capped by what it could carry alone (``cap``);
+* **the window**: a flow carries at most its connection's congestion window per round
+  trip; while that window is what holds it back, it doubles every round trip (slow start);
+  once the flow is held back by the network it stops growing, and grows again if its share
+  rises beyond it;
+* **loss**: on a lossy path a flow carries at most ``1.22 MSS / (RTT sqrt(p))`` (Mathis et al.);
+* **stalls**: a flow whose path is down moves nothing; after an outage it waits for its
+  connection's next retransmission (``LinkModel.impair``); a flow that moved nothing for
+  its ``timeout_s`` fails with ``TimeoutError`` (the peer took nothing).
+
+Every tie is broken by the order flows started in (``Flow.seq``): runs repeat exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Sequence
+from typing import Protocol
+
+from testbed.sim.links import INITIAL_WINDOW, MATHIS_C, Conn, Flow, Link, Versioned
+
+
+class _Model(Versioned, Protocol):
+    loop: asyncio.AbstractEventLoop
+
+EPS_BYTES = 1e-6
+
+
+class Flows:
+    def __init__(self, model: _Model) -> None:
+        self.model = model
+        self.loop = model.loop
+        self.active: dict[Flow, None] = {}  # ordered: runs repeat exactly
+        self._seq = 0
+        self._last = self.loop.time()
+        self._timer: asyncio.TimerHandle | None = None
+
+    # ----------------------------------------------------------------- a transfer
+    def prepare(self, conn: Conn) -> float:
+        """Before a transfer on ``conn``: the handshake a new connection pays (seconds), and
+        the window a connection idle past its retransmission timeout restarts from."""
+        now = self.loop.time()
+        if not conn.established:
+            conn.established = True
+            return conn.path.rtt_s
+        if now - conn.last_active > conn.rto_s:
+            halvings = (now - conn.last_active) / conn.rto_s  # Linux halves it per idle timeout
+            conn.cwnd = max(INITIAL_WINDOW, conn.cwnd / 2 ** min(halvings, 64))
+        return 0.0
+
+    async def send(self, conn: Conn, nbytes: float, cancel: Sequence[asyncio.Event] = (),
+                   timeout_s: float | None = None) -> float:
+        """Push ``nbytes`` through ``conn``'s path; returns when the last byte has left the
+        path's bottleneck (or one of ``cancel`` is set: then with what had left by then).
+        Returns the bytes sent. Raises TimeoutError when the flow moved nothing for
+        ``timeout_s`` (the peer took nothing: its path is down)."""
+        if nbytes <= 0:
+            return 0.0
+        if not conn.path.links:  # the same host: no link to cross
+            return float(nbytes)
+        self.advance()
+        self._seq += 1
+        flow = Flow(conn, float(nbytes), self._seq, self.loop.create_future(), timeout_s)
+        self.active[flow] = None
+        for lk in conn.path.links:
+            lk.flows[flow] = None
+        self.reschedule()
+        try:
+            if not cancel:
+                await flow.done
+            elif not any(ev.is_set() for ev in cancel):
+                stops = [asyncio.ensure_future(ev.wait()) for ev in cancel]
+                try:
+                    await asyncio.wait({flow.done, *stops}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for stop in stops:
+                        stop.cancel()
+                if flow.done.done():
+                    flow.done.result()  # a timeout raises
+        finally:
+            self._remove(flow)
+        return flow.sent
+
+    def through(self, lk: Link) -> list[Flow]:
+        return [f for f in self.active if lk in f.conn.path.links or lk in f.conn.path.back]
+
+    def _remove(self, flow: Flow) -> None:
+        if flow not in self.active:
+            return
+        self.advance()
+        del self.active[flow]
+        for lk in flow.conn.path.links:
+            lk.flows.pop(flow, None)
+        flow.conn.last_active = self.loop.time()
+        self.reschedule()
+
+    # ----------------------------------------------------------------- the fluid model
+    def advance(self) -> None:
+        """Move every flow on to now at its current rate."""
+        now = self.loop.time()
+        dt = now - self._last
+        self._last = now
+        if dt <= 0:
+            return
+        for f in self.active:
+            if f.rate > 0:
+                moved = min(f.remaining, f.rate * dt)
+                f.sent += moved
+                for lk in f.conn.path.links:
+                    lk.busy_bytes += moved
+
+    def _cap(self, f: Flow, now: float) -> float:
+        """What a flow could carry alone: its window over the round trip, the loss limit."""
+        p = f.conn.path
+        if f.stalled_until > now or p.down():
+            return 0.0
+        rtt = max(p.rtt_s, 1e-6)
+        cap = f.conn.cwnd * p.mss / rtt
+        loss = p.loss
+        if loss > 0:
+            cap = min(cap, MATHIS_C * p.mss / (rtt * math.sqrt(loss)))
+        return cap
+
+    def _allocate(self, now: float) -> None:
+        """Max-min fair rates: progressive filling over links and each flow's own cap."""
+        room: dict[Link, float] = {}
+        count: dict[Link, int] = {}
+        unfixed: list[Flow] = []
+        for f in self.active:
+            f.rate = 0.0
+            f.cap = self._cap(f, now)
+            if f.cap <= 0:
+                continue
+            unfixed.append(f)
+            for lk in f.conn.path.links:
+                if lk.capacity is not None:
+                    room.setdefault(lk, lk.capacity)
+                    count[lk] = count.get(lk, 0) + 1
+        by_cap = sorted(unfixed, key=lambda f: (f.cap, f.seq))
+        left = set(unfixed)
+        i = 0
+        while left:
+            while by_cap[i] not in left:
+                i += 1
+            own = by_cap[i]
+            share, limiter = math.inf, None
+            for lk, n in count.items():
+                if n and room[lk] / n < share:
+                    share, limiter = room[lk] / n, lk
+            if own.cap <= share:
+                fixed, rate = [own], own.cap
+            else:
+                assert limiter is not None
+                fixed, rate = [f for f in limiter.flows if f in left], share
+            for f in fixed:
+                f.rate = rate
+                left.discard(f)
+                for lk in f.conn.path.links:
+                    if lk in room:
+                        room[lk] = max(0.0, room[lk] - rate)
+                        count[lk] -= 1
+
+    def reschedule(self) -> None:
+        """Settle what is due now (ends, windows), recompute the rates, set the next event."""
+        now = self.loop.time()
+        for f in self.active:
+            if f.remaining <= max(EPS_BYTES, 1e-9 * f.size) and not f.done.done():
+                f.sent = f.size
+                f.done.set_result(None)
+            rtt = max(f.conn.path.rtt_s, 1e-6)
+            while f.next_ramp <= now:
+                f.conn.cwnd *= 2
+                f.next_ramp += rtt
+        self._allocate(now)
+        nxt = math.inf
+        for f in self.active:
+            if f.done.done():
+                continue
+            rtt = max(f.conn.path.rtt_s, 1e-6)
+            if f.rate > 0 and f.rate >= f.cap * (1 - 1e-9):  # its window holds it back: it grows
+                if f.next_ramp == math.inf:
+                    f.next_ramp = now + rtt
+                nxt = min(nxt, f.next_ramp)
+            else:
+                f.next_ramp = math.inf
+            if f.rate > 0:
+                nxt = min(nxt, now + f.remaining / f.rate)
+            if f.stalled_until > now:
+                nxt = min(nxt, f.stalled_until)
+            if f.timeout_s is not None:
+                if f.rate > 0:
+                    f.idle_since = None
+                else:
+                    f.idle_since = now if f.idle_since is None else f.idle_since
+                    if now - f.idle_since >= f.timeout_s:
+                        f.done.set_exception(TimeoutError(f"the peer took nothing for {f.timeout_s:g} s"))
+                        continue
+                    nxt = min(nxt, f.idle_since + f.timeout_s)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if nxt < math.inf:
+            self._timer = self.loop.call_at(max(nxt, now), self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        self.advance()
+        self.reschedule()

@@ -1,0 +1,137 @@
+"""The parts of the link model: links, paths, connections and flows, as data.
+
+The emulation moves real bytes through namespaces, an htb class per WAN direction (the
+rate, a byte fifo as the bottleneck buffer), the userspace delay line (delay, jitter, loss,
+faults) and the LAN shaping of every host's port (``testbed/net/``). The simulator models
+the same network from the same wire scenario and network plan (``network.LinkModel``):
+
+* **Links.** Every host has an uplink and a downlink at its datacenter's LAN rate (no
+  delay); each WAN direction has the line's rate, delay, jitter, loss and buffer. A path
+  from host to host is the sender's uplink, the WAN direction if the datacenters differ,
+  and the receiver's downlink. Capacities are goodput: the rate times the share of a frame
+  that is TCP payload at the path's MTU.
+* **Connections** keep a TCP connection's state between transfers: established or not,
+  its congestion window, when it was last active (``flows.Flows`` grows and restarts it).
+* **Flows** are a transfer's bytes in progress over a connection's path.
+
+What only the emulation shows: real TCP (its congestion control's sawtooth, retransmission
+details, kernel buffers), the delay line's own lateness, the host's ceiling on bytes per
+second. ``testbed validate`` measures how far apart the two are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+TCP_IP_HEADERS = 52  # IPv4 20 + TCP 20 + timestamps 12: what a segment carries beyond its payload
+INITIAL_WINDOW = 10  # segments (RFC 6928, Linux's default)
+RTO_MIN_S = 0.2  # Linux's minimum retransmission timeout
+RTO_MAX_S = 120.0
+MATHIS_C = 1.22
+QUEUE_FILL = 0.5  # the share of a saturated line's buffer a small message waits behind, on average
+
+
+class Versioned(Protocol):
+    version: int  # bumped whenever a fault changes a link
+
+
+@dataclass(eq=False)
+class Link:
+    name: str
+    capacity: float | None  # payload bytes per second; None: unshaped
+    delay_s: float = 0.0
+    jitter_s: float = 0.0
+    loss: float = 0.0  # probability a segment is lost
+    queue_bytes: int = 0
+    configured: tuple[float | None, float, float] = (None, 0.0, 0.0)  # capacity, delay, loss as built
+    down: bool = False
+    down_since: float = 0.0
+    flows: dict[Flow, None] = field(default_factory=dict)  # on it now (an ordered set: runs repeat exactly)
+    up_event: asyncio.Event | None = None  # set while the link is up (small messages wait on it)
+    busy_bytes: float = 0.0  # payload bytes that crossed (what the link carried)
+
+    def saturated(self) -> bool:
+        if self.capacity is None or not self.flows:
+            return False
+        return sum(f.rate for f in self.flows) >= 0.999 * self.capacity
+
+
+@dataclass(eq=False)
+class Conn:
+    """One TCP connection's state between transfers (a KV sender keeps its connection to a
+    receiver open, ``workers/kv_wire.py``)."""
+
+    path: Path
+    established: bool = False
+    cwnd: float = INITIAL_WINDOW  # segments
+    ssthresh: float = math.inf
+    last_active: float = -math.inf
+
+    @property
+    def rto_s(self) -> float:
+        return min(RTO_MAX_S, RTO_MIN_S + self.path.rtt_s)
+
+
+@dataclass(eq=False)
+class Path:
+    links: list[Link]
+    back: list[Link]  # the reverse path (acknowledgements, answers)
+    mss: int
+    # What the links say now, kept until a fault changes a link (``LinkModel.version``).
+    _seen: int = -1
+    _rtt: float = 0.0
+    _bottleneck: float | None = None
+    _loss: float = 0.0
+    _model: Versioned | None = None
+
+    def _fresh(self) -> None:
+        assert self._model is not None
+        if self._seen == self._model.version:
+            return
+        self._seen = self._model.version
+        self._rtt = sum(lk.delay_s for lk in self.links) + sum(lk.delay_s for lk in self.back)
+        caps = [lk.capacity for lk in self.links if lk.capacity is not None]
+        self._bottleneck = min(caps) if caps else None
+        self._loss = 1 - math.prod(1 - lk.loss for lk in self.links)
+
+    @property
+    def rtt_s(self) -> float:
+        self._fresh()
+        return self._rtt
+
+    @property
+    def bottleneck(self) -> float | None:
+        self._fresh()
+        return self._bottleneck
+
+    @property
+    def loss(self) -> float:
+        self._fresh()
+        return self._loss
+
+    def down(self) -> bool:
+        return any(lk.down for lk in self.links) or any(lk.down for lk in self.back)
+
+
+@dataclass(eq=False)
+class Flow:
+    """A transfer's bytes in progress over a connection's path (``flows.Flows``)."""
+
+    conn: Conn
+    size: float
+    seq: int  # the order flows started in: every tie is broken by it
+    done: asyncio.Future[None]
+    timeout_s: float | None = None  # a flow that moves nothing this long fails (TimeoutError)
+    sent: float = 0.0
+    rate: float = 0.0
+    cap: float = 0.0
+    stalled_until: float = 0.0  # waiting for a retransmission timer after an outage
+    next_ramp: float = math.inf  # when its window doubles (inf: not window-limited)
+    idle_since: float | None = None  # when it last stopped moving
+
+    @property
+    def remaining(self) -> float:
+        return self.size - self.sent
