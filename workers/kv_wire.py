@@ -157,12 +157,17 @@ async def _send(
     reader, writer = conn
     sock = writer.get_extra_info("socket")
     clean = False
+    # The kernel counts what the peer acknowledged over the connection's whole life, and a
+    # kept connection has carried earlier transfers: this one's share starts here. (Taken
+    # whole, a cut-off on a reused connection reported every earlier transfer's bytes as its
+    # own: more than it wrote, a WAN "faster" than its line.)
+    acked_before = bytes_acked(sock)
 
     async def cut_off() -> None:
         assert cancel is not None
         await cancel.wait()
         st.cancelled = True
-        st.bytes_acked = bytes_acked(sock)
+        st.bytes_acked = min(st.bytes_sent, max(0, bytes_acked(sock) - acked_before))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         writer.transport.abort()  # RST: queued bytes are dropped, not sent
 

@@ -191,6 +191,17 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="results folder (default runs/tune-<timestamp>)")
     p.set_defaults(command="tune")
 
+    p = sub.add_parser("validate", help="replay the same trace in the emulation and in the simulator; every "
+                                        "figure's difference against its tolerance (docs/simulation.md)")
+    replay_opts(p, "same-dc,cross-dc,pdd")
+    p.add_argument("--load", "--speed", dest="speed", type=float, default=1.0, metavar="X",
+                   help="offered load, x the trace's arrival rate (default 1)")
+    p.add_argument("--fault", action="append", default=[], metavar="KIND@START[+DUR][:k=v,...]",
+                   help="the same fault timeline in both engines (as testbed run --fault)")
+    p.add_argument("--out", type=Path, help="results folder (default runs/validate-<timestamp>): emulation/, sim/, "
+                                            "validation.md")
+    p.set_defaults(command="validate")
+
     trace = sub.add_parser("trace", help="trace statistics and generation")
     tsub = trace.add_subparsers(dest="trace_cmd", required=True)
     p = tsub.add_parser("stats", help="lengths, arrival rate, prefix-hit distribution of a trace")
@@ -324,6 +335,12 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--load-streams", type=int, default=2, help="bulk TCP streams loading the WAN (default 2)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(command="bench handoff")
+    p = bsub.add_parser("links", help="the simulator's link model against the emulated line: one transfer, two, "
+                                      "40, a rate change, a 15 s outage, small messages beside a full line")
+    scenario_opts(p)
+    wire_opts(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(command="bench links")
     p = bsub.add_parser("client", help="aiperf replays a Mooncake trace against testbed serve; its TTFT/TPOT "
                                        "beside the server's records (make bench-client)")
     p.add_argument("--aiperf", type=Path, default=Path(".venv-client/bin/aiperf"), help="the aiperf executable")

@@ -45,6 +45,15 @@ def cmd_bench_net(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_links(args: argparse.Namespace) -> int:
+    from testbed.bench.links import format_links, run_links_bench
+
+    with network_session(wire_scenario(args), args.impairment) as net:
+        result = run_links_bench(net)
+    print(json.dumps(result, indent=2) if args.json else format_links(result))
+    return 0 if all(c["passed"] for c in result["cases"]) else 1
+
+
 def cmd_bench_handoff(args: argparse.Namespace) -> int:
     from testbed.bench.handoff_cost import format_result, run_handoff_bench
 
@@ -149,17 +158,19 @@ COMMANDS = {
     "report": cmd_report, "soak": cmd_soak,
     "sweep": replay_commands.cmd_sweep, "calibrate": replay_commands.cmd_calibrate,
     "sensitivity": replay_commands.cmd_sensitivity, "tune": replay_commands.cmd_tune,
-    "bench net": cmd_bench_net, "bench handoff": cmd_bench_handoff, "bench scale": cmd_bench_scale,
+    "validate": replay_commands.cmd_validate,
+    "bench net": cmd_bench_net, "bench handoff": cmd_bench_handoff, "bench links": cmd_bench_links, "bench scale": cmd_bench_scale,
     "serve": serve_commands.cmd_serve, "bench client": serve_commands.cmd_bench_client,
     "profile fit": profile_commands.cmd_profile_fit, "profile check": profile_commands.cmd_profile_check,
 }  # fmt: skip
 # Commands that build namespaces need root (``clean`` decides for itself: nothing to clean needs none).
-NEEDS_ROOT = {"exec", "net up", "net down", "net check", "run", "verify", "bench net", "bench handoff", "soak", "sweep",
-              "calibrate", "sensitivity", "tune", "serve", "bench client", "bench scale"}
+NEEDS_ROOT = {"exec", "net up", "net down", "net check", "run", "verify", "bench net", "bench handoff", "bench links",
+              "soak", "sweep",
+              "calibrate", "sensitivity", "tune", "serve", "bench client", "bench scale", "validate"}
 # Commands that start workers: their fork server (torch's imports, seconds) starts at once,
 # beside this process's own imports and input checks instead of after them.
 STARTS_WORKERS = {"run", "verify", "soak", "sweep", "calibrate", "sensitivity", "tune", "serve", "bench client",
-                  "bench scale"}
+                  "bench scale", "validate"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,9 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     # non-interactive shell, some CI runners); Ctrl-C or `kill -INT` must still tear down.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        if args.command in NEEDS_ROOT:
+        emulating = getattr(args, "engine", "emulation") == "emulation"  # the simulator needs neither
+        if args.command in NEEDS_ROOT and emulating:
             require_root()
-        if args.command in STARTS_WORKERS:
+        if args.command in STARTS_WORKERS and emulating:
             forkserver.prestart()
         return int(COMMANDS[args.command](args))
     except TestbedError as e:

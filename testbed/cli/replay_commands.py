@@ -17,6 +17,7 @@ from protocol.messages import why_invalid
 from testbed.analysis.cost import missing_for
 from testbed.cli.args import retry_policy, scenario_from_args
 from testbed.errors import InputError
+from testbed.faults.timeline import parse_faults
 from testbed.outputs import new_run_dir
 from testbed.policies import make_policy
 from testbed.policies.spec import PolicySpec, parse_policy_list
@@ -214,6 +215,22 @@ def cmd_tune(args: argparse.Namespace) -> int:
     print("\n" + (out / "tune.md").read_text())
     print(f"saved: {out}/tune.md, tune.json, tune.png; every trial's run in {out}/trial-NNN/")
     return 0 if r.trials else 1
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from testbed.experiments.validation import validate
+
+    if args.engine != "emulation":
+        raise InputError("--engine: validate runs both engines itself; leave --engine out")
+    if args.speed <= 0:
+        raise InputError(f"--load: must be positive, got {args.speed}")
+    sc, policies, wl, opts = replay_inputs(args)
+    check_simulable(sc)
+    faults = parse_faults(args.fault, sc.check_fault)
+    opts = dataclasses.replace(opts, speed=args.speed, faults=faults)
+    return validate(sc, wl, policies, opts, _out(args, "validate"))
 
 
 def cmd_sensitivity(args: argparse.Namespace) -> int:

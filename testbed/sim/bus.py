@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import aiomqtt
 import paho.mqtt.client as paho
 
+from testbed.sim.flows import resume_at
 from testbed.sim.links import Conn, Link
 from testbed.sim.network import LinkModel
 
@@ -108,7 +109,7 @@ class Channel:
         down_since = min((lk.down_since for lk in self.path if lk.down), default=self.links.loop.time())
         await self.links.wait_up(self.path)
         loop = self.links.loop
-        resume = LinkModel._resume_at(self.conn, down_since, loop.time())
+        resume = resume_at(self.conn, down_since, loop.time())
         held = [(at, item) for at, item in self.queue]
         self.queue.clear()
         for at, item in held:

@@ -53,6 +53,7 @@ from testbed.net.plan import NetworkPlan, make_plan
 from testbed.policies.spec import PolicySpec
 from testbed.scenario import Role, Scenario
 from testbed.sim.bus import SimBroker
+from testbed.sim.flows import host_congestion
 from testbed.sim.kv import SimNet
 from testbed.sim.network import LinkModel
 from testbed.sim.scope import check_simulable
@@ -132,7 +133,8 @@ class SimDeployment:
         self._tmp = tempfile.TemporaryDirectory(prefix="pdd-sim-")
         self.loop = VirtualLoop()
         self.loop.set_exception_handler(self._uncaught)
-        self.links = LinkModel(self.loop, self.wire, self.plan, self.seed)
+        self.congestion = host_congestion()  # the emulation's TCP is this host's
+        self.links = LinkModel(self.loop, self.wire, self.plan, self.seed, self.congestion)
         self.broker = SimBroker(self.links, self.router_host)
         self.net = SimNet(self.links, self.broker)
         model = ensure_model(self.scenario.model_dir())
@@ -200,7 +202,8 @@ class SimDeployment:
                 *verdict.reasons, *(f"a component failed: {c}" for c in self.crashes),
                 *(f"uncaught: {e}" for e in self.errors[:5])]})
         run = PolicyRun(specs=specs, recs=recs, router=self._records(), workers=stats, policy=self._policy_report,
-                        verdict=verdict, impairment=IMPAIRMENT, faults=applied, wall_s=wall,
+                        verdict=verdict, impairment=f"{IMPAIRMENT}, TCP {self.congestion}", faults=applied,
+                        wall_s=wall,
                         fault_t0_wall=self.injector.t0_wall, deaths=self._deaths(), engine="sim")
         self.close()
         return run

@@ -31,7 +31,18 @@ INITIAL_WINDOW = 10  # segments (RFC 6928, Linux's default)
 RTO_MIN_S = 0.2  # Linux's minimum retransmission timeout
 RTO_MAX_S = 120.0
 MATHIS_C = 1.22
-QUEUE_FILL = 0.5  # the share of a saturated line's buffer a small message waits behind, on average
+# How many of a saturated line's buffers a small message waits behind, by congestion control:
+# BBR measured here (``testbed bench links``: 43 ms beside a full 16 Mbit/s line whose buffer
+# drains in 31 ms; the delay line holds some too); CUBIC's sawtooth is taken to average 3/4.
+QUEUE_FILL = {"bbr": 1.4, "cubic": 0.75}
+# Competing TCP flows through a small buffer are not fair in the short run: of 10 or 40
+# equal transfers started at once, the first ended at half (a quarter) of the time the last
+# did, and on average at 0.83 of it; two ended together (``testbed bench links``). Each flow
+# draws a weight from SHARE_WEIGHTS (the model's seeded generator), and a link shares by
+# weight spread in proportion to the flows crossing it: none with one, all of it from
+# 1 + UNFAIR_FLOWS (mean completion 0.80-0.82 of the last).
+SHARE_WEIGHTS = (0.2, 1.8)
+UNFAIR_FLOWS = 8
 
 
 class Versioned(Protocol):
@@ -72,6 +83,7 @@ class Conn:
 
     @property
     def rto_s(self) -> float:
+        """The retransmission timeout of an idle connection (Linux: RTT + at least 200 ms)."""
         return min(RTO_MAX_S, RTO_MIN_S + self.path.rtt_s)
 
 
@@ -127,7 +139,10 @@ class Flow:
     timeout_s: float | None = None  # a flow that moves nothing this long fails (TimeoutError)
     sent: float = 0.0
     rate: float = 0.0
-    cap: float = 0.0
+    draw: float = 1.0  # its weight when a link is crowded (``SHARE_WEIGHTS``)
+    weight: float = 1.0  # its share of a link against the others' now
+    cap: float = 0.0  # what it could carry alone (``window``, and the loss limit)
+    window: float = 0.0  # its congestion window over the round trip, bytes/s
     stalled_until: float = 0.0  # waiting for a retransmission timer after an outage
     next_ramp: float = math.inf  # when its window doubles (inf: not window-limited)
     idle_since: float | None = None  # when it last stopped moving

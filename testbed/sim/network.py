@@ -11,8 +11,9 @@ units (``impair``, ``set_rate``), as the delay line and htb do in the emulation:
   the direction is back;
 * a direction that goes down stalls its flows; when it is back each resumes at its
   connection's first retransmission after that (the timeout doubling from ``RTO_MIN_S`` +
-  RTT after each one lost), with a window of one segment;
-* a loss rate caps flows by the Mathis limit; a rate change reshapes every flow at once.
+  RTT after each one lost: ``flows.resume_at``);
+* a loss rate costs flows what the congestion control makes of it (``flows.Flows``); a rate
+  change reshapes every flow at once.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from collections.abc import Callable, Iterable
 from testbed.net.plan import FRAME_OVERHEAD, NetworkPlan
 from testbed.scenario import Scenario
 from testbed.sim.flows import Flows
-from testbed.sim.links import QUEUE_FILL, RTO_MAX_S, TCP_IP_HEADERS, Conn, Link, Path
+from testbed.sim.links import QUEUE_FILL, TCP_IP_HEADERS, Link, Path
 
 
 class LinkModel:
     """Every link of one (wire) scenario and the flows on them, in the loop's virtual time."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, sc: Scenario, plan: NetworkPlan, seed: int = 0) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, sc: Scenario, plan: NetworkPlan, seed: int = 0,
+                 congestion: str = "cubic") -> None:
         self.loop = loop
         self.plan = plan
         self.rng = random.Random(seed)
@@ -54,7 +56,7 @@ class LinkModel:
         self._paths: dict[tuple[str, str], Path] = {}
         self.watchers: list[Callable[[], None]] = []  # told when a link goes down or comes back
         self.version = 0  # bumped whenever a fault changes a link (paths recompute what they cache)
-        self.flows = Flows(self)
+        self.flows = Flows(self, congestion, random.Random(seed + 1))
         self.send = self.flows.send  # a transfer's bytes (``flows.Flows.send``)
         self.prepare = self.flows.prepare
 
@@ -97,7 +99,7 @@ class LinkModel:
             if lk.jitter_s:
                 t += self.rng.uniform(-lk.jitter_s, lk.jitter_s)
             if lk.queue_bytes and lk.capacity and lk.saturated():
-                t += QUEUE_FILL * lk.queue_bytes / lk.capacity
+                t += QUEUE_FILL[self.flows.congestion] * lk.queue_bytes / lk.capacity
         return max(0.0, t)
 
     async def wait_up(self, links: Iterable[Link]) -> None:
@@ -129,9 +131,7 @@ class LinkModel:
             assert lk.up_event is not None
             lk.up_event.set()
             for f in self.flows.through(lk):
-                f.stalled_until = max(f.stalled_until, self._resume_at(f.conn, lk.down_since, now))
-                f.conn.ssthresh = max(2.0, f.conn.cwnd / 2)
-                f.conn.cwnd = 1.0
+                self.flows.resumed(f, lk.down_since, now)
         self.flows.reschedule()
         if changed:
             for watch in self.watchers:
@@ -144,13 +144,3 @@ class LinkModel:
         lk = self.wan[key]
         lk.capacity = lk.configured[0] if rate_bps is None else self._goodput(rate_bps)
         self.flows.reschedule()
-
-    @staticmethod
-    def _resume_at(conn: Conn, down_since: float, up_at: float) -> float:
-        """The first retransmission at or after ``up_at`` of a connection that stalled at
-        ``down_since``: its timeout doubles after each one that was lost."""
-        rto, t = conn.rto_s, down_since
-        while t + rto < up_at:
-            t += rto
-            rto = min(RTO_MAX_S, 2 * rto)
-        return t + rto

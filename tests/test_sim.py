@@ -1,0 +1,163 @@
+"""The simulator end to end (no root, no namespaces): every policy on the shipped scenarios,
+the same records from the same inputs in any process, refusals by name, faults in emulated
+time, and proof that what runs is the deployment's own code, not a copy of it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+
+from protocol.messages import KvSent
+from protocol.worker_config import WorkerFaults
+from testbed.deploy.router import Router
+from testbed.errors import InputError
+from testbed.faults.timeline import parse_fault
+from testbed.load.trace_replay import TraceReplay
+from testbed.policies import parse_policy
+from testbed.policies.pdd import Pdd
+from testbed.scenario import load_scenario
+from testbed.sim.engine import SimDeployment, sim_plan
+from testbed.sim.scope import check_simulable
+from testbed.traces import load_trace
+from testbed.traces.workload import RequestSpec, synth_tokens
+from workers.decode import DecodeWorker
+from workers.device import Pacer
+from workers.prefill import PrefillWorker
+from workers.radix_cache import RadixCache
+
+from .conftest import ROOT, TOPOLOGIES, run_cli_output, scenario_with
+
+QUICK = ["--trace", "traces/agentic-quick.jsonl", "--token-scale", "16", "--engine", "sim"]
+
+
+def _sim_run(capsys: pytest.CaptureFixture[str], out: Path, *args: str) -> tuple[int, dict[str, Any], pd.DataFrame]:
+    code, stdout, err = run_cli_output(["run", *QUICK, "--out", str(out), *args], capsys)
+    assert code in (0, 1), err[-2000:]
+    return code, json.loads((out / "summary.json").read_text()), pd.read_csv(out / "requests.csv")
+
+
+@pytest.mark.parametrize(("scenario", "policy", "pipelines", "crosses"), [
+    ("two-dc.yaml", "same-dc", {"P-D(a)"}, False),
+    ("two-dc.yaml", "cross-dc", {"P-D(b)"}, True),
+    ("two-dc.yaml", "pdd", {"P-MD", "P-RLD-MD", "P-RLD"}, True),
+    ("offload.yaml", "prefill-offload", {"P-D(a)", "P(b)-D(a)"}, None),  # offloads only long, uncached prefills
+])  # fmt: skip
+def test_every_policy_runs_in_the_simulator(capsys: pytest.CaptureFixture[str], tmp_path: Path, scenario: str,
+                                            policy: str, pipelines: set[str], crosses: bool | None) -> None:
+    code, summary, rows = _sim_run(capsys, tmp_path, "--scenario", str(TOPOLOGIES / scenario), "--limit", "30",
+                                   "--policies", policy)
+    s = summary["policies"][policy]
+    assert code == 0 and summary["engine"] == "sim" and s["failed"] == 0 and s["completed"] == 30
+    assert set(s["pipelines"]) <= pipelines and s["pipelines"], s["pipelines"]
+    assert crosses is None or (s["wan_kv_bytes"] > 0) == crosses
+    assert rows.ttft_s.notna().all() and (rows.ttft_s > 0).all() and (rows.tpot_s.dropna() > 0).all()
+    assert summary["emulation"]["dilation"] == 1.0 and "simulated" in summary["emulation"]["dilation_reason"]
+
+
+def test_the_same_inputs_give_the_same_records_in_any_process(tmp_path: Path) -> None:
+    """Byte-identical requests.csv from two processes with different hash seeds: no decision
+    depends on set or dict order, a host clock or an unseeded draw."""
+    outs = []
+    for seed in ("1", "2"):
+        out = tmp_path / f"run-{seed}"
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        proc = subprocess.run([sys.executable, "-m", "testbed", "run", *QUICK, "--limit", "40", "--policies",
+                               "cross-dc,pdd", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        outs.append((out / "requests.csv").read_bytes())
+    assert outs[0] == outs[1]
+
+
+def test_what_the_simulator_cannot_represent_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(InputError, match="emulation: the simulator prices every step"):
+        check_simulable(scenario_with())  # no emulated model: the host CPU times its workers
+    native_prefill = scenario_with({"datacenters": {"a": {"hosts": {"prefill": {"device": "native"}}}}},
+                                   emulated=True)
+    with pytest.raises(InputError, match=r"hosts\.prefill\.device: native has no roofline"):
+        check_simulable(native_prefill)
+    sc = scenario_with(emulated=True)
+    with pytest.raises(InputError, match="worker faults"):
+        SimDeployment(sc, parse_policy("pdd"), emulation=sim_plan(sc, 16),
+                      worker_faults={"prefill": WorkerFaults(die_after_tokens=3)})
+    code, _, err = run_cli_output(["run", *QUICK, "--dilation", "2"], capsys)
+    assert code == 2 and "--dilation: the simulator runs in emulated time" in err
+
+
+def test_the_simulator_runs_the_deployments_own_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spies on the router, the policy, both worker roles, the radix cache and the device
+    model: each is called as the requests flow (the simulator has none of its own)."""
+    calls: dict[str, int] = {}
+
+    def spy(cls: type, name: str) -> None:
+        original = getattr(cls, name)
+        key = f"{cls.__name__}.{name}"
+        calls[key] = 0
+
+        if name.startswith("_admit") or name in ("handle",):
+            async def wrapped_async(self: Any, *a: Any, **k: Any) -> Any:
+                calls[key] += 1
+                return await original(self, *a, **k)
+            monkeypatch.setattr(cls, name, wrapped_async)
+        else:
+            def wrapped(self: Any, *a: Any, **k: Any) -> Any:
+                calls[key] += 1
+                return original(self, *a, **k)
+            monkeypatch.setattr(cls, name, wrapped)
+
+    for cls, name in ((Router, "_admit"), (Pdd, "plan"), (Pdd, "handoff"), (PrefillWorker, "handle"),
+                      (DecodeWorker, "handle"), (RadixCache, "match_prefix"), (Pacer, "decode_time"),
+                      (Pacer, "prefill_time")):
+        spy(cls, name)
+    sc = scenario_with(emulated=True)
+    plan = sim_plan(sc, 16)
+    specs = [RequestSpec(f"r{i}", synth_tokens(f"own-{i % 3}", 300) + synth_tokens(f"new-{i}", 40), 150, at=0.2 * i)
+             for i in range(12)]
+    with SimDeployment(sc, parse_policy("pdd:relay_s=0"), emulation=plan) as dep:
+        run = dep.run(TraceReplay(specs, 600, show_progress=False))
+    assert all(r.ok for r in run.recs.values()), {k: r.error for k, r in run.recs.items()}
+    assert calls["Router._admit"] == calls["Pdd.plan"] == 12
+    assert calls["Pdd.handoff"] > 0  # relay_s=0: every request relays and hands over
+    assert min(calls.values()) > 0, calls
+    assert run.engine == "sim" and run.policy.counts.get("P-RLD-MD", 0) > 0
+
+
+def test_faults_act_in_emulated_time_and_the_line_outage_costs_pdd_nothing() -> None:
+    sc = load_scenario(TOPOLOGIES / "two-dc.yaml")
+    wl = load_trace(ROOT / "traces/agentic-quick.jsonl", "auto", 16).select(60)
+    timeline = [parse_fault("wan-down@10+15"), parse_fault("broker-restart@40+2")]
+    with SimDeployment(sc, parse_policy("pdd"), emulation=sim_plan(sc, 16), timeline=timeline) as dep:
+        run = dep.run(TraceReplay(wl.specs(1.0), 600, show_progress=False))
+    assert all(r.ok for r in run.recs.values()), {k: r.error for k, r in run.recs.items() if not r.ok}
+    applied = {f.fault: f for f in run.faults}
+    assert applied["wan-down@10+15"].applied_s == pytest.approx(10, abs=0.01)
+    assert applied["wan-down@10+15"].cleared_s == pytest.approx(25, abs=0.01)
+    assert applied["broker-restart@40+2"].applied_s == pytest.approx(40, abs=0.01)
+    t0 = run.fault_t0_wall
+    wan = [(e.start - t0, e.end - t0) for rec in run.router.values() for e in rec.events
+           if isinstance(e, KvSent) and e.to == "decode-b" and not e.cancelled]
+    assert not [w for w in wan if 10 < w[1] < 25], wan  # nothing crossed the line while it was down
+    assert [w for w in wan if w[0] < 25 < w[1]]  # what was on its way waited for it
+    assert run.deaths == []  # unreachable for a while, never declared dead
+
+
+def test_a_killed_worker_fails_only_what_it_held_and_comes_back(capsys: pytest.CaptureFixture[str],
+                                                                tmp_path: Path) -> None:
+    code, summary, _ = _sim_run(capsys, tmp_path, "--limit", "40", "--policies", "pdd",
+                                "--fault", "kill@6+4:host=relay", "--retries", "0")
+    s = summary["policies"]["pdd"]
+    kill = s["faults"][0]
+    assert kill["applied_s"] == pytest.approx(6, abs=0.01) and kill["cleared_s"] == pytest.approx(10, abs=0.01)
+    assert "ended at once" in kill["detail"]
+    # What the relay held fails with its name and the fault's (and a session's next turns are
+    # not sent); the rest completes.
+    held = [why or "" for why in s["failures"].values() if not (why or "").startswith("not sent: previous turn")]
+    assert held and all("worker relay died" in why and "kill@6+4" in why for why in held), s["failures"]
+    assert s["completed"] + s["failed"] == 40 and s["completed"] >= 30
