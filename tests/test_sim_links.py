@@ -129,20 +129,19 @@ def test_an_outage_stalls_a_flow_until_its_retransmission_after_the_line_is_back
 
 
 def test_a_kept_connection_idle_past_its_timeout_starts_over_under_cubic_not_under_bbr() -> None:
+    async def again_after_idle(links: LinkModel) -> float:
+        cap = _goodput(links)
+        conn = Conn(links.path("ha", "hc"))
+        await _transfer(links, 20 * cap, conn=conn)  # its window grows to fill the line
+        await asyncio.sleep(5)  # idle for many timeouts
+        t0 = links.loop.time()
+        await _transfer(links, 2 * cap, conn=conn)
+        return links.loop.time() - t0
+
     times = {}
     for cc in ("cubic", "bbr"):
         loop, links = _model(congestion=cc)
-        cap = _goodput(links)
-
-        async def main() -> float:
-            conn = Conn(links.path("ha", "hc"))
-            await _transfer(links, 20 * cap, conn=conn)  # its window grows to fill the line
-            await asyncio.sleep(5)  # idle for many timeouts
-            t0 = loop.time()
-            await _transfer(links, 2 * cap, conn=conn)
-            return loop.time() - t0
-
-        times[cc] = _run(loop, main)
+        times[cc] = _run(loop, lambda links=links: again_after_idle(links))
     rtt = 2 * DELAY_MS / 1000
     assert times["bbr"] == pytest.approx(2.0, abs=1e-6)  # at the rate it had measured
     assert 2.0 + rtt < times["cubic"] < 2.0 + 8 * rtt  # a window of 10 segments grown again

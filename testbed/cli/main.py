@@ -159,7 +159,8 @@ COMMANDS = {
     "sweep": replay_commands.cmd_sweep, "calibrate": replay_commands.cmd_calibrate,
     "sensitivity": replay_commands.cmd_sensitivity, "tune": replay_commands.cmd_tune,
     "validate": replay_commands.cmd_validate,
-    "bench net": cmd_bench_net, "bench handoff": cmd_bench_handoff, "bench links": cmd_bench_links, "bench scale": cmd_bench_scale,
+    "bench net": cmd_bench_net, "bench handoff": cmd_bench_handoff, "bench links": cmd_bench_links,
+    "bench scale": cmd_bench_scale,
     "serve": serve_commands.cmd_serve, "bench client": serve_commands.cmd_bench_client,
     "profile fit": profile_commands.cmd_profile_fit, "profile check": profile_commands.cmd_profile_check,
 }  # fmt: skip
