@@ -19,7 +19,7 @@ POLICIES ?= same-dc,cross-dc,pdd
 NETWORK ?=
 RUN_ARGS ?=
 
-.PHONY: reproduce sensitivity outage tune soak bench-cache bench-client bench-scale setup debs test test-fast lint run-trace run-cluster bench-net bench-handoff clean distclean
+.PHONY: reproduce sensitivity outage tune soak bench-cache bench-client bench-scale bench-sim setup debs test test-fast lint run-trace run-cluster bench-net bench-handoff clean distclean
 
 MININET_LINK := $(VENV)/.mininet-linked
 
@@ -200,6 +200,14 @@ bench-cache: setup
 
 bench-handoff: setup
 	$(VENV)/bin/testbed bench handoff --scenario $(SCENARIO)
+
+# The simulator's speed and memory (docs/simulation.md): 1,000 requests of paper.jsonl on
+# paper.yaml at token scale 1 and at 16, beside the emulation's own rate on 60 of them (D 1),
+# and an emulated hour of the same recipe (BENCH_SIM_HOUR requests) at token scale 1.
+BENCH_SIM_HOUR ?= 10000
+bench-sim: setup
+	$(VENV)/bin/testbed clean
+	$(VENV)/bin/testbed bench sim --hour $(BENCH_SIM_HOUR) $(BENCH_SIM_ARGS)
 
 # Modeled PDD clusters of 4-150 devices shaped like topologies/paper.yaml, the same open-loop
 # load per device: the dilation each holds, emulated s per wall s, host CPU per request, the

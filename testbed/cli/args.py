@@ -122,6 +122,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                        help="emulation: real processes, bytes and TCP in namespaces (default); sim: the same router, "
                             "policies, workers and device model in virtual time, with the network modeled: seconds "
                             "instead of minutes, and production lengths (docs/simulation.md)")
+        p.add_argument("--jobs", type=int, metavar="N",
+                       help="with --engine sim: an experiment's replays N at a time, one process each (default: the "
+                            "cores); an emulation runs one replay at a time")
         p.add_argument("--resume", action="store_true",
                        help="with --out naming an earlier run's folder: keep every replay it saved that matches this "
                             "one (trace, load, scenario, emulation) and run only what is missing")
@@ -341,6 +344,20 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     wire_opts(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(command="bench links")
+    p = bsub.add_parser("sim", help="the simulator's speed and memory: paper.jsonl on paper.yaml at token scale 1 "
+                                    "and at the emulation's, beside the emulation's own rate (make bench-sim)")
+    p.add_argument("--scenario", type=Path, default=Path("topologies/paper.yaml"))
+    p.add_argument("--trace", type=Path, default=Path("traces/paper.jsonl"))
+    p.add_argument("--policy", default="pdd")
+    p.add_argument("--limit", type=int, default=1000, help="requests per simulated replay (default 1000)")
+    p.add_argument("--token-scale", type=int, default=16, metavar="N",
+                   help="the emulation's token scale, for the like-for-like replays (default 16)")
+    p.add_argument("--emulation-limit", type=int, default=60, metavar="N",
+                   help="requests of the emulation's replay, for its rate (default 60; 0: none)")
+    p.add_argument("--hour", type=int, default=0, metavar="N",
+                   help="also an emulated hour of the trace's recipe with N requests, at token scale 1")
+    p.add_argument("--out", type=Path, help="results folder (default runs/bench-sim-<timestamp>)")
+    p.set_defaults(command="bench sim")
     p = bsub.add_parser("client", help="aiperf replays a Mooncake trace against testbed serve; its TTFT/TPOT "
                                        "beside the server's records (make bench-client)")
     p.add_argument("--aiperf", type=Path, default=Path(".venv-client/bin/aiperf"), help="the aiperf executable")

@@ -54,6 +54,17 @@ def cmd_bench_links(args: argparse.Namespace) -> int:
     return 0 if all(c["passed"] for c in result["cases"]) else 1
 
 
+def cmd_bench_sim(args: argparse.Namespace) -> int:
+    from testbed.bench.sim_speed import run_bench as run_sim_bench
+
+    if min(args.limit, args.token_scale) < 1 or args.emulation_limit < 0 or args.hour < 0:
+        raise InputError("bench sim: --limit and --token-scale must be >= 1, --emulation-limit and --hour >= 0")
+    if args.emulation_limit:
+        require_root()
+    return run_sim_bench(args.scenario, args.trace, args.limit, args.emulation_limit, args.token_scale, args.policy,
+                         args.hour or None, args.out or new_run_dir("bench-sim"))
+
+
 def cmd_bench_handoff(args: argparse.Namespace) -> int:
     from testbed.bench.handoff_cost import format_result, run_handoff_bench
 
@@ -160,7 +171,7 @@ COMMANDS = {
     "sensitivity": replay_commands.cmd_sensitivity, "tune": replay_commands.cmd_tune,
     "validate": replay_commands.cmd_validate,
     "bench net": cmd_bench_net, "bench handoff": cmd_bench_handoff, "bench links": cmd_bench_links,
-    "bench scale": cmd_bench_scale,
+    "bench scale": cmd_bench_scale, "bench sim": cmd_bench_sim,
     "serve": serve_commands.cmd_serve, "bench client": serve_commands.cmd_bench_client,
     "profile fit": profile_commands.cmd_profile_fit, "profile check": profile_commands.cmd_profile_check,
 }  # fmt: skip

@@ -8,6 +8,7 @@ the policies, the trace (file:line: field on error), ``--limit``/``--window`` an
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -70,10 +71,16 @@ def replay_inputs(args: argparse.Namespace) -> tuple[Scenario, list[PolicySpec],
         check_simulable(sc)
     opts = RunOptions(args.impairment, args.dilation, False, 1.0, args.limit, args.window,
                       Slo(args.slo_ttft, args.slo_tpot), args.timeout, retry=retry_policy(args), resume=args.resume,
-                      engine=args.engine)
+                      engine=args.engine, jobs=_jobs(args))
     if args.resume and args.out is None:
         raise InputError("--resume: needs --out, the folder of the run to resume")
     return sc, policies, wl, opts
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    if args.jobs is not None and args.jobs < 1:
+        raise InputError(f"--jobs: must be at least 1, got {args.jobs}")
+    return args.jobs or (os.cpu_count() or 1)
 
 
 def policies_for(sc: Scenario, text: str) -> list[PolicySpec]:

@@ -99,16 +99,19 @@ def compared(labels: list[str]) -> tuple[str, str]:
 def hit_sweep(sc: Scenario, wl: Workload, policies: list[PolicySpec], rates: list[float], load: float,
               opts: SweepOptions) -> tuple[list[HitPoint], pd.DataFrame]:
     """Every policy at every hit rate (one dilation for all), saved as bathtub.csv/.png/.md."""
-    from testbed.experiments.trace_run import run_trace
+    from testbed.experiments.parallel import Replay, run_all
 
     run = fixed_dilation(sc, wl, opts.run)
     points: list[HitPoint] = []
+    workloads = {h: with_hit_rate(wl, h) for h in rates}
+    trace_hits = {h: sum(hit_rates(w).values()) / len(w.requests) for h, w in workloads.items()}
     for h in rates:
-        wl_h = with_hit_rate(wl, h)
-        trace_hit = sum(hit_rates(wl_h).values()) / len(wl_h.requests)
-        run_dir = opts.out / f"hit-{h:g}"
-        print(f"\n== hit rate {h:g} (an unbounded cache would see {100 * trace_hit:.1f} %) -> {run_dir}", flush=True)
-        run_trace(sc, wl_h, policies, dataclasses.replace(run, speed=load, out=run_dir, allow_infidelity=True))
+        print(f"\n== hit rate {h:g} (an unbounded cache would see {100 * trace_hits[h]:.1f} %) -> "
+              f"{opts.out / f'hit-{h:g}'}", flush=True)
+    run_all([Replay(sc, workloads[h], policies, dataclasses.replace(run, speed=load, out=opts.out / f"hit-{h:g}",
+                                                                    allow_infidelity=True)) for h in rates])
+    for h in rates:
+        run_dir, trace_hit = opts.out / f"hit-{h:g}", trace_hits[h]
         summary, df = load_run(run_dir)
         for name, s in summary.policies.items():
             ok = df[(df.policy == name) & df.ok & df.prefill_hit_tokens.notna()]

@@ -34,6 +34,7 @@ from testbed.analysis.results import PolicySummary, load_run, write_csv
 from testbed.analysis.tables import table_head
 from testbed.deploy.dilation import emulation_plan
 from testbed.errors import InputError
+from testbed.experiments.parallel import Replay, run_all
 from testbed.experiments.trace_run import RunOptions, run_trace
 from testbed.outputs import write_atomic
 from testbed.policies import make_policy
@@ -208,9 +209,14 @@ def run_point(sc: Scenario, wl: Workload, policies: list[PolicySpec], load: floa
 def load_sweep(sc: Scenario, wl: Workload, policies: list[PolicySpec], loads: list[float],
                opts: SweepOptions) -> SweepResult:
     run = fixed_dilation(sc, wl, opts.run)
+    for load in loads:
+        print(f"\n== load {load:g} x the trace's rate -> {opts.out / f'load-{load:g}'}", flush=True)
+    run_all([Replay(sc, wl, policies, dataclasses.replace(run, speed=load, out=opts.out / f"load-{load:g}",
+                                                          allow_infidelity=True)) for load in loads])
     points: list[LoadPoint] = []
     for load in loads:
-        points += run_point(sc, wl, policies, load, run, opts.out)
+        summary, _ = load_run(opts.out / f"load-{load:g}")
+        points += [LoadPoint.of(load, name, s, opts.out / f"load-{load:g}") for name, s in summary.policies.items()]
     sla = []
     for spec in policies:
         t = sla_throughput(points, spec.label, opts.share)

@@ -28,6 +28,7 @@ from testbed.analysis.results import RunSummary, load_run
 from testbed.analysis.tables import table_head
 from testbed.errors import InputError
 from testbed.experiments.load_sweep import fixed_dilation
+from testbed.experiments.parallel import Replay, run_all
 from testbed.experiments.repetitions import recipe_of
 from testbed.experiments.trace_run import RunOptions, run_trace
 from testbed.outputs import write_atomic
@@ -178,7 +179,8 @@ def sensitivity(sc: Scenario, wl: Workload, load: float, opts: RunOptions, out: 
                 variants: tuple[Variant, ...] = VARIANTS,
                 policies: list[PolicySpec] | None = None,
                 run: Callable[..., int] = run_trace) -> SensitivityResult:
-    """The baseline and every variant (see the module docstring); saved as it goes."""
+    """The baseline and every variant (see the module docstring): each row's run folder saved as
+    it ends (simulations side by side), the table once all have."""
     if load <= 0:
         raise InputError(f"--load: must be positive, got {load}")
     policies = policies or parse_policy_list(POLICIES)
@@ -186,28 +188,41 @@ def sensitivity(sc: Scenario, wl: Workload, load: float, opts: RunOptions, out: 
     assert isinstance(opts.dilation, float)
     out.mkdir(parents=True, exist_ok=True)
 
-    def one(name: str, unknown: str, level: str, sc_v: Scenario, wl_v: Workload, load_v: float,
-            hit: float | None = None) -> VariantResult:
-        run_dir = out / name
-        print(f"\n== sensitivity {name}: {unknown} {level} -> {run_dir}", flush=True)
-        run(sc_v, wl_v, policies, dataclasses.replace(opts, speed=load_v, out=run_dir, allow_infidelity=True))
-        summary, _ = load_run(run_dir)
-        return VariantResult(name=name, unknown=unknown, level=level, run_dir=str(run_dir), mean_hit=hit,
+    def replay(name: str, unknown: str, level: str, sc_v: Scenario, wl_v: Workload, load_v: float) -> Replay:
+        print(f"\n== sensitivity {name}: {unknown} {level} -> {out / name}", flush=True)
+        return Replay(sc_v, wl_v, policies, dataclasses.replace(opts, speed=load_v, out=out / name,
+                                                                allow_infidelity=True))
+
+    def measured(name: str, unknown: str, level: str, hit: float | None = None) -> VariantResult:
+        summary, _ = load_run(out / name)
+        return VariantResult(name=name, unknown=unknown, level=level, run_dir=str(out / name), mean_hit=hit,
                              figures=Figures.of(summary),
                              fidelity_passed=all(p.fidelity.passed for p in summary.policies.values()))
 
-    baseline = one("baseline", "none", "as given", sc, wl, load)
+    # Every row's replay first (simulations side by side: ``parallel.run_all``), then the table.
+    replays = [replay("baseline", "none", "as given", sc, wl, load)]
+    hits: dict[str, float | None] = {}
+    for v in variants:
+        if _is_baseline(sc, v):  # the scenario is already at this end: the baseline is this row
+            continue
+        sc_v = with_wan(sc, v.rate_mbit, v.one_way_ms) if v.rate_mbit or v.one_way_ms else sc
+        wl_v, hits[v.name] = (with_mean_hit(wl, v.mean_hit, out, opts.limit) if v.mean_hit is not None
+                              else (wl, None))
+        replays.append(replay(v.name, v.unknown, v.level, sc_v, wl_v, load * v.load_factor))
+    if run is run_trace:
+        run_all(replays)
+    else:  # a test's stand-in for ``testbed run``
+        for r in replays:
+            run(r.sc, r.wl, r.policies, r.opts)
+    baseline = measured("baseline", "none", "as given")
     result = SensitivityResult(scenario=str(sc.source), trace=str(wl.source), load=load, requests=len(wl.requests),
                                dilation=opts.dilation, baseline=baseline, variants=[])
     for v in variants:
-        if _is_baseline(sc, v):  # the scenario is already at this end: the baseline is this row
+        if v.name not in hits:
             result.variants.append(baseline.model_copy(update={"name": v.name, "unknown": v.unknown,
                                                                "level": f"{v.level} (the baseline)"}))
-            continue
-        sc_v = with_wan(sc, v.rate_mbit, v.one_way_ms) if v.rate_mbit or v.one_way_ms else sc
-        wl_v, hit = (with_mean_hit(wl, v.mean_hit, out, opts.limit) if v.mean_hit is not None else (wl, None))
-        result.variants.append(one(v.name, v.unknown, v.level, sc_v, wl_v, load * v.load_factor, hit))
-        save(result, out)
+        else:
+            result.variants.append(measured(v.name, v.unknown, v.level, hits[v.name]))
     save(result, out)
     return result
 

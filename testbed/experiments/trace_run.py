@@ -55,6 +55,7 @@ class RunOptions:
     retry: RetryPolicy = RetryPolicy()  # the client's, as an agent's SDK retries
     resume: bool = False  # keep the policies a matching run already saved in ``out``
     engine: Literal["emulation", "sim"] = "emulation"  # real processes and bytes, or the simulator
+    jobs: int = 1  # an experiment's simulations at once (``experiments/parallel.py``)
 
 
 def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunOptions) -> int:

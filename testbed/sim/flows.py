@@ -18,7 +18,8 @@ ends, a fault changes a link), at rates recomputed at each one:
   a lossy path caps a flow at ``1.22 MSS / (RTT sqrt(p))`` (Mathis et al.) and an outage
   leaves a window of one segment to grow again; with ``bbr`` a connection resumes from idle
   at the rate it had measured, loss costs only what is resent (a share ``p`` of the rate),
-  and after an outage it restores its window;
+  and after an outage it restores its window; a BBR connection busy for 10 s without a
+  moment of empty queue probes its minimum RTT (200 ms + a round trip at 4 segments);
 * **stalls**: a flow whose path is down moves nothing; after an outage it waits for its
   connection's next retransmission (``LinkModel.impair``); a flow that moved nothing for
   its ``timeout_s`` fails with ``TimeoutError`` (the peer took nothing).
@@ -36,6 +37,9 @@ from pathlib import Path
 from typing import Protocol
 
 from testbed.sim.links import (
+    BBR_MIN_RTT_S,
+    BBR_PROBE_RTT_S,
+    BBR_PROBE_SEGMENTS,
     INITIAL_WINDOW,
     MATHIS_C,
     QUEUE_FILL,
@@ -105,6 +109,8 @@ class Flows:
         self._seq += 1
         flow = Flow(conn, float(nbytes), self._seq, self.loop.create_future(), timeout_s,
                     draw=self.rng.uniform(*SHARE_WEIGHTS))
+        if self.congestion == "bbr" and not any(lk.flows for lk in conn.path.links if lk.capacity):
+            conn.probe_due = self.loop.time() + BBR_MIN_RTT_S  # an empty queue: the minimum RTT is seen
         self.active[flow] = None
         for lk in conn.path.links:
             lk.flows[flow] = None
@@ -159,6 +165,9 @@ class Flows:
         if f.stalled_until > now or p.down():
             return 0.0
         rtt = max(p.rtt_s, 1e-6)
+        if now < f.conn.probing_until:
+            f.window = BBR_PROBE_SEGMENTS * p.mss / rtt
+            return f.window
         f.window = f.conn.cwnd * p.mss / rtt
         cap = f.window
         loss = p.loss
@@ -238,6 +247,10 @@ class Flows:
             while f.next_ramp <= now:
                 f.conn.cwnd *= 2
                 f.next_ramp += rtt
+            c = f.conn
+            if self.congestion == "bbr" and now >= c.probe_due:
+                c.probing_until = now + BBR_PROBE_RTT_S + rtt
+                c.probe_due = c.probing_until + BBR_MIN_RTT_S
         self._allocate(now)
         nxt = math.inf
         for f in self.active:
@@ -254,6 +267,8 @@ class Flows:
                 nxt = min(nxt, now + f.remaining / f.rate)
             if f.stalled_until > now:
                 nxt = min(nxt, f.stalled_until)
+            if self.congestion == "bbr":
+                nxt = min(nxt, f.conn.probing_until if f.conn.probing_until > now else f.conn.probe_due)
             if f.timeout_s is not None:
                 if f.rate > 0:
                     f.idle_since = None

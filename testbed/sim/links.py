@@ -43,6 +43,9 @@ QUEUE_FILL = {"bbr": 1.4, "cubic": 0.75}
 # 1 + UNFAIR_FLOWS (mean completion 0.80-0.82 of the last).
 SHARE_WEIGHTS = (0.2, 1.8)
 UNFAIR_FLOWS = 8
+# BBR re-measures its minimum RTT when none was seen for 10 s: 200 ms and a round trip with
+# 4 segments in flight (Linux's PROBE_RTT); a transfer of many seconds runs ~2 % slower.
+BBR_MIN_RTT_S, BBR_PROBE_RTT_S, BBR_PROBE_SEGMENTS = 10.0, 0.2, 4
 
 
 class Versioned(Protocol):
@@ -80,6 +83,8 @@ class Conn:
     cwnd: float = INITIAL_WINDOW  # segments
     ssthresh: float = math.inf
     last_active: float = -math.inf
+    probe_due: float = math.inf  # BBR: when its minimum RTT expires and it probes for it again
+    probing_until: float = -math.inf  # BBR: in PROBE_RTT until then (4 segments in flight)
 
     @property
     def rto_s(self) -> float:
