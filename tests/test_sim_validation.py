@@ -31,7 +31,7 @@ def test_the_link_model_times_transfers_as_the_delay_line_does() -> None:
     plan = EmulationPlan.make(sc, 16, 1.0, kv_bytes_per_token(ensure_model(sc.model_dir()), sc.workers.dtype))
     wanted = {"one transfer, new connection", "two at once, two senders", "line at half rate from 1 s"}
     with network_session(plan.wire_scenario(sc), "auto") as net:
-        result = run_links_bench(net, chosen=lambda c: c.name in wanted)
+        result = run_links_bench(net, chosen=lambda c: c.name in wanted, seconds=2.0)
     cases = {c["case"]: c for c in result["cases"]}
     assert set(cases) == wanted
     assert all(abs(c["error"]) <= TOLERANCE for c in cases.values()), cases

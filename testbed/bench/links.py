@@ -67,8 +67,8 @@ class Outcome:
         return abs(self.error) <= TOLERANCE
 
 
-def cases(senders: list[str], rate_bps: float) -> list[Case]:
-    s = rate_bps / 8 * 3.0
+def cases(senders: list[str], rate_bps: float, seconds: float = 3.0) -> list[Case]:
+    s = rate_bps / 8 * seconds
     a, b = senders
     many = [(h, 0.0, s / 20) for h in (a, b) for _ in range(20)]
     return [
@@ -251,7 +251,9 @@ def on_model(net: Network, case: Case, receiver: str) -> float:
         loop.close()
 
 
-def run_links_bench(net: Network, chosen: Callable[[Case], bool] = lambda c: True) -> dict[str, Any]:
+def run_links_bench(net: Network, chosen: Callable[[Case], bool] = lambda c: True,
+                    seconds: float = 3.0) -> dict[str, Any]:
+    """Every chosen case (``S`` = ``seconds`` of the line's rate) on the line and on the model."""
     sc = net.scenario
     receiver = next(h for h in sc.hosts_with_role(Role.DECODE) if net.plan.hosts[h].dc == net.plan.wan_between[1])
     senders = [h for h in sc.hosts_with_role(Role.PREFILL) + sc.hosts_with_role(Role.RELAY_DECODE)
@@ -263,7 +265,7 @@ def run_links_bench(net: Network, chosen: Callable[[Case], bool] = lambda c: Tru
     _receiver(net.ns_of(receiver), net.ip_of(receiver), stop)
     outcomes = []
     try:
-        for case in cases(senders, rate):
+        for case in cases(senders, rate, seconds):
             if chosen(case):
                 outcomes.append(Outcome(case.name, on_line(net, case, receiver), on_model(net, case, receiver)))
         queue = queue_wait_on_line(net, senders[0], receiver) if chosen(Case("queue", [])) else None
