@@ -123,7 +123,12 @@ class Session:
                     first = False
                     reader = asyncio.create_task(self._read(on_message))
                     stopper = asyncio.create_task(stop.wait())
-                    await asyncio.wait({reader, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                    try:
+                        await asyncio.wait({reader, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                    except asyncio.CancelledError:  # the component is ending at once: nothing left behind
+                        reader.cancel()
+                        stopper.cancel()
+                        raise
                     stopper.cancel()
                     if stop.is_set():
                         reader.cancel()

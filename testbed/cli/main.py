@@ -15,7 +15,9 @@ import signal
 import sys
 from pathlib import Path
 
+from testbed.bench.links import format_links, run_links_bench
 from testbed.bench.net import run_bench
+from testbed.bench.sim_speed import run_bench as run_sim_bench
 from testbed.cli import net_commands, profile_commands, replay_commands, serve_commands
 from testbed.cli.args import build_parser, retry_policy, scenario_from_args
 from testbed.cli.net_commands import require_root, wire_scenario
@@ -46,8 +48,6 @@ def cmd_bench_net(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_links(args: argparse.Namespace) -> int:
-    from testbed.bench.links import format_links, run_links_bench
-
     with network_session(wire_scenario(args), args.impairment) as net:
         result = run_links_bench(net)
     print(json.dumps(result, indent=2) if args.json else format_links(result))
@@ -55,8 +55,6 @@ def cmd_bench_links(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_sim(args: argparse.Namespace) -> int:
-    from testbed.bench.sim_speed import run_bench as run_sim_bench
-
     if min(args.limit, args.token_scale) < 1 or args.emulation_limit < 0 or args.hour < 0:
         raise InputError("bench sim: --limit and --token-scale must be >= 1, --emulation-limit and --hour >= 0")
     if args.emulation_limit:

@@ -7,9 +7,8 @@ context manager that connects, ``subscribe``, ``publish``, ``messages``; ``aiomq
 when the connection drops); ``SimBroker`` is mosquitto as the testbed configures it:
 
 * one broker on the router's host; a message takes the publisher's path to it, a constant
-  ``HOP_S`` inside it, and each subscriber's path from it (``LinkModel.latency``), in order
-  per connection and direction (TCP), held while a path is down and sent at the first
-  retransmission after it is back;
+  ``HOP_S`` inside it, and each subscriber's path from it, in order per connection and
+  direction (``channel.Channel``: latency, a large message's bytes, a path that is down);
 * QoS 1 with persistent sessions: a client's subscriptions and the messages for it outlive
   its connection (queued while it is away, delivered when it is back); what a client
   published and the broker had not received when its connection dropped is sent again
@@ -34,21 +33,13 @@ from dataclasses import dataclass, field
 import aiomqtt
 import paho.mqtt.client as paho
 
-from testbed.sim.flows import resume_at
-from testbed.sim.links import Conn, Link
+from testbed.sim.channel import Channel, SimMessage
+from testbed.sim.links import Conn
 from testbed.sim.network import LinkModel
 
 HOP_S = 0.0002  # a message's time inside the broker (mosquitto, measured: 0.42 ms for a round trip through it)
 KEEPALIVE_FACTOR = 1.5  # a connection silent this many keepalives is given up (MQTT 3.1.1)
 CONNECT_TIMEOUT_S = 10.0  # aiomqtt's default
-
-
-@dataclass(frozen=True)
-class SimMessage:
-    topic: str
-    payload: bytes
-    qos: int = 1
-    retain: bool = False
 
 
 def matches(pattern: str, topic: str) -> bool:
@@ -62,88 +53,6 @@ def matches(pattern: str, topic: str) -> bool:
         if i >= len(t) or (part != "+" and part != t[i]):
             return False
     return len(p) == len(t)
-
-
-class Channel:
-    """One direction of one TCP connection: messages arrive in order, each after the path's
-    latency at the time it was sent; while the path is down they wait, and go at the first
-    retransmission after it is back. A channel that ``hands_on`` delivers at once with the
-    latency still to come (``deliver(item, delay)``): a publisher's channel to the broker,
-    whose message the broker routes on with that delay added (one timer per message and
-    subscriber, not two)."""
-
-    def __init__(self, links: LinkModel, path: list[Link], conn: Conn, deliver: object,
-                 hands_on: bool = False) -> None:
-        self.links, self.path, self.conn = links, path, conn
-        self.deliver = deliver  # callable(item) (or (item, delay) when it hands on)
-        self.hands_on = hands_on
-        self.queue: deque[tuple[float | None, object]] = deque()
-        self.last = 0.0
-        self._timer: asyncio.TimerHandle | None = None
-        self._waiter: asyncio.Task[None] | None = None
-        self.closed = False
-
-    def put(self, item: object, extra_s: float = 0.0) -> None:
-        loop = self.links.loop
-        if any(lk.down for lk in self.path) or (self.queue and self.queue[-1][0] is None):
-            self.queue.append((None, item))  # held until the path is back
-            self._wait_up()
-            return
-        now = loop.time()
-        at = max(now + self.links.latency(self.path) + extra_s, self.last)
-        if self.hands_on and not self.queue:
-            self.last = at
-            if not self.closed:
-                self.deliver(item, at - now)  # type: ignore[operator]
-            return
-        self.last = at
-        self.queue.append((at, item))
-        if self._timer is None:
-            self._timer = loop.call_at(at, self._pump)
-
-    def _wait_up(self) -> None:
-        if self._waiter is None or self._waiter.done():
-            self._waiter = asyncio.ensure_future(self._resume())
-
-    async def _resume(self) -> None:
-        down_since = min((lk.down_since for lk in self.path if lk.down), default=self.links.loop.time())
-        await self.links.wait_up(self.path)
-        loop = self.links.loop
-        resume = resume_at(self.conn, down_since, loop.time())
-        held = [(at, item) for at, item in self.queue]
-        self.queue.clear()
-        for at, item in held:
-            if at is None:
-                at = max(resume + self.links.latency(self.path), self.last)
-                self.last = at
-            self.queue.append((at, item))
-        if self._timer is None and self.queue:
-            self._timer = loop.call_at(self.queue[0][0] or loop.time(), self._pump)
-
-    def _pump(self) -> None:
-        self._timer = None
-        now = self.links.loop.time()
-        while self.queue and self.queue[0][0] is not None and self.queue[0][0] <= now + 1e-12:
-            _, item = self.queue.popleft()
-            if not self.closed:
-                if self.hands_on:
-                    self.deliver(item, 0.0)  # type: ignore[operator]
-                else:
-                    self.deliver(item)  # type: ignore[operator]
-        if self.queue and self.queue[0][0] is not None:
-            self._timer = self.links.loop.call_at(self.queue[0][0], self._pump)
-
-    def close(self) -> list[object]:
-        """Stop; what had not arrived yet."""
-        self.closed = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if self._waiter is not None:
-            self._waiter.cancel()
-        left = [item for _, item in self.queue]
-        self.queue.clear()
-        return left
 
 
 @dataclass(eq=False)
@@ -227,9 +136,9 @@ class SimBroker:
             self._drop(s.connection, will=False)
         path = self.links.path(client.host, self.host)
         conn = _Connection(client, s, None, None)  # type: ignore[arg-type]
-        tcp = Conn(path, established=True)
-        conn.up = Channel(self.links, path.links, tcp, self.route, hands_on=True)
-        conn.down = Channel(self.links, path.back, tcp, lambda m: self._arrive(conn, m))
+        back = self.links.path(self.host, client.host)
+        conn.up = Channel(self.links, path.links, Conn(path, established=True), self.route, hands_on=True)
+        conn.down = Channel(self.links, back.links, Conn(back, established=True), lambda m: self._arrive(conn, m))
         s.connection = conn
         while s.queued:  # what came while it was away, in order
             conn.down.put(s.queued.popleft(), HOP_S)

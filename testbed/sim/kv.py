@@ -67,6 +67,13 @@ class SimNet:
         self.listeners: dict[tuple[str, int], _Listener] = {}
         self.conns: dict[tuple[str, str, int], Conn] = {}
         self.clients: dict[str, list[SimClient]] = {}  # host -> its MQTT clients
+        self._tasks: set[asyncio.Task[Any]] = set()  # receivers' callbacks in progress
+
+    def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run a receiver's callback as the receiver would: in a task of its own."""
+        task = asyncio.ensure_future(fn(*args))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def transport(self, host: str) -> SimTransport:
         return SimTransport(self, host)
@@ -177,7 +184,7 @@ class SimTransport:
             try:
                 have = await lst.offer(request_id, tokens)
             except Exception as e:  # noqa: BLE001 - the receiver refuses: both sides fail the request
-                _spawn(lst.fail, request_id, f"KV transfer for {request_id} failed: {e}")  # type: ignore[arg-type]
+                self.net.spawn(lst.fail, request_id, f"KV transfer for {request_id} failed: {e}")  # type: ignore[arg-type]
                 await asyncio.sleep(links.latency(path.back))
                 raise KVTransferError(f"receiver refused: {e}") from None
             await asyncio.sleep(links.latency(path.back))
@@ -197,18 +204,18 @@ class SimTransport:
             zeros = lst.zeros
             got = zeros(n - have) if zeros is not None else kv[:, :, :, have:]
             inc = Incoming(request_id, tokens, have, got, first_token, st.bytes_sent, start, clock.time())
-            _spawn(_arrived, lst, inc)
+            self.net.spawn(_arrived, lst, inc)
             await asyncio.sleep(links.latency(path.back))
             st.bytes_acked = st.bytes_sent
             clean = True
         except TimeoutError as e:
             if lst is not None and receiving:
-                _spawn(lst.fail, request_id, f"KV transfer for {request_id} failed: nothing from the peer "  # type: ignore[arg-type]
+                self.net.spawn(lst.fail, request_id, f"KV transfer for {request_id} failed: nothing from the peer "  # type: ignore[arg-type]
                        f"for {timeout_s:g} s")
             raise KVTransferError(str(e)) from None
         except asyncio.CancelledError:  # the sender's process ended: the receiver sees a reset
             if lst is not None and receiving and lst.fail is not None:
-                _spawn(lst.fail, request_id, f"KV transfer for {request_id} failed: connection lost")
+                self.net.spawn(lst.fail, request_id, f"KV transfer for {request_id} failed: connection lost")
             raise
         finally:
             st.end = clock.time()
@@ -245,19 +252,9 @@ class SimTransport:
         st.bytes_acked = max(0, st.bytes_sent - round(bottleneck * conn.path.rtt_s))
         if receiving and lst.fail is not None:
             fail = lst.fail
-            links.loop.call_later(links.latency(conn.path.links), _spawn, fail, rid,
+            links.loop.call_later(links.latency(conn.path.links), self.net.spawn, fail, rid,
                                   f"KV transfer for {rid} failed: Connection reset by peer")
         return st
-
-
-_keep: set[asyncio.Task[Any]] = set()
-
-
-def _spawn(fn: Callable[..., Any], *args: Any) -> None:
-    """Run a receiver's callback as the receiver would: in a task of its own."""
-    task = asyncio.ensure_future(fn(*args))
-    _keep.add(task)
-    task.add_done_callback(_keep.discard)
 
 
 async def _arrived(lst: _Listener, inc: Incoming) -> None:
