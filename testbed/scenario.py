@@ -98,8 +98,13 @@ class WorkerSettings(_Strict):
     threads: int = Field(default=1, ge=1, le=64)
     block_size: int = Field(default=16, ge=1, le=4096)
     prefill_chunk: int = Field(default=512, ge=1)
-    prefill_cache_tokens: int = Field(default=262144, ge=0)
-    decode_cache_tokens: int = Field(default=262144, ge=0)
+    # Prefix caches' capacity, in emulated tokens when emulating (the replayed model's caches
+    # hold this divided by the token scale, as decode_kv_tokens): the same share of a trace's
+    # contexts at every scale. 4,194,304 = 262,144 replayed tokens at the default scale 16.
+    prefill_cache_tokens: int = Field(default=4_194_304, ge=0, description=(
+        "a prefill instance's prefix cache (emulated tokens when emulating)"))
+    decode_cache_tokens: int = Field(default=4_194_304, ge=0, description=(
+        "a decoder's radix cache, DRC (emulated tokens when emulating)"))
     max_batch: int = Field(default=32, ge=1)
     decode_kv_tokens: int | None = Field(default=None, ge=1, description=(
         "KV a decoder holds for the requests it decodes (prompt + output tokens each; emulated tokens "

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: a full cache of a 64K-token context's blocks is 4,096 of these each
 class Node:
     key: bytes
     kv: torch.Tensor | None

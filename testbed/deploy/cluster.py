@@ -94,6 +94,7 @@ def worker_configs(sc: Scenario, run_id: str, ip_of: Callable[[str], str], broke
     where workers write their statistics ("": none), as ``run_as``."""
     ws = sc.workers
     d = emulation.dilation if emulation else 1.0
+    s_in = emulation.scales.s_in if emulation else 1  # emulated tokens per replayed one
     out = {}
     for dc in sc.datacenters.values():
         for host, spec in dc.hosts.items():
@@ -106,11 +107,11 @@ def worker_configs(sc: Scenario, run_id: str, ip_of: Callable[[str], str], broke
                 broker=broker if isinstance(broker, BrokerInfo) else broker[host], kv_token=kv_token,
                 model_path=model, compute=spec.compute, dtype=dtype or ws.dtype, threads=ws.threads,
                 block_size=ws.block_size, prefill_chunk=ws.prefill_chunk,
-                cache_tokens=ws.prefill_cache_tokens if role == "prefill" else ws.decode_cache_tokens,
+                cache_tokens=-(-(ws.prefill_cache_tokens if role == "prefill" else ws.decode_cache_tokens) // s_in),
                 max_batch=ws.max_batch, kv_timeout_s=ws.kv_timeout_s * d, kv_streams_per_peer=ws.kv_streams_per_peer,
                 kv_read_timeout_s=ws.kv_read_timeout_s * d, kv_hello_wait_s=ws.kv_hello_wait_s * d,
                 kv_capacity_tokens=(None if role == "prefill" or ws.decode_kv_tokens is None
-                                    else -(-ws.decode_kv_tokens // (emulation.scales.s_in if emulation else 1))),
+                                    else -(-ws.decode_kv_tokens // s_in)),
                 device=device,
                 cost=emulation.cost() if emulation else None,
                 scales=emulation.scales if emulation else Scales(),
@@ -133,7 +134,8 @@ def router_config(sc: Scenario, run_id: str, policy: PolicySpec, workers: dict[s
         wan_rate_bps=fwd.rate_mbit * 1e6 if fwd.rate_mbit else None, wan_rtt_s=2 * fwd.delay_ms / 1000, dilation=d,
         wan_back_rate_bps=sc.wan.reverse.rate_mbit * 1e6 if sc.wan.reverse.rate_mbit else None,
         kv_bytes_per_token=kv_bytes_per_token(model, dtype or ws.dtype), block_size=ws.block_size,
-        decode_cache_tokens=ws.decode_cache_tokens, home_dc=sc.datacenter_of(router),
+        decode_cache_tokens=-(-ws.decode_cache_tokens // (emulation.scales.s_in if emulation else 1)),
+        home_dc=sc.datacenter_of(router),
         token_scale=emulation.scales.s_in if emulation else 1,
     )  # fmt: skip
     endpoints = {h: WorkerEndpoint(role=c.role, dc=sc.datacenter_of(h), host=c.host_ip, kv_port=c.kv_port)

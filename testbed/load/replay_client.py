@@ -178,7 +178,7 @@ async def replay(transport: Transport, broker: BrokerInfo, topics: Topics, specs
         rec = recs[spec.rid]
         rec.attempt_sent = clock.time()
         rec.sent = rec.sent or rec.attempt_sent
-        req = Request(rid=rec.last_rid, prompt=spec.prompt, max_new=spec.max_new, hints=spec.hints)
+        req = Request(rid=rec.last_rid, prompt=list(spec.prompt), max_new=spec.max_new, hints=spec.hints)
         await session.publish(topics.requests, req.dump())
 
     stop = asyncio.Event()

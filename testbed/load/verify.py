@@ -91,7 +91,7 @@ def run_verify(sc: Scenario, impairment: str, policies: list[PolicySpec], prompt
     ref_runner = ModelRunner(model, dtype)
     if not as_json:
         print(f"reference: generate(do_sample=False), {len(specs)} prompts, dtype {dtype}", flush=True)
-    refs = {s.rid: ref_runner.reference(s.prompt, s.max_new) for s in specs}
+    refs = {s.rid: ref_runner.reference(list(s.prompt), s.max_new) for s in specs}
     results: dict[str, dict[str, Any]] = {}
     for spec in policies:
         with Deployment(sc, spec, emulation=plan, impairment=impairment, dtype=dtype) as dep:
