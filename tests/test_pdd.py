@@ -158,6 +158,13 @@ def test_prefix_index_and_wan_estimator() -> None:
     assert idx.match(list(range(12))) == 8 and idx.match([9, 9, 9, 9]) == 0
     idx.insert([7] * 8)  # evicts the least recently used blocks
     assert len(idx) == 2 and idx.match(list(range(12))) == 0
+    # A look refreshes nothing: only the worker that gets a prompt uses its blocks (insert).
+    idx = PrefixIndex(block_size=4, capacity_tokens=8)
+    idx.insert([1] * 4)
+    idx.insert([2] * 4)
+    assert idx.match([1] * 4) == 4  # looked at, not used
+    idx.insert([3] * 4)  # the least recently used goes: [1], in spite of the look
+    assert idx.match([1] * 4) == 0 and idx.match([2] * 4) == 4
     wan = WanEstimator(rate_bps=80e6)  # 10 MB/s
     assert wan.wait_s(10_000_000, now=0.0) == pytest.approx(1.0)
     wan.started("a", 10_000_000, now=0.0)

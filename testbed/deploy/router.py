@@ -228,7 +228,7 @@ class Router:
         req.plan = plan
         for w in plan.workers:
             self.view.workers[w].assigned += 1
-            self.view.remember(w, r.prompt)
+            self.view.remember(w, req.prompt)  # the prompt as an array: hashed without a copy
         # Decoders first: they must know the request before its KV arrives.
         targets = []
         for w in filter(None, (plan.relay, plan.decode)):

@@ -35,11 +35,14 @@ class PrefixIndex:
         return _chained(raw, self.block_size * TOKEN_BYTES)
 
     def match(self, tokens: Sequence[int]) -> int:
+        """Leading tokens the decoder probably holds. A look only: a policy compares every
+        candidate's, and only the one that gets the prompt uses (and refreshes) its blocks,
+        which ``insert`` records."""
         n = 0
+        blocks = self._blocks
         for h in self._hashes(tokens):
-            if h not in self._blocks:
+            if h not in blocks:
                 break
-            self._blocks.move_to_end(h)
             n += 1
         return n * self.block_size
 

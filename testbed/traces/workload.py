@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import itertools
 import math
 import random
 from collections.abc import Iterator, Sequence
@@ -100,8 +101,7 @@ class Prompt(Sequence[int]):
         return self._len
 
     def __iter__(self) -> Iterator[int]:
-        for s in self.segments:
-            yield from s.tokens()
+        return itertools.chain.from_iterable(s.tokens() for s in self.segments)
 
     @overload
     def __getitem__(self, i: int) -> int: ...
