@@ -27,7 +27,7 @@ from testbed.experiments.load_sweep import (
     sweep_markdown,
 )
 
-from .conftest import ROOT, needs_root
+from .conftest import ROOT
 
 
 def test_parse_range_includes_the_end_on_the_grid() -> None:
@@ -145,8 +145,8 @@ def test_the_bathtub_benefit_is_pdd_against_the_baseline_per_rate() -> None:
 
 
 @pytest.mark.slow
-@needs_root
 def test_a_small_load_sweep_end_to_end(tmp_path: Path) -> None:
+    """The real entry point, in the simulator (no root), its loads side by side (--jobs 2)."""
     sessions = [{"session": f"w{i}", "start_s": 0.5 * i, "shared_prefix": {"id": "sys", "tokens": 96},
                  "turns": [{"new_tokens": 40, "output_tokens": 6},
                            {"new_tokens": 12, "output_tokens": 6, "delay_s": 0.3}]} for i in range(3)]
@@ -154,18 +154,18 @@ def test_a_small_load_sweep_end_to_end(tmp_path: Path) -> None:
     trace.write_text("".join(json.dumps(s) + "\n" for s in sessions))
     out = tmp_path / "sweep"
     res = subprocess.run([sys.executable, "-m", "testbed", "sweep", "--trace", str(trace), "--policies", "same-dc",
-                          "--load", "1:2:1", "--token-scale", "2", "--dilation", "1.5", "--slo-ttft", "60",
+                          "--load", "1:2:1", "--token-scale", "2", "--engine", "sim", "--jobs", "2", "--slo-ttft", "60",
                           "--slo-tpot", "10", "--out", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     r = SweepResult.model_validate_json((out / "sweep.json").read_text())
-    assert r.dilation == 1.5 and [(p.load, p.policy) for p in r.points] == [(1.0, "same-dc"), (2.0, "same-dc")]
+    assert r.dilation == 1.0 and [(p.load, p.policy) for p in r.points] == [(1.0, "same-dc"), (2.0, "same-dc")]
     one, two = r.points
     assert one.completed == two.completed == 6 and one.slo_attainment == two.slo_attainment == 1.0
     assert one.rps is not None and two.rps is not None and two.rps > one.rps
     for p in r.points:  # every load is a saved run of its own, at the load asked
         summary, _ = load_run(Path(p.run_dir))
-        assert summary.speed == p.load and summary.emulation.dilation == 1.5
+        assert summary.speed == p.load and summary.engine == "sim"
     assert r.sla[0].load == 2.0 and r.sla[0].rps == two.rps  # both loads met the (loose) objectives
     assert all((out / f).stat().st_size > 0 for f in ("sweep.csv", "sweep.md", "sweep.png"))
     assert "## SLA throughput" in res.stdout
