@@ -43,5 +43,8 @@ class CapabilityError(TestbedError):
     exit_code = 4
 
 
-class Terminated(BaseException):
-    """Raised in the main thread on SIGTERM/SIGHUP so that teardown runs as on Ctrl-C."""
+class Terminated(KeyboardInterrupt):
+    """Raised in the main thread on SIGTERM/SIGHUP so that teardown runs as on Ctrl-C. A
+    KeyboardInterrupt, because asyncio lets only that (and SystemExit) out of a callback: any
+    other exception a handler raises while the loop runs is logged and the loop goes on (a
+    simulation ignored SIGTERM)."""

@@ -294,6 +294,22 @@ class Scenario(_Strict):
         a, b = self.wan.between
         return {f"{a}->{b}": self.wan.forward, f"{b}->{a}": self.wan.reverse}
 
+    def with_compute_per_token(self, factor: float) -> Scenario:
+        """This scenario with the emulated model's compute per token times ``factor``: the
+        FLOPs and the weights a pass reads (its active parameters), not its KV per token. The
+        report's ~50 KB of KV per token fixes an attention shape, not a model size: a larger
+        dense or mixture-of-experts model with that shape prefills ``factor`` times slower
+        (``testbed calibrate --fit load,compute`` fits it; docs/design.md, the unknowns)."""
+        if factor == 1.0:
+            return self
+        if self.emulation is None:
+            raise ValueError("--compute-per-token needs a scenario with an emulated model (emulation.model)")
+        if not 0 < factor <= 1000:
+            raise ValueError(f"--compute-per-token: expected a factor in (0, 1000], got {factor:g}")
+        card = self.models[self.emulation.model]
+        scaled = card.model_copy(update={"active_params": card.compute_params * factor})
+        return self.model_copy(update={"models": {**self.models, self.emulation.model: scaled}})
+
     # Convenience lookups used by the network plan and the router.
     def datacenter_of(self, host: str) -> str:
         for dc_name, dc in self.datacenters.items():

@@ -160,3 +160,47 @@ def test_a_killed_worker_fails_only_what_it_held_and_comes_back(capsys: pytest.C
     held = [why or "" for why in s["failures"].values() if not (why or "").startswith("not sent: previous turn")]
     assert held and all("worker relay died" in why and "kill@6+4" in why for why in held), s["failures"]
     assert s["completed"] + s["failed"] == 40 and s["completed"] >= 30
+
+
+def test_a_slow_replay_of_a_costlier_model_ends_without_an_event_storm(capsys: pytest.CaptureFixture[str],
+                                                                        tmp_path: Path) -> None:
+    """A tenth of the report's load on a model 16x costlier per token: before the flow model
+    ended a flow within a microsecond of its end, a transfer a fraction of a byte short was
+    rescheduled at "now" millions of times (100 requests: 18 minutes, unfinished)."""
+    import time
+
+    t0 = time.monotonic()
+    code, stdout, err = run_cli_output(["run", "--engine", "sim", "--scenario", str(TOPOLOGIES / "paper.yaml"),
+                                        "--trace", "traces/paper.jsonl", "--token-scale", "16", "--limit", "100",
+                                        "--load", "0.1", "--compute-per-token", "16", "--policies", "same-dc",
+                                        "--out", str(tmp_path)], capsys)
+    assert code == 0, err[-2000:]
+    assert time.monotonic() - t0 < 60
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    card = summary["scenario"]["models"]["qwen2.5-7b"]
+    assert card["active_params"] == pytest.approx(16 * card["params"])  # the run says what it priced
+    assert summary["policies"]["same-dc"]["completed"] == 100
+
+
+def test_sigterm_ends_a_simulation_as_ctrl_c_does(tmp_path: Path) -> None:
+    """asyncio logs and swallows what a signal handler raises inside a callback unless it is a
+    KeyboardInterrupt: SIGTERM once left a simulation running."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "testbed", "run", "--engine", "sim", "--scenario",
+                             str(TOPOLOGIES / "paper.yaml"), "--trace", "traces/paper.jsonl", "--token-scale", "16",
+                             "--limit", "2000", "--policies", "pdd", "--out", str(tmp_path)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("engine: the simulator"):
+                break
+        time.sleep(1.0)  # inside the replay
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -51,6 +51,10 @@ def replay_inputs(args: argparse.Namespace) -> tuple[Scenario, list[PolicySpec],
     from testbed.experiments.trace_run import RunOptions
 
     sc = scenario_from_args(args)
+    try:
+        sc = sc.with_compute_per_token(args.compute_per_token)
+    except ValueError as e:
+        raise InputError(f"{sc.source}: {e}") from None
     if args.wan_trace is not None:
         sc = with_wan_trace(sc, args.wan_trace)
     if args.failure_detection is not None:
@@ -173,13 +177,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from testbed.experiments.load_sweep import SweepOptions, calibrate
     from testbed.experiments.sweep_report import Calibration, save_calibration
 
-    lo, sep, hi = args.range.partition(":")
-    try:
-        lo_f, hi_f = float(lo), float(hi)
-    except ValueError as e:
-        raise InputError(f"--range: expected LOW:HIGH, got {args.range!r}") from e
-    if not sep or not 0 < lo_f < hi_f:
-        raise InputError(f"--range: expected 0 < LOW < HIGH, got {args.range!r}")
+    lo_f, hi_f = _range(args.range, "--range")
     if args.tolerance <= 0 or args.steps < 2:
         raise InputError("--tolerance must be positive and --steps at least 2")
     if min(x for x in (args.final_limit, args.final_seeds, 1) if x is not None) < 1:
@@ -194,6 +192,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         limit = args.final_limit or args.limit
         whole = load_trace(args.trace, args.format, args.token_scale).select(limit, _window(args.window))
         final_ds = draws(whole, args.final_seeds or args.seeds, out, limit, _window(args.window))
+    if args.fit == "load,compute":
+        return _calibrate_regime(args, sc, policies, ds, final_ds or ds, opts, out, (lo_f, hi_f))
     b, gaps, finals = calibrate(sc, ds, policies, lo_f, hi_f, args.tolerance, args.steps, SweepOptions(opts, out),
                                 final_ds)
     cal = Calibration(range=args.range, tolerance_s=args.tolerance, seeds=[d.seed for d in ds], steps=b.steps,
@@ -204,6 +204,36 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print("\n" + (out / "calibration.md").read_text())
     print(f"saved: {out}/calibration.md, calibration.json; the bisection's runs in {out}/bisection/")
     return 0 if b.reached else 1
+
+
+def _range(text: str, what: str) -> tuple[float, float]:
+    lo, sep, hi = text.partition(":")
+    try:
+        lo_f, hi_f = float(lo), float(hi)
+    except ValueError as e:
+        raise InputError(f"{what}: expected LOW:HIGH, got {text!r}") from e
+    if not sep or not 0 < lo_f < hi_f:
+        raise InputError(f"{what}: expected 0 < LOW < HIGH, got {text!r}")
+    return lo_f, hi_f
+
+
+def _calibrate_regime(args: argparse.Namespace, sc: Scenario, policies: list[PolicySpec], ds: list[Draw],
+                      final_ds: list[Draw], opts: RunOptions, out: Path, load_range: tuple[float, float]) -> int:
+    from testbed.experiments.regime import fit_regime
+
+    if args.compute_per_token != 1.0:
+        raise InputError("--compute-per-token: --fit load,compute searches it; leave it out")
+    if args.compute_steps < 2:
+        raise InputError("--compute-steps must be at least 2")
+    if sc.emulation is None:
+        raise InputError(f"{sc.source}: --fit load,compute needs a scenario with an emulated model (emulation.model)")
+    compute_range = _range(args.compute_range, "--compute-range")
+    fit = fit_regime(sc, ds[0], policies, final_ds, opts, out, load_range, compute_range,
+                     (args.tolerance, 2 * args.tolerance), args.steps, args.compute_steps)
+    print("\n" + (out / "regime.md").read_text())
+    print(f"saved: {out}/regime.md, regime.json; the search's runs in {out}/bisection/, the draws at the point in "
+          f"{out}/final/")
+    return 0 if fit.reached else 1
 
 
 def cmd_tune(args: argparse.Namespace) -> int:

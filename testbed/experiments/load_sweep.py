@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,41 +143,48 @@ def sla_throughput(points: list[LoadPoint], policy: str, share: float) -> SlaThr
 
 @dataclass
 class Bisection:
-    steps: list[tuple[float, float]]  # (load, response) in the order evaluated
-    load: float
+    steps: list[tuple[float, float]]  # (x, response) in the order evaluated
+    load: float  # the x settled on (a load, or what else was bisected)
     value: float
     reached: bool  # False: the target lies outside the range; load/value are the closest seen
 
 
-def bisect_increasing(f: Callable[[float], float], target: float, lo: float, hi: float, tol: float,
-                      max_steps: int = 8) -> Bisection:
-    """The ``x`` in [lo, hi] with ``f(x)`` within ``tol`` of ``target``, for ``f`` increasing
+def bisect(f: Callable[[Sequence[float]], list[float]], target: float, lo: float, hi: float, tol: float,
+           max_steps: int = 8, increasing: bool | None = True) -> Bisection:
+    """The ``x`` in [lo, hi] with ``f(x)`` within ``tol`` of ``target`` for a monotone ``f``
     (noise allowed: the bracket follows each measurement). Midpoints are geometric: load
-    spans orders of magnitude. ``max_steps`` counts evaluations, the two ends included."""
+    spans orders of magnitude. ``f`` takes several points at once: the range's two ends are
+    evaluated together (side by side in the simulator); ``increasing=None`` reads the
+    direction from them. ``max_steps`` counts evaluations, the two ends included. When both
+    ends lie on one side of the target it gives the closest instead (``reached`` False)."""
     if not 0 < lo < hi:
-        raise InputError(f"load range: expected 0 < low < high, got {lo:g}:{hi:g}")
-    steps: list[tuple[float, float]] = []
-
-    def ev(x: float) -> float:
-        steps.append((x, f(x)))
-        return steps[-1][1]
+        raise InputError(f"range: expected 0 < low < high, got {lo:g}:{hi:g}")
+    f_lo, f_hi = f([lo, hi])
+    steps = [(lo, f_lo), (hi, f_hi)]
 
     def closest(reached: bool) -> Bisection:
         x, v = min(steps, key=lambda s: abs(s[1] - target))
         return Bisection(steps, x, v, reached and abs(v - target) <= tol)
 
-    if abs(ev(lo) - target) <= tol or steps[0][1] > target:
-        return closest(abs(steps[0][1] - target) <= tol)
-    if abs(ev(hi) - target) <= tol or steps[1][1] < target:
-        return closest(abs(steps[1][1] - target) <= tol)
+    sign = 1.0 if (f_hi >= f_lo if increasing is None else increasing) else -1.0
+    if min(abs(f_lo - target), abs(f_hi - target)) <= tol:
+        return closest(True)
+    if sign * (f_lo - target) > 0 or sign * (f_hi - target) < 0:
+        return closest(False)
     a, b = lo, hi
     while len(steps) < max_steps and b / a > 1.02:
         mid = math.sqrt(a * b)
-        v = ev(mid)
-        if abs(v - target) <= tol:
+        steps.append((mid, f([mid])[0]))
+        if abs(steps[-1][1] - target) <= tol:
             break
-        a, b = (mid, b) if v < target else (a, mid)
+        a, b = (mid, b) if sign * (steps[-1][1] - target) < 0 else (a, mid)
     return closest(True)
+
+
+def bisect_increasing(f: Callable[[float], float], target: float, lo: float, hi: float, tol: float,
+                      max_steps: int = 8) -> Bisection:
+    """``bisect`` of an increasing ``f`` evaluated one point at a time."""
+    return bisect(lambda xs: [f(x) for x in xs], target, lo, hi, tol, max_steps)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Tables and plots of sweeps, bathtubs and calibrations, rebuilt from what they saved.
 
 Each of ``testbed sweep``, ``testbed sweep --hit-rate`` and ``testbed calibrate`` saves its
-points (``sweep.json``, ``bathtub_points.csv``, ``calibration.json``; over several draws, one
+points (``sweep.json``, ``bathtub_points.csv``, ``calibration.json`` or ``regime.json``; over several draws, one
 ``seed-<s>/`` folder each) besides the run folders of every point. ``rebuild_folder`` turns
 those files back into the tables (``.md``) and plots (``.png``) with the code of the day, so
 ``testbed report FOLDER`` works on them as it does on a run folder, and nothing is re-run.
@@ -21,6 +21,7 @@ from testbed.analysis.results import load_run
 from testbed.analysis.tables import table_head
 from testbed.experiments.hit_rate_sweep import HitPoint, benefit, compared, save_bathtub
 from testbed.experiments.load_sweep import REPORT_P50_GAP_S, SWEEP_FILE, SweepResult, save_sweep
+from testbed.experiments.regime import REGIME_FILE, RegimeFit, save_regime
 from testbed.experiments.repetitions import write_seeded_bathtub, write_seeded_sweep
 from testbed.outputs import write_atomic
 
@@ -103,6 +104,8 @@ def _rebuild_bathtub(d: Path) -> tuple[list[Path], pd.DataFrame, tuple[str, str]
 def rebuild_folder(d: Path) -> list[Path] | None:
     """Rewrite the tables and plots of a saved sweep, bathtub or calibration folder (or of
     their draws); ``None`` when ``d`` holds none of them."""
+    if (d / REGIME_FILE).exists():
+        return save_regime(RegimeFit.model_validate_json((d / REGIME_FILE).read_text()), d)
     if (d / CALIBRATION_FILE).exists():
         return save_calibration(Calibration.model_validate_json((d / CALIBRATION_FILE).read_text()), d)
     if (d / SWEEP_FILE).exists():

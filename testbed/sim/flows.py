@@ -69,6 +69,11 @@ class _Model(Versioned, Protocol):
     loop: asyncio.AbstractEventLoop
 
 EPS_BYTES = 1e-6
+# A flow within this many seconds of its end has ended, and no event of the model is set
+# closer than this to now: the loop counts a timer within its resolution (1 ns) as due, so a
+# flow a fraction of a byte short of its end was rescheduled at "now" millions of times
+# while the clock crept on by rounding (a replay at a tenth of the load never finished).
+TIME_EPS_S = 1e-6
 
 
 class Flows:
@@ -240,7 +245,7 @@ class Flows:
         """Settle what is due now (ends, windows), recompute the rates, set the next event."""
         now = self.loop.time()
         for f in self.active:
-            if f.remaining <= max(EPS_BYTES, 1e-9 * f.size) and not f.done.done():
+            if f.remaining <= max(EPS_BYTES, 1e-9 * f.size, f.rate * TIME_EPS_S) and not f.done.done():
                 f.sent = f.size
                 f.done.set_result(None)
             rtt = max(f.conn.path.rtt_s, 1e-6)
@@ -282,7 +287,7 @@ class Flows:
             self._timer.cancel()
             self._timer = None
         if nxt < math.inf:
-            self._timer = self.loop.call_at(max(nxt, now), self._tick)
+            self._timer = self.loop.call_at(max(nxt, now + TIME_EPS_S), self._tick)
 
     def _tick(self) -> None:
         self._timer = None
