@@ -294,21 +294,26 @@ class Scenario(_Strict):
         a, b = self.wan.between
         return {f"{a}->{b}": self.wan.forward, f"{b}->{a}": self.wan.reverse}
 
-    def with_compute_per_token(self, factor: float) -> Scenario:
-        """This scenario with the emulated model's compute per token times ``factor``: the
-        FLOPs and the weights a pass reads (its active parameters), not its KV per token. The
-        report's ~50 KB of KV per token fixes an attention shape, not a model size: a larger
-        dense or mixture-of-experts model with that shape prefills ``factor`` times slower
-        (``testbed calibrate --fit load,compute`` fits it; docs/design.md, the unknowns)."""
+    def with_prefill_cost(self, factor: float) -> Scenario:
+        """This scenario with every prefill (and extend) pass costing ``factor`` times the
+        FLOPs it does: each device profile's ``compute_efficiency`` divided by ``factor``,
+        its decode passes as they were. The report does not say what its prefill costs per
+        token (a larger model of the same ~50 KB of KV per token, a less efficient engine) nor
+        how its baseline splits its 88 accelerators between prefill and decode; to a
+        compute-bound prefill's queue both look alike: fewer prefill accelerators or a
+        costlier token. ``testbed calibrate --fit load,prefill`` fits it (docs/design.md)."""
         if factor == 1.0:
             return self
-        if self.emulation is None:
-            raise ValueError("--compute-per-token needs a scenario with an emulated model (emulation.model)")
         if not 0 < factor <= 1000:
-            raise ValueError(f"--compute-per-token: expected a factor in (0, 1000], got {factor:g}")
-        card = self.models[self.emulation.model]
-        scaled = card.model_copy(update={"active_params": card.compute_params * factor})
-        return self.model_copy(update={"models": {**self.models, self.emulation.model: scaled}})
+            raise ValueError(f"--prefill-cost: expected a factor in (0, 1000], got {factor:g}")
+        devices = {}
+        for name, d in self.devices.items():
+            if d.compute_efficiency / factor > 1:
+                raise ValueError(f"--prefill-cost {factor:g}: device profile {name!r} would exceed its peak")
+            devices[name] = d.model_copy(update={
+                "compute_efficiency": d.compute_efficiency / factor,
+                "decode_compute_efficiency": d.decode_compute_efficiency or d.compute_efficiency})
+        return self.model_copy(update={"devices": devices})
 
     # Convenience lookups used by the network plan and the router.
     def datacenter_of(self, host: str) -> str:

@@ -383,3 +383,12 @@ def test_a_forced_overrun_fails_the_fidelity_verdict_with_exit_3(tmp_path: Path,
     assert summary.emulation.dilation == 1.0 and summary.emulation.b_e == 57344
     code, _ = run_cli([*args[3:], "--allow-infidelity", "--out", str(tmp_path / "b")], capsys)  # in this process
     assert code == 0 and load_run(tmp_path / "b")[0].policies["same-dc"].fidelity.passed is False
+
+
+def test_the_cpu_line_prints_what_summary_json_holds() -> None:
+    """Two decimals: most modeled processes use well under a second, which ``0 s`` hid."""
+    from testbed.deploy.fidelity import CpuShare
+
+    v = judge({"w": _stats("w", 100, 0)}, None, {}, 10.0)
+    v = v.model_copy(update={"cpu": {"router": CpuShare(cpu_s=0.37, share=0.037)}})
+    assert "CPU: router 0.37 s (4%)" in format_verdict("pdd", v)

@@ -171,6 +171,11 @@ def test_prefix_index_and_wan_estimator() -> None:
     assert wan.wait_s(10_000_000, now=0.5) == pytest.approx(1.5)  # half of "a" still queued
     wan.finished("a", observed_s=2.0)  # took twice as long as predicted: the line is slower
     assert wan.efficiency < 1.0 and not wan.inflight
+    # A transfer whose end never comes is forgotten: it no longer drains the newer ones.
+    wan = WanEstimator(rate_bps=80e6)
+    wan.started("lost", 10_000_000, now=0.0)
+    wan.started("b", 10_000_000, now=100.0)
+    assert wan.backlog_bytes(now=100.0) == pytest.approx(10_000_000) and list(wan.inflight) == ["b"]
 
 
 def test_extend_recomputes_exactly_what_step_by_step_decode_produced() -> None:

@@ -162,9 +162,9 @@ def test_a_killed_worker_fails_only_what_it_held_and_comes_back(capsys: pytest.C
     assert s["completed"] + s["failed"] == 40 and s["completed"] >= 30
 
 
-def test_a_slow_replay_of_a_costlier_model_ends_without_an_event_storm(capsys: pytest.CaptureFixture[str],
-                                                                        tmp_path: Path) -> None:
-    """A tenth of the report's load on a model 16x costlier per token: before the flow model
+def test_a_slow_replay_of_a_costlier_prefill_ends_without_an_event_storm(capsys: pytest.CaptureFixture[str],
+                                                                          tmp_path: Path) -> None:
+    """A tenth of the report's load with a prefill 16x costlier per token: before the flow model
     ended a flow within a microsecond of its end, a transfer a fraction of a byte short was
     rescheduled at "now" millions of times (100 requests: 18 minutes, unfinished)."""
     import time
@@ -172,13 +172,14 @@ def test_a_slow_replay_of_a_costlier_model_ends_without_an_event_storm(capsys: p
     t0 = time.monotonic()
     code, stdout, err = run_cli_output(["run", "--engine", "sim", "--scenario", str(TOPOLOGIES / "paper.yaml"),
                                         "--trace", "traces/paper.jsonl", "--token-scale", "16", "--limit", "100",
-                                        "--load", "0.1", "--compute-per-token", "16", "--policies", "same-dc",
+                                        "--load", "0.1", "--prefill-cost", "16", "--policies", "same-dc",
                                         "--out", str(tmp_path)], capsys)
     assert code == 0, err[-2000:]
     assert time.monotonic() - t0 < 60
     summary = json.loads((tmp_path / "summary.json").read_text())
-    card = summary["scenario"]["models"]["qwen2.5-7b"]
-    assert card["active_params"] == pytest.approx(16 * card["params"])  # the run says what it priced
+    h100 = summary["scenario"]["devices"]["h100"]
+    assert h100["compute_efficiency"] == pytest.approx(0.488 / 16)  # the run says what it priced
+    assert h100["decode_compute_efficiency"] == pytest.approx(0.222)
     assert summary["policies"]["same-dc"]["completed"] == 100
 
 

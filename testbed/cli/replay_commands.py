@@ -52,7 +52,7 @@ def replay_inputs(args: argparse.Namespace) -> tuple[Scenario, list[PolicySpec],
 
     sc = scenario_from_args(args)
     try:
-        sc = sc.with_compute_per_token(args.compute_per_token)
+        sc = sc.with_prefill_cost(args.prefill_cost)
     except ValueError as e:
         raise InputError(f"{sc.source}: {e}") from None
     if args.wan_trace is not None:
@@ -192,7 +192,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         limit = args.final_limit or args.limit
         whole = load_trace(args.trace, args.format, args.token_scale).select(limit, _window(args.window))
         final_ds = draws(whole, args.final_seeds or args.seeds, out, limit, _window(args.window))
-    if args.fit == "load,compute":
+    if args.fit == "load,prefill":
         return _calibrate_regime(args, sc, policies, ds, final_ds or ds, opts, out, (lo_f, hi_f))
     b, gaps, finals = calibrate(sc, ds, policies, lo_f, hi_f, args.tolerance, args.steps, SweepOptions(opts, out),
                                 final_ds)
@@ -221,15 +221,15 @@ def _calibrate_regime(args: argparse.Namespace, sc: Scenario, policies: list[Pol
                       final_ds: list[Draw], opts: RunOptions, out: Path, load_range: tuple[float, float]) -> int:
     from testbed.experiments.regime import fit_regime
 
-    if args.compute_per_token != 1.0:
-        raise InputError("--compute-per-token: --fit load,compute searches it; leave it out")
-    if args.compute_steps < 2:
-        raise InputError("--compute-steps must be at least 2")
-    if sc.emulation is None:
-        raise InputError(f"{sc.source}: --fit load,compute needs a scenario with an emulated model (emulation.model)")
-    compute_range = _range(args.compute_range, "--compute-range")
-    fit = fit_regime(sc, ds[0], policies, final_ds, opts, out, load_range, compute_range,
-                     (args.tolerance, 2 * args.tolerance), args.steps, args.compute_steps)
+    if args.prefill_cost != 1.0:
+        raise InputError("--prefill-cost: --fit load,prefill searches it; leave it out")
+    if args.prefill_cost_steps < 2:
+        raise InputError("--prefill-cost-steps must be at least 2")
+    if not sc.devices:
+        raise InputError(f"{sc.source}: --fit load,prefill needs device profiles (a prefill to make costlier)")
+    cost_range = _range(args.prefill_cost_range, "--prefill-cost-range")
+    fit = fit_regime(sc, ds[0], policies, final_ds, opts, out, load_range, cost_range,
+                     (args.tolerance, 2 * args.tolerance), args.steps, args.prefill_cost_steps)
     print("\n" + (out / "regime.md").read_text())
     print(f"saved: {out}/regime.md, regime.json; the search's runs in {out}/bisection/, the draws at the point in "
           f"{out}/final/")

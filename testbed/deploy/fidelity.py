@@ -164,7 +164,7 @@ def format_verdict(label: str, v: Verdict) -> str:
                      f"{d.late_p50_us / 1000:g} ms, p99 <= {d.late_p99_us / 1000:g} ms, "
                      f"max {d.late_max_us / 1000:.2f} ms")
     if v.cpu:
-        lines.append("  CPU: " + ", ".join(f"{n} {c.cpu_s:.0f} s ({100 * c.share:.0f}%)" for n, c in v.cpu.items()))
+        lines.append("  CPU: " + ", ".join(f"{n} {c.cpu_s:.2f} s ({100 * c.share:.0f}%)" for n, c in v.cpu.items()))
     if v.host_steal_s > 0:
         lines.append(f"  host: its hypervisor took {v.host_steal_s:.1f} CPU-s from this machine during the run "
                      f"(steal, {100 * v.host_steal_share:.1f}% of its CPU time)")

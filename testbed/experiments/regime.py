@@ -1,26 +1,29 @@
 """The report's regime: two unknowns fitted to two of its figures at once.
 
-The report states neither its offered load nor the cost per token of the model it served
-(its ~50 KB of KV per token fixes an attention shape, not a model size). Fitting the load
-alone to the +2.5 s gap leaves the baseline far from queueing (same-dc P50 0.05 s against
-the report's 4.2 s). ``testbed calibrate --fit load,compute`` fits both:
+The report states neither its offered load nor what its prefill costs: the cost per token
+of the model it served (its ~50 KB of KV per token fixes an attention shape, not a model
+size) and how its baseline splits 88 accelerators between prefill and decode. Fitting the
+load alone to the +2.5 s gap leaves the baseline far from queueing (same-dc P50 0.05 s
+against the report's 4.2 s). ``testbed calibrate --fit load,prefill`` fits two:
 
 * the **load** (x the trace's rate) so that same-dc's TTFT P50 is the report's 4.2 s, for a
-  given compute per token: same-dc's P50 grows with the load (bisected, ``bisect``);
-* the **compute per token** (x the emulated model's, ``Scenario.with_compute_per_token``)
-  so that cross-dc's TTFT P50 at that load is the report's 6.7 s. A costlier model reaches
-  4.2 s at a lower load, so less KV crosses the line and the gap shrinks: cross-dc's P50 at
-  the fitted load is monotone in the compute, and its direction is read from the range's
-  two ends (``bisect`` with ``increasing=None``).
+  given prefill cost: same-dc's P50 grows with the load (bisected, ``bisect``);
+* the **prefill cost** (x the FLOPs' time, ``Scenario.with_prefill_cost``) so that
+  cross-dc's TTFT P50 at that load is the report's 6.7 s. A costlier prefill queues to 4.2 s
+  at a lower load, so less KV crosses the line and the gap shrinks: cross-dc's P50 at the
+  fitted load is monotone in the cost, its direction read from the range's two ends
+  (``bisect`` with ``increasing=None``). Decode keeps its cost: scaling the whole model's
+  instead (tried first) made cross-dc's eight-fold fewer-FLOPS decoders (H20) the queue at
+  the factors that made same-dc queue, and no factor reached both targets.
 
 Every evaluation is one policy's replay of the whole selection (>= 1,000 requests of the
-report's trace in ``make reproduce``), saved under ``bisection/compute-<c>/load-<x>/``; a
+report's trace in ``make reproduce``), saved under ``bisection/prefill-<c>/load-<x>/``; a
 second fit into the same folder keeps them (``--resume`` is implied there). Then every policy
 runs at the point found over the final draws (``final/``): the figures the fit did not
 touch are the predictions, each with its 95 % interval over the draws.
 
 Saved: ``regime.json`` (``RegimeFit``), ``regime.md``; ``testbed report DIR`` rebuilds the
-table. The Makefile's ``reproduce`` reads ``load`` and ``compute_per_token`` from it.
+table. The Makefile's ``reproduce`` reads ``load`` and ``prefill_cost`` from it.
 """
 
 from __future__ import annotations
@@ -48,11 +51,11 @@ REGIME_FILE = "regime.json"
 
 
 class Probe(BaseModel):
-    """One evaluation of the search: a policy's TTFT P50 at one (compute, load)."""
+    """One evaluation of the search: a policy's TTFT P50 at one (prefill cost, load)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    compute: float
+    prefill_cost: float
     load: float
     policy: str
     p50_s: float
@@ -63,12 +66,12 @@ class RegimeFit(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     load_range: tuple[float, float]
-    compute_range: tuple[float, float]
+    prefill_cost_range: tuple[float, float]
     tolerance_s: tuple[float, float]  # same-dc's, cross-dc's
     requests: int  # per evaluation
     probes: list[Probe]  # the search path, in order
     load: float
-    compute_per_token: float
+    prefill_cost: float
     same_p50_s: float
     cross_p50_s: float
     reached: bool
@@ -77,45 +80,45 @@ class RegimeFit(BaseModel):
 
 
 def fit_two(p50: Callable[[str, Sequence[tuple[float, float]]], list[float]], load_range: tuple[float, float],
-            compute_range: tuple[float, float], tol: tuple[float, float], load_steps: int,
-            compute_steps: int) -> tuple[float, float, float, float, bool]:
-    """(load, compute, same-dc P50, cross-dc P50, reached): for each compute tried, the load
-    where same-dc's P50 is 4.2 s; the compute where cross-dc's P50 there is 6.7 s.
-    ``p50(policy, [(compute, load), ...])`` replays a policy at those points."""
+            cost_range: tuple[float, float], tol: tuple[float, float], load_steps: int,
+            cost_steps: int) -> tuple[float, float, float, float, bool]:
+    """(load, cost, same-dc P50, cross-dc P50, reached): for each cost tried, the load where
+    same-dc's P50 is 4.2 s; the cost where cross-dc's P50 there is 6.7 s.
+    ``p50(policy, [(cost, load), ...])`` replays a policy at those points."""
     inner: dict[float, tuple[Bisection, float]] = {}
 
-    def cross_at(computes: Sequence[float]) -> list[float]:
+    def cross_at(costs: Sequence[float]) -> list[float]:
         founds = []
-        for c in computes:  # each search's two ends replay together (in parallel in the simulator)
+        for c in costs:  # each search's two ends replay together (in parallel in the simulator)
             founds.append(bisect(lambda xs, c=c: p50("same-dc", [(c, x) for x in xs]), REPORT_SAME_P50_S,
                                  *load_range, tol[0], load_steps))
-        crosses = p50("cross-dc", [(c, fd.load) for c, fd in zip(computes, founds, strict=True)])
-        for c, fd, v in zip(computes, founds, crosses, strict=True):
+        crosses = p50("cross-dc", [(c, fd.load) for c, fd in zip(costs, founds, strict=True)])
+        for c, fd, v in zip(costs, founds, crosses, strict=True):
             inner[c] = (fd, v)
-            print(f"== compute x{c:.3g}: same-dc P50 {fd.value:.2f} s at load {fd.load:.3g}"
+            print(f"== prefill cost x{c:.3g}: same-dc P50 {fd.value:.2f} s at load {fd.load:.3g}"
                   f"{'' if fd.reached else ' (4.2 s not reached in the load range)'}; cross-dc P50 {v:.2f} s "
                   f"(target {REPORT_CROSS_P50_S:g})", flush=True)
         return crosses
 
-    outer = bisect(cross_at, REPORT_CROSS_P50_S, *compute_range, tol[1], compute_steps, increasing=None)
+    outer = bisect(cross_at, REPORT_CROSS_P50_S, *cost_range, tol[1], cost_steps, increasing=None)
     fd, cross = inner[outer.load]
     return fd.load, outer.load, fd.value, cross, outer.reached and fd.reached
 
 
 def fit_regime(sc: Scenario, draw: Draw, policies: list[PolicySpec], final_draws: list[Draw], opts: RunOptions,
-               out: Path, load_range: tuple[float, float], compute_range: tuple[float, float],
-               tol: tuple[float, float], load_steps: int, compute_steps: int) -> RegimeFit:
+               out: Path, load_range: tuple[float, float], cost_range: tuple[float, float],
+               tol: tuple[float, float], load_steps: int, cost_steps: int) -> RegimeFit:
     """The search on ``draw``, then every policy at the point found over ``final_draws``."""
     run = dataclasses.replace(fixed_dilation(sc, draw.workload, opts), allow_infidelity=True)
     probes: list[Probe] = []
     scaled: dict[float, Scenario] = {}
 
     def scenario(c: float) -> Scenario:
-        return scaled.setdefault(c, sc.with_compute_per_token(c))
+        return scaled.setdefault(c, sc.with_prefill_cost(c))
 
     def p50(policy: str, points: Sequence[tuple[float, float]]) -> list[float]:
         spec = parse_policy_list(policy)
-        dirs = [out / "bisection" / f"compute-{c:.4g}" / f"load-{x:.4g}" for c, x in points]
+        dirs = [out / "bisection" / f"prefill-{c:.4g}" / f"load-{x:.4g}" for c, x in points]
         # The same-dc replay of a point stays when cross-dc joins it (resume), and so does
         # every replay of an interrupted fit.
         run_all([Replay(scenario(c), draw.workload, spec, dataclasses.replace(run, speed=x, out=d, resume=True))
@@ -124,19 +127,19 @@ def fit_regime(sc: Scenario, draw: Draw, policies: list[PolicySpec], final_draws
         for (c, x), d in zip(points, dirs, strict=True):
             s = load_run(d)[0].policies[spec[0].label]
             if s.ttft_p50_s is None:
-                raise InputError(f"{d}: {policy} completed no request at compute x{c:g}, load {x:g}")
-            probes.append(Probe(compute=c, load=x, policy=policy, p50_s=s.ttft_p50_s, run_dir=str(d)))
+                raise InputError(f"{d}: {policy} completed no request at prefill cost x{c:g}, load {x:g}")
+            probes.append(Probe(prefill_cost=c, load=x, policy=policy, p50_s=s.ttft_p50_s, run_dir=str(d)))
             values.append(s.ttft_p50_s)
         return values
 
-    load, compute, same, cross, reached = fit_two(p50, load_range, compute_range, tol, load_steps, compute_steps)
-    fit = RegimeFit(load_range=load_range, compute_range=compute_range, tolerance_s=tol,
-                    requests=len(draw.workload.requests), probes=probes, load=load, compute_per_token=compute,
+    load, cost, same, cross, reached = fit_two(p50, load_range, cost_range, tol, load_steps, cost_steps)
+    fit = RegimeFit(load_range=load_range, prefill_cost_range=cost_range, tolerance_s=tol,
+                    requests=len(draw.workload.requests), probes=probes, load=load, prefill_cost=cost,
                     same_p50_s=same, cross_p50_s=cross, reached=reached)
     save_regime(fit, out)  # the search is kept before the finals run
     many = len(final_draws) > 1
     finals = [out / "final" / (d.tag if many else "") / f"load-{load:.4g}" for d in final_draws]
-    run_all([Replay(scenario(compute), d.workload, policies, dataclasses.replace(run, speed=load, out=f, resume=True))
+    run_all([Replay(scenario(cost), d.workload, policies, dataclasses.replace(run, speed=load, out=f, resume=True))
              for d, f in zip(final_draws, finals, strict=True)])
     fit = fit.model_copy(update={"finals": [str(f) for f in finals],
                                  "final_requests": len(final_draws[0].workload.requests)})
@@ -145,17 +148,17 @@ def fit_regime(sc: Scenario, draw: Draw, policies: list[PolicySpec], final_draws
 
 
 def regime_markdown(f: RegimeFit) -> str:
-    lines = ["# Calibration of two unknowns: the load and the model's compute per token", "",
+    lines = ["# Calibration of two unknowns: the load and the prefill's cost per token", "",
              f"Targets: same-dc TTFT P50 = {REPORT_SAME_P50_S:g} s (± {f.tolerance_s[0]:g}) and cross-dc TTFT P50 = "
-             f"{REPORT_CROSS_P50_S:g} s (± {f.tolerance_s[1]:g}), the report's. For each compute per token tried "
-             f"(range x{f.compute_range[0]:g}-x{f.compute_range[1]:g}), the load (range {f.load_range[0]:g}-"
-             f"{f.load_range[1]:g} x the trace's rate) is bisected for same-dc's P50; the compute is bisected for "
+             f"{REPORT_CROSS_P50_S:g} s (± {f.tolerance_s[1]:g}), the report's. For each prefill cost tried "
+             f"(range x{f.prefill_cost_range[0]:g}-x{f.prefill_cost_range[1]:g}), the load (range {f.load_range[0]:g}-"
+             f"{f.load_range[1]:g} x the trace's rate) is bisected for same-dc's P50; the cost is bisected for "
              f"cross-dc's P50 at that load. {f.requests} requests per evaluation. The search path:", "",
-             *table_head(["#", "compute per token", "load", "policy", "TTFT P50"], "rrrlr")]
+             *table_head(["#", "prefill cost", "load", "policy", "TTFT P50"], "rrrlr")]
     for i, p in enumerate(f.probes, 1):
-        lines.append(f"| {i} | x{p.compute:.3g} | {p.load:.3g} | {p.policy} | {p.p50_s:.2f} s |")
+        lines.append(f"| {i} | x{p.prefill_cost:.3g} | {p.load:.3g} | {p.policy} | {p.p50_s:.2f} s |")
     verdict = "Fitted" if f.reached else "NOT REACHED (the closest point, used below)"
-    lines += ["", f"{verdict}: load {f.load:.4g} x the trace's rate, compute per token x{f.compute_per_token:.4g} "
+    lines += ["", f"{verdict}: load {f.load:.4g} x the trace's rate, prefill cost x{f.prefill_cost:.4g} "
                   f"(same-dc P50 {f.same_p50_s:.2f} s, cross-dc P50 {f.cross_p50_s:.2f} s)."]
     if f.finals:
         runs = [(Path(d), load_run(Path(d))[0]) for d in f.finals]

@@ -6,7 +6,11 @@ rate = configured WAN rate x an efficiency factor learned from finished transfer
 of how the byte-time part of each prediction compared with what was observed (the round
 trips taken out), so it tracks TCP's real share of the line and competing traffic without
 mistaking round trips for a slow line. Transfers in flight are drained from the backlog at
-the estimated rate as time passes, so a stale backlog does not linger.
+the estimated rate as time passes, so a stale backlog does not linger. A transfer whose end
+is never reported (its KvSent lost with a dead worker or a restarted broker) is forgotten
+once it has been in flight ``STALE_FACTOR`` times its predicted time and at least
+``STALE_MIN_S``: kept, its old start would drain every newer transfer from the backlog and
+the line would read idle for the rest of the run.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from protocol import clock
 
 SETUP_RTTS = 3
 MIN_SAMPLE_BYTES = 256 * 1024  # smaller transfers say more about round trips than about the rate
+STALE_FACTOR = 4.0
+STALE_MIN_S = 60.0  # a KV transfer's own timeout is shorter: by then its request has ended
 
 
 @dataclass
@@ -41,6 +47,7 @@ class WanEstimator:
 
     def backlog_bytes(self, now: float | None = None) -> float:
         now = clock.time() if now is None else now
+        self._forget_stale(now)
         total = sum(t.nbytes for t in self.inflight.values())
         oldest = min((t.started for t in self.inflight.values()), default=now)
         return max(0.0, total - (now - oldest) * self.bytes_per_s)
@@ -52,6 +59,12 @@ class WanEstimator:
         if delta_bytes <= 0:
             return 0.0
         return SETUP_RTTS * self.rtt_s + self._byte_time(delta_bytes, now)
+
+    def _forget_stale(self, now: float) -> None:
+        stale = [rid for rid, t in self.inflight.items()
+                 if now - t.started > max(STALE_MIN_S, STALE_FACTOR * t.predicted_s)]
+        for rid in stale:
+            del self.inflight[rid]
 
     def started(self, rid: str, nbytes: int, now: float | None = None) -> None:
         now = clock.time() if now is None else now
