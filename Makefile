@@ -87,7 +87,7 @@ run-cluster: setup
 #     their 95 % intervals (docs/design.md, "What the report leaves unknown");
 #  2. the SLA-throughput sweep (and BCR) at 0.25-2x the fitted load over REPRO_SWEEP_SEEDS draws;
 #  3. the bathtub over REPRO_HITS at the fitted point; 4. the sensitivity tornado (not QUICK);
-#  5. the emulation replays the fitted point (REPRO_EMU_LIMIT requests, every policy, D 1) and
+#  5. the emulation replays the fitted point (REPRO_EMU_LIMIT requests of REPRO_EMU_POLICIES, D 1) and
 #     `testbed validate` sets its figures beside the simulator's, each against its tolerance.
 # One report: $(REPRO_OUT)/reproduce.md. Every replay is kept as it ends: `make reproduce
 # REPRO_OUT=<its folder>` resumes an interrupted one where it stopped (--resume).
@@ -112,6 +112,7 @@ REPRO_SWEEP_SEEDS ?= 1
 REPRO_POINT_LIMIT ?= 300
 REPRO_HITS ?= 0:1:0.25
 REPRO_EMU_LIMIT ?= 300
+REPRO_EMU_POLICIES ?= pdd
 else
 REPRO_LIMIT ?= 1000
 REPRO_STEPS ?= 8
@@ -121,6 +122,7 @@ REPRO_SWEEP_SEEDS ?= 3
 REPRO_POINT_LIMIT ?= 1000
 REPRO_HITS ?= 0:1:0.05
 REPRO_EMU_LIMIT ?= 1000
+REPRO_EMU_POLICIES ?= same-dc,cross-dc,pdd
 endif
 # What the fit found (calibrate exits 1 when the targets were not both reached: the closest
 # point is used and the report says so; any other failure stops it).
@@ -153,14 +155,14 @@ reproduce: setup
 	  --hit-rate $(REPRO_HITS) --out $(REPRO_OUT)/bathtub
 	$(if $(filter 1,$(QUICK)),,$(VENV)/bin/testbed sensitivity $(COMMON) --engine sim --limit $(REPRO_POINT_LIMIT) \
 	  $(REPRO_AT) --out $(REPRO_OUT)/sensitivity)
-	$(VENV)/bin/testbed validate $(COMMON) --limit $(REPRO_EMU_LIMIT) --policies same-dc,cross-dc,pdd $(REPRO_AT) \
+	$(VENV)/bin/testbed validate $(COMMON) --limit $(REPRO_EMU_LIMIT) --policies $(REPRO_EMU_POLICIES) $(REPRO_AT) \
 	  --dilation $(REPRO_DILATION) --out $(REPRO_OUT)/validate || test $$? -eq 1
 	{ echo "# make reproduce$(if $(filter 1,$(QUICK)), QUICK=1 (fewer requests and draws),)"; \
 	  echo; echo "scenario $(REPRO_SCENARIO), trace $(REPRO_TRACE), token scale $(TOKEN_SCALE); the simulator:" \
 	    "fit on $(REPRO_LIMIT) requests per evaluation (loads $(REPRO_RANGE), prefill cost $(REPRO_COST_RANGE))," \
 	    "every policy at the point over $(REPRO_SEEDS) draws; sweep and bathtub $(REPRO_POINT_LIMIT) requests per" \
 	    "point (sweep over $(REPRO_SWEEP_SEEDS) draws), hit rates $(REPRO_HITS); the emulation: $(REPRO_EMU_LIMIT)" \
-	    "requests per policy at D $(REPRO_DILATION)"; echo; \
+	    "requests of $(REPRO_EMU_POLICIES) at D $(REPRO_DILATION)"; echo; \
 	  sed 's/^#/##/' $(REPRO_OUT)/calibrate/regime.md; echo; sed 's/^#/##/' $(REPRO_OUT)/sweep/sweep.md; echo; \
 	  sed 's/^#/##/' $(REPRO_OUT)/bathtub/bathtub.md; \
 	  $(if $(filter 1,$(QUICK)),,echo; sed 's/^#/##/' $(REPRO_OUT)/sensitivity/sensitivity.md;) \

@@ -198,7 +198,7 @@ def test_sigterm_ends_a_simulation_as_ctrl_c_does(tmp_path: Path) -> None:
         for line in proc.stdout:
             if line.startswith("engine: the simulator"):
                 break
-        time.sleep(1.0)  # inside the replay
+        time.sleep(0.3)  # inside the replay
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 130
     finally:

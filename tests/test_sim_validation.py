@@ -42,7 +42,8 @@ def test_validate_replays_both_engines_and_every_figure_is_within_tolerance(
         capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, out, err = run_cli_output(["validate", "--scenario", str(TOPOLOGIES / "two-dc-modeled.yaml"),
                                      "--trace", "traces/agentic-quick.jsonl", "--token-scale", "16", "--limit", "12",
-                                     "--policies", "same-dc", "--dilation", "2", "--out", str(tmp_path)], capsys)
+                                     "--policies", "same-dc", "--dilation", "1", "--load", "2", "--out", str(tmp_path)],
+                                    capsys)
     assert (tmp_path / "emulation" / "summary.json").exists() and (tmp_path / "sim" / "summary.json").exists()
     result = json.loads((tmp_path / "validation.json").read_text())
     judged = [f for f in result["figures"] if f["passed"] is not None]

@@ -4,8 +4,6 @@ rebuilt from the faults as applied (what the timeline plot draws)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,7 @@ from testbed.errors import InputError
 from testbed.faults.timeline import AppliedFault
 from testbed.faults.wan_trace import MAHIMAHI_PACKET_BYTES, faults_of, load_wan_trace, rate_history
 
-from .conftest import ROOT, TOPOLOGIES, scenario_with
+from .conftest import ROOT, TOPOLOGIES, run_cli_output, scenario_with
 
 SHIPPED = sorted((ROOT / "traces" / "wan").glob("*.csv"))
 
@@ -88,11 +86,12 @@ def test_the_shipped_traces_fit_the_shipped_scenarios(path: Path) -> None:
         assert len(faults_of(sc.wan_directions())) >= 2 * len(load_wan_trace(path).steps)
 
 
-def test_a_bad_wan_trace_on_the_command_line_exits_2_naming_it(tmp_path: Path) -> None:
+def test_a_bad_wan_trace_on_the_command_line_exits_2_naming_it(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
     bad = _write(tmp_path, "bad.csv", "0,10\n0,20\n")
-    res = subprocess.run([sys.executable, "-m", "testbed", "run", "--trace", "traces/agentic-quick.jsonl",
-                          "--wan-trace", str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert res.returncode == 2 and "bad.csv:2: t_s: 0 does not follow 0" in res.stderr, res.stderr
+    code, _, err = run_cli_output(["run", "--engine", "sim", "--trace", "traces/agentic-quick.jsonl",
+                                   "--wan-trace", str(bad)], capsys)
+    assert code == 2 and "bad.csv:2: t_s: 0 does not follow 0" in err, err
 
 
 def test_an_emulated_run_keeps_the_trace_in_emulated_units_and_the_wire_line_plain() -> None:

@@ -122,10 +122,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                        help="emulation: real processes, bytes and TCP in namespaces (default); sim: the same router, "
                             "policies, workers and device model in virtual time, with the network modeled: seconds "
                             "instead of minutes, and production lengths (docs/simulation.md)")
-        p.add_argument("--prefill-cost", type=float, default=1.0, metavar="X",
-                       help="every prefill pass costs X times its FLOPs (each device's compute efficiency divided "
-                            "by X; decode as it was): a costlier prefill token, or a baseline with fewer prefill "
-                            "accelerators (default 1; calibrate --fit load,prefill fits it)")
+        p.add_argument("--prefill-cost", type=float, default=1.0, metavar="X", help="prefill FLOPs take X times longer")
         p.add_argument("--jobs", type=int, metavar="N",
                        help="with --engine sim: an experiment's replays N at a time, one process each (default: the "
                             "cores); an emulation runs one replay at a time")
@@ -176,14 +173,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                         "needs fewer than the figures)")
     p.add_argument("--final-seeds", type=int, metavar="N",
                    help="at the load found, over N draws of the recipe (default: --seeds)")
-    p.add_argument("--fit", choices=["load", "load,prefill"], default="load",
-                   help="load: the load alone, for the +2.5 s gap (default); load,prefill: the load and the prefill's "
-                        "cost per token at once, for same-dc P50 4.2 s and cross-dc P50 6.7 s (the search on the "
-                        "first draw, then every policy there over --final-seeds draws; regime.md)")
-    p.add_argument("--prefill-cost-range", default="1:32", metavar="LOW:HIGH",
-                   help="with --fit load,prefill: the prefill cost factors to search (default 1:32)")
-    p.add_argument("--prefill-cost-steps", type=int, default=7,
-                   help="with --fit load,prefill: at most this many prefill cost factors tried (default 7)")
+    p.add_argument("--fit", choices=["load", "load,prefill"], default="load", metavar="load|load,prefill",
+                   help="load: for the +2.5 s gap (default); load,prefill: for same-dc P50 4.2 s and cross-dc 6.7 s")
+    p.add_argument("--prefill-cost-range", default="1:32", metavar="LOW:HIGH", help="with load,prefill (default 1:32)")
+    p.add_argument("--prefill-cost-steps", type=int, default=7, metavar="N", help="with load,prefill (default 7)")
     p.add_argument("--out", type=Path, help="results folder (default runs/calibrate-<timestamp>)")
     p.set_defaults(command="calibrate")
 
