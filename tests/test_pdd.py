@@ -174,8 +174,8 @@ def test_prefix_index_and_wan_estimator() -> None:
     # A transfer whose end never comes is forgotten: it no longer drains the newer ones.
     wan = WanEstimator(rate_bps=80e6)
     wan.started("lost", 10_000_000, now=0.0)
-    wan.started("b", 10_000_000, now=100.0)
-    assert wan.backlog_bytes(now=100.0) == pytest.approx(10_000_000) and list(wan.inflight) == ["b"]
+    wan.started("b", 10_000_000, now=400.0)
+    assert wan.backlog_bytes(now=400.0) == pytest.approx(10_000_000) and list(wan.inflight) == ["b"]
 
 
 def test_extend_recomputes_exactly_what_step_by_step_decode_produced() -> None:

@@ -22,7 +22,10 @@ from protocol import clock
 SETUP_RTTS = 3
 MIN_SAMPLE_BYTES = 256 * 1024  # smaller transfers say more about round trips than about the rate
 STALE_FACTOR = 4.0
-STALE_MIN_S = 60.0  # a KV transfer's own timeout is shorter: by then its request has ended
+# Past the KV connections' own timeout (workers.kv_timeout_s, 120 s by default, times the
+# dilation): a transfer still unreported by then ended without a word. Above D 2.5 a live
+# transfer slower than this may be forgotten early: the backlog then reads low, never stuck.
+STALE_MIN_S = 300.0
 
 
 @dataclass
