@@ -3,9 +3,12 @@ profiles against the published step times they cite, the fit, and bad measuremen
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from testbed.errors import InputError
 from testbed.hardware import DeviceProfile, ModelCard
@@ -75,6 +78,27 @@ def test_fitted_profiles_reproduce_their_published_measurements(scenario: Path) 
 def test_the_paper_scenario_cites_both_sources(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_cli_output(["profile", "check", "--scenario", str(TOPOLOGIES / "paper.yaml")], capsys)
     assert code == 0 and "h100 against" in out and "a100 against" in out and "outside" not in out
+    assert "h200 against" in out  # our own measurement (testbed/profile/step_times.py)
+
+
+def test_the_step_time_script_writes_what_the_fit_reads(tmp_path: Path) -> None:
+    """The GPU measurement script, as a miniature on the CPU: a CSV the fit reads, every
+    row a pass of the kind it names, timed and cited."""
+    script = Path(__file__).resolve().parent.parent / "testbed" / "profile" / "step_times.py"
+    out = tmp_path / "cpu.csv"
+    done = subprocess.run([sys.executable, str(script), "--cpu-check", "--reps", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rows = load_measurements(out)
+    assert [(r.kind, r.tokens, r.context, r.batch) for r in rows] == [
+        ("prefill", 16, 0, 1), ("prefill", 8, 16, 1), ("decode", 1, 16, 1), ("decode", 1, 8, 4)]
+    assert all(r.ms > 0 and r.dtype_bytes == 2 and "CPU check" in r.source for r in rows)
+    assert not list(tmp_path.glob("*.tmp"))  # written whole or not at all
+    # Without a GPU and without --cpu-check it refuses, saying why.
+    if not torch.cuda.is_available():
+        done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "x.csv")], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 2 and "no CUDA GPU visible" in done.stderr
 
 
 def test_fit_recovers_the_parameters_that_made_the_measurements() -> None:
@@ -116,7 +140,7 @@ def test_profile_fit_prints_residuals_and_the_yaml_to_paste(tmp_path: Path,
     assert "  h20:\n    compute_efficiency: " in out and "fitted_to: {measurements:" in out
     code, err = run_cli(["profile", "fit", str(csv), "--scenario", str(TOPOLOGIES / "paper.yaml"),
                          "--device", "tpu"], capsys)
-    assert code == 2 and "no device profile 'tpu' (devices: a100, h100, h20)" in err
+    assert code == 2 and "no device profile 'tpu' (devices: a100, h100, h20, h200)" in err
 
 
 @pytest.mark.parametrize(("text", "complaint"), [
