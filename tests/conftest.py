@@ -26,6 +26,9 @@ from workers.privilege import Identity
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPOLOGIES = ROOT / "topologies"
+# Every test chooses its own dilation: none reuses an auto choice kept by an earlier run
+# (tests/test_dilation_auto.py points the cache at a folder of its own). Subprocesses inherit it.
+os.environ["PDD_TESTBED_DILATION_CACHE"] = "off"
 
 ROOT_REASON = "needs root for network namespaces"
 UNPRIVILEGED = Identity(pwd.getpwnam("nobody").pw_uid, pwd.getpwnam("nobody").pw_gid)  # workers.run_as's default

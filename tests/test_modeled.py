@@ -89,7 +89,7 @@ def test_modeled_steps_leave_room_for_the_host_floor_without_the_contention_fact
     assert choose_dilation([Probe("prefill", 0.004, 0.003)], workers=12, cpus=2)[0] > d  # real: contended
 
 
-def test_a_modeled_deployment_is_probed_on_the_traces_start_under_its_heaviest_policy() -> None:
+def test_a_modeled_deployment_is_probed_under_its_heaviest_policy() -> None:
     sc = load_scenario(CLUSTER)
     assert all_modeled(sc) and not all_modeled(load_scenario(TOPOLOGIES / "two-dc.yaml"))
     assert probe_policy(sc) == "pdd"

@@ -55,7 +55,7 @@ def test_an_interrupted_run_keeps_the_policies_it_finished_and_their_logs(tmp_pa
         {"new_tokens": 2000, "output_tokens": 200}]}) + "\n" for i, start in enumerate((0.0, 0.2, 6.0))))
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "testbed", "run", "--scenario", str(scenario), "--trace", str(trace),
-                             "--token-scale", "16", "--policies", "same-dc,cross-dc", "--dilation", "1",
+                             "--token-scale", "16", "--policies", "same-dc,cross-dc", "--dilation", "0.5",
                              "--allow-infidelity", "--out", str(out)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -83,7 +83,7 @@ def test_an_interrupted_run_keeps_the_policies_it_finished_and_their_logs(tmp_pa
 
     # --resume keeps the finished policy and runs only the other one.
     argv = [sys.executable, "-m", "testbed", "run", "--scenario", str(scenario), "--trace", str(trace),
-            "--token-scale", "16", "--policies", "same-dc,cross-dc", "--dilation", "1", "--allow-infidelity",
+            "--token-scale", "16", "--policies", "same-dc,cross-dc", "--dilation", "0.5", "--allow-infidelity",
             "--out", str(out), "--resume"]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]

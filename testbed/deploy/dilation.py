@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from protocol.worker_config import Scales
+from testbed.deploy import dilation_cache
 from testbed.deploy.dilation_probe import probe_dilation
 from testbed.deploy.emulation import EmulationPlan, round_up
 from testbed.deploy.model_files import ensure_model
@@ -227,13 +228,23 @@ def emulation_plan(sc: Scenario, wl: Workload, specs: list[RequestSpec], dilatio
     plan = EmulationPlan.make(sc, wl.token_scale, 1.0, b_r)
     if not plan.emulating:
         return plan
+    shape = f"{len(specs)} requests, the last sent at {max((s.at for s in specs), default=0.0):.3f} s"
+    key = dilation_cache.key_for(sc.source, wl.source, wl.token_scale, shape)
+    kept = dilation_cache.recall(key)
+    if kept is not None:
+        d, why = kept
+        print(f"dilation auto: D {d:g}, kept from an earlier run of this scenario and trace on this host "
+              f"({why}; {dilation_cache.CACHE_ENV}=off to probe again)", flush=True)
+        return EmulationPlan.make(sc, wl.token_scale, d, b_r, f"{why} (kept)", key)
     if all_modeled(sc):
-        print("dilation auto: probing the deployment of modeled instances on the trace's start...", flush=True)
+        print("dilation auto: probing the deployment of modeled instances on the trace's busiest stretch...",
+              flush=True)
         d, why = probe_dilation(sc, lambda d: [replace(s, at=s.at * d, delay=s.delay * d) for s in specs],
                                 lambda d: EmulationPlan.make(sc, wl.token_scale, d, b_r))
-        return EmulationPlan.make(sc, wl.token_scale, d, b_r, why)
-    print("dilation auto: calibrating this host on trace-shaped work...", flush=True)
-    rates = hit_rates(wl)
-    new = [max(1, round(r.input_len * (1 - rates.get(r.rid, 0.0)))) for r in wl.requests]
-    d, why = calibrate_dilation(sc, plan, specs, new, model, dtype)
-    return EmulationPlan.make(sc, wl.token_scale, d, b_r, why)
+    else:
+        print("dilation auto: calibrating this host on trace-shaped work...", flush=True)
+        rates = hit_rates(wl)
+        new = [max(1, round(r.input_len * (1 - rates.get(r.rid, 0.0)))) for r in wl.requests]
+        d, why = calibrate_dilation(sc, plan, specs, new, model, dtype)
+    dilation_cache.remember(key, d, why)
+    return EmulationPlan.make(sc, wl.token_scale, d, b_r, why, key)

@@ -45,14 +45,17 @@ class EmulationPlan:
     scales: Scales
     b_r: int  # KV bytes per replayed token of the real model, as the workers run it
     dilation_reason: str = "given"
+    auto_key: str | None = None  # chosen by ``auto``: its key in the dilation cache (``dilation_cache.py``)
 
     @classmethod
-    def make(cls, sc: Scenario, token_scale: int, dilation: float, b_r: int, reason: str = "given") -> EmulationPlan:
+    def make(cls, sc: Scenario, token_scale: int, dilation: float, b_r: int, reason: str = "given",
+             auto_key: str | None = None) -> EmulationPlan:
         em = sc.emulation
         if em is None:
             return cls(None, None, Scales(), b_r, "no emulation in the scenario: host time")
         card = sc.models[em.model]
-        return cls(em.model, card, Scales(s_in=token_scale, s_out=token_scale, dilation=dilation), b_r, reason)
+        return cls(em.model, card, Scales(s_in=token_scale, s_out=token_scale, dilation=dilation), b_r, reason,
+                   auto_key)
 
     @property
     def emulating(self) -> bool:

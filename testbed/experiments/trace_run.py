@@ -22,7 +22,7 @@ from testbed.analysis import report
 from testbed.analysis.metrics import Slo, format_summary
 from testbed.analysis.policy_summary import measure
 from testbed.analysis.results import SUMMARY_FILE, PolicySummary, RunSummary, TraceInfo, load_run
-from testbed.deploy import forkserver
+from testbed.deploy import dilation_cache, forkserver
 from testbed.deploy.deployment import Deployment
 from testbed.deploy.dilation import emulation_plan
 from testbed.deploy.fidelity import format_verdict
@@ -134,10 +134,15 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
     for name, s in summaries.items():
         print(format_verdict(name, s.fidelity))
     print(f"\nsaved: {', '.join(str(p) for p in paths)}")
-    if not all(s.fidelity.passed for s in summaries.values()) and not opts.allow_infidelity:
-        print("fidelity FAILED: these latencies measure this host, not the emulated system "
-              "(raise --dilation, or pass --allow-infidelity to exit 0 anyway)", file=sys.stderr)
-        return EXIT_INFIDELITY
+    if not all(s.fidelity.passed for s in summaries.values()):
+        if opts.engine != "sim" and plan.auto_key is not None:  # auto chose too low: the next run starts higher
+            raised = dilation_cache.failed_at(plan.auto_key, d)
+            print(f"dilation auto: D {d:g} did not keep up on this host; the next auto run of this scenario and "
+                  f"trace here starts at D {raised:g}", file=sys.stderr)
+        if not opts.allow_infidelity:
+            print("fidelity FAILED: these latencies measure this host, not the emulated system "
+                  "(raise --dilation, or pass --allow-infidelity to exit 0 anyway)", file=sys.stderr)
+            return EXIT_INFIDELITY
     return 0 if all(s.failed == 0 for s in summaries.values()) else 1
 
 

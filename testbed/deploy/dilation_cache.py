@@ -1,0 +1,123 @@
+"""``--dilation auto`` remembered per scenario, trace and host, and raised when it failed.
+
+Choosing a dilation costs a calibration or a few probe deployments, and a choice that a
+full run then fails is worth learning from. So the choice is kept in a small JSON file per
+(scenario file, trace file, token scale, requests replayed and how fast, host), under the cache folder
+(``.cache/dilation``; ``PDD_TESTBED_DILATION_CACHE`` names another, ``off`` disables it). The
+next ``auto`` run with the same inputs on the same host takes it without probing; a run at
+an ``auto`` dilation whose fidelity verdict failed raises the kept value by ``FAILED_STEP``
+for the next one, so five runs in a row do not fail the same way. An entry older than
+``MAX_AGE_S``, from another version, or not what this module writes is ignored (and says
+so): the file is read, not trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+from testbed.deploy.emulation import round_up
+
+CACHE_ENV = "PDD_TESTBED_DILATION_CACHE"
+VERSION = 1
+MAX_AGE_S = 14 * 86400.0  # a host's load and software change: re-probe every two weeks
+FAILED_STEP = 1.5  # a failed verdict at D: the next auto run starts at 1.5 D
+MAX_WHY = 1000
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+def cache_dir() -> Path | None:
+    """Where choices are kept; None when disabled."""
+    value = os.environ.get(CACHE_ENV, "")
+    if value == "off":
+        return None
+    if value:
+        return Path(value)
+    return Path(os.environ.get("PDD_TESTBED_CACHE", _ROOT / ".cache")) / "dilation"
+
+
+def host_identity() -> str:
+    """What makes one host keep up where another does not: its processor, cores, memory and kernel."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        mem = 0
+    return f"{model}; {os.cpu_count()} cpus; {mem >> 30} GiB; {platform.release()}"
+
+
+def _digest(path: Path | None) -> str:
+    if path is None or not path.is_file():
+        return "-"
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def key_for(scenario: Path | None, trace: Path | None, token_scale: int, shape: str) -> str:
+    """The cache key of an auto choice: every input that moves it (``shape``: how many
+    requests are replayed, how fast), hashed."""
+    parts = [f"v{VERSION}", _digest(scenario), _digest(trace), str(token_scale), shape, host_identity()]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def _path(key: str) -> Path | None:
+    root = cache_dir()
+    return None if root is None else root / f"{key}.json"
+
+
+def recall(key: str) -> tuple[float, str] | None:
+    """The kept dilation and its reason, or None (nothing kept, or an entry not to be used)."""
+    path = _path(key)
+    if path is None or not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text()[:10_000])
+        d, why, at = data["dilation"], data["why"], data["at"]
+        ok = (data.get("version") == VERSION and isinstance(d, int | float) and not isinstance(d, bool)
+              and math.isfinite(d) and 0.1 <= d <= 1000 and isinstance(why, str) and isinstance(at, int | float))
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        ok = False
+    if not ok:
+        print(f"dilation auto: ignoring {path}: not a kept choice of this version", flush=True)
+        return None
+    if time.time() - at > MAX_AGE_S:
+        print(f"dilation auto: the kept choice in {path} is older than {MAX_AGE_S / 86400:g} days: probing again",
+              flush=True)
+        return None
+    return float(d), why[:MAX_WHY]
+
+
+def remember(key: str, dilation: float, why: str) -> None:
+    """Keep a choice (atomically: a reader sees the old file or the new one)."""
+    path = _path(key)
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"version": VERSION, "dilation": dilation, "why": why[:MAX_WHY], "at": time.time(),
+                               "host": host_identity()}) + "\n")
+    os.replace(tmp, path)
+
+
+def failed_at(key: str, dilation: float) -> float:
+    """A run at the auto dilation ``dilation`` failed its verdict: keep ``FAILED_STEP`` times
+    it for the next run; returns that value."""
+    raised = round_up(dilation * FAILED_STEP)
+    remember(key, raised, f"auto: the last run at D {dilation:g} on this host failed its fidelity verdict; "
+                          f"x {FAILED_STEP:g}")
+    return raised
