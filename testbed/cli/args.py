@@ -22,7 +22,6 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
     """``--scenario``, with its network taken from ``--topo`` when given."""
     sc = load_scenario(args.scenario)
     if getattr(args, "topo", None):
-
         sc = load_topo_scenario(args.topo, sc)
     if getattr(args, "network", None):
         raw = sc.model_dump(mode="json")
@@ -177,6 +176,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    help="load: for the +2.5 s gap (default); load,prefill: for same-dc P50 4.2 s and cross-dc 6.7 s")
     p.add_argument("--prefill-cost-range", default="1:32", metavar="LOW:HIGH", help="with load,prefill (default 1:32)")
     p.add_argument("--prefill-cost-steps", type=int, default=7, metavar="N", help="with load,prefill (default 7)")
+    p.add_argument("--whatif-shares", metavar="S,..", help="with load,prefill: PDD vs same-dc at these prefill shares")
     p.add_argument("--out", type=Path, help="results folder (default runs/calibrate-<timestamp>)")
     p.set_defaults(command="calibrate")
 

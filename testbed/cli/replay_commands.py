@@ -192,6 +192,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         limit = args.final_limit or args.limit
         whole = load_trace(args.trace, args.format, args.token_scale).select(limit, _window(args.window))
         final_ds = draws(whole, args.final_seeds or args.seeds, out, limit, _window(args.window))
+    if args.whatif_shares and args.fit != "load,prefill":
+        raise InputError("--whatif-shares: with --fit load,prefill (the what-if is the fitted prefill cost's)")
     if args.fit == "load,prefill":
         return _calibrate_regime(args, sc, policies, ds, final_ds or ds, opts, out, (lo_f, hi_f))
     b, gaps, finals = calibrate(sc, ds, policies, lo_f, hi_f, args.tolerance, args.steps, SweepOptions(opts, out),
@@ -217,9 +219,22 @@ def _range(text: str, what: str) -> tuple[float, float]:
     return lo_f, hi_f
 
 
+def _shares(text: str | None) -> list[int]:
+    """``--whatif-shares 10,20,30``: whole accelerators, each at least 1 (checked before any replay)."""
+    if not text:
+        return []
+    try:
+        shares = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise InputError(f"--whatif-shares: expected whole numbers of accelerators (10,20,30), got {text!r}") from None
+    if min(shares) < 1:
+        raise InputError(f"--whatif-shares: a share is at least one accelerator, got {min(shares)}")
+    return shares
+
+
 def _calibrate_regime(args: argparse.Namespace, sc: Scenario, policies: list[PolicySpec], ds: list[Draw],
                       final_ds: list[Draw], opts: RunOptions, out: Path, load_range: tuple[float, float]) -> int:
-    from testbed.experiments.regime import fit_regime
+    from testbed.experiments.regime import fit_regime, whatif_shares
 
     if args.prefill_cost != 1.0:
         raise InputError("--prefill-cost: --fit load,prefill searches it; leave it out")
@@ -228,8 +243,11 @@ def _calibrate_regime(args: argparse.Namespace, sc: Scenario, policies: list[Pol
     if not sc.devices:
         raise InputError(f"{sc.source}: --fit load,prefill needs device profiles (a prefill to make costlier)")
     cost_range = _range(args.prefill_cost_range, "--prefill-cost-range")
+    shares = _shares(args.whatif_shares)
     fit = fit_regime(sc, ds[0], policies, final_ds, opts, out, load_range, cost_range,
                      (args.tolerance, 2 * args.tolerance), args.steps, args.prefill_cost_steps)
+    if shares:
+        fit = whatif_shares(sc, fit, final_ds, opts, out, shares)
     print("\n" + (out / "regime.md").read_text())
     print(f"saved: {out}/regime.md, regime.json; the search's runs in {out}/bisection/, the draws at the point in "
           f"{out}/final/")

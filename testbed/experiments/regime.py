@@ -22,6 +22,13 @@ second fit into the same folder keeps them (``--resume`` is implied there). Then
 runs at the point found over the final draws (``final/``): the figures the fit did not
 touch are the predictions, each with its 95 % interval over the draws.
 
+**What if** (``--whatif-shares``): the fitted factor stands for a costlier prefill or a
+baseline with fewer prefill accelerators, and the two differ for PDD, whose own prefill
+keeps the scenario's accelerators. For a baseline that gives prefill ``s`` of its
+accelerators (the scenario gives ``P``), the same queue means a model ``c x s / P`` as
+costly as the scenario prices it: PDD replays at that cost over the final draws (folders
+``whatif/share-<s>/``), and its TTFT is compared, draw by draw, with same-dc's at the point.
+
 Saved: ``regime.json`` (``RegimeFit``), ``regime.md``; ``testbed report DIR`` rebuilds the
 table. The Makefile's ``reproduce`` reads ``load`` and ``prefill_cost`` from it.
 """
@@ -34,6 +41,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from testbed.analysis.confidence import mean_ci
 from testbed.analysis.report import repetitions_markdown
 from testbed.analysis.results import load_run
 from testbed.analysis.tables import table_head
@@ -43,7 +51,7 @@ from testbed.experiments.parallel import Replay, run_all
 from testbed.experiments.trace_run import RunOptions
 from testbed.outputs import write_atomic
 from testbed.policies.spec import PolicySpec, parse_policy_list
-from testbed.scenario import Scenario
+from testbed.scenario import Role, Scenario
 
 REPORT_SAME_P50_S = 4.2  # the report's same-datacenter TTFT P50 (docs/design.md)
 REPORT_CROSS_P50_S = 6.7  # and with decode in another city (+2.5 s)
@@ -62,6 +70,18 @@ class Probe(BaseModel):
     run_dir: str
 
 
+class WhatIf(BaseModel):
+    """PDD against same-dc when the baseline prefills on ``share`` accelerators: mean, P50 and
+    P99 TTFT relative to same-dc's at the fitted point (mean and 95 % half-width over draws)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    share: int
+    pdd_prefill_cost: float
+    runs: list[str]
+    vs_same: dict[str, tuple[float, float | None]]  # "mean"|"p50"|"p99" -> (mean, half-width) of PDD / same-dc - 1
+
+
 class RegimeFit(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -77,6 +97,8 @@ class RegimeFit(BaseModel):
     reached: bool
     finals: list[str] = []  # every policy at the point, one folder per final draw
     final_requests: int = 0
+    prefill_accelerators: int = 0  # the scenario's, which same-dc and PDD share (what-if)
+    whatif: list[WhatIf] = []
 
 
 def fit_two(p50: Callable[[str, Sequence[tuple[float, float]]], list[float]], load_range: tuple[float, float],
@@ -147,6 +169,76 @@ def fit_regime(sc: Scenario, draw: Draw, policies: list[PolicySpec], final_draws
     return fit
 
 
+WHATIF_STATS = {"mean": "ttft_mean_s", "p50": "ttft_p50_s", "p99": "ttft_p99_s"}
+
+
+def prefill_accelerators(sc: Scenario) -> int:
+    """The accelerators of every prefill instance: what the baseline and PDD prefill on."""
+    return sum(sc.host(h).devices for h in sc.hosts_with_role(Role.PREFILL))
+
+
+def whatif_shares(sc: Scenario, fit: RegimeFit, final_draws: list[Draw], opts: RunOptions, out: Path,
+                  shares: Sequence[int]) -> RegimeFit:
+    """PDD at the prefill cost a baseline of each prefill share implies (module docstring),
+    over the final draws, against same-dc's finals draw by draw."""
+    total = prefill_accelerators(sc)
+    if not fit.finals or "same-dc" not in load_run(Path(fit.finals[0]))[0].policies:
+        raise InputError("--whatif-shares compares PDD with same-dc at the fitted point: include same-dc in --policies")
+    if "pdd" not in load_run(Path(fit.finals[0]))[0].policies:
+        raise InputError("--whatif-shares replays PDD and reads its finals: include pdd in --policies")
+    bad = [x for x in shares if x <= 0]
+    if bad:
+        raise InputError(f"--whatif-shares: a share is a positive number of accelerators, got {bad[0]}")
+    run = dataclasses.replace(fixed_dilation(sc, final_draws[0].workload, opts), allow_infidelity=True)
+    pdd = parse_policy_list("pdd")
+    many = len(final_draws) > 1
+    plans = [(x, fit.prefill_cost * x / total) for x in shares]
+    try:
+        scaled = {x: sc.with_prefill_cost(c) for x, c in plans if x != total}
+    except ValueError as e:
+        raise InputError(f"--whatif-shares: {e}") from None
+    # The scenario's own share is the point itself: its PDD is the finals' (no replay).
+    dirs = {x: [Path(f) for f in fit.finals] if x == total else
+            [out / "whatif" / f"share-{x}" / (d.tag if many else "") for d in final_draws] for x, _ in plans}
+    run_all([Replay(scaled[x], d.workload, pdd, dataclasses.replace(run, speed=fit.load, out=f, resume=True))
+             for x, _ in plans if x != total for d, f in zip(final_draws, dirs[x], strict=True)])
+    same = [load_run(Path(f))[0].policies["same-dc"] for f in fit.finals]
+    found = []
+    for x, c in plans:
+        mine = [load_run(f)[0].policies["pdd"] for f in dirs[x]]
+        vs = {}
+        for key, field in WHATIF_STATS.items():
+            ratios = [getattr(p, field) / getattr(b, field) - 1 for p, b in zip(mine, same, strict=True)
+                      if getattr(p, field) and getattr(b, field)]
+            ci = mean_ci(ratios)
+            vs[key] = (ci.mean, ci.half) if ci else (float("nan"), None)
+        found.append(WhatIf(share=x, pdd_prefill_cost=c, runs=[str(f) for f in dirs[x]], vs_same=vs))
+    fit = fit.model_copy(update={"prefill_accelerators": total, "whatif": found})
+    save_regime(fit, out)
+    return fit
+
+
+def whatif_markdown(f: RegimeFit) -> list[str]:
+    if not f.whatif:
+        return []
+
+    def pct(v: tuple[float, float | None]) -> str:
+        return f"{100 * v[0]:+.1f} %" + ("" if v[1] is None else f" ± {100 * v[1]:.1f}")
+
+    lines = ["", "## What the baseline's prefill share would make true", "",
+             f"The fitted x{f.prefill_cost:.3g} stands for a prefill that costly on the scenario's "
+             f"{f.prefill_accelerators} prefill accelerators, or a model x{f.prefill_cost:.3g} x s / "
+             f"{f.prefill_accelerators} as costly on a baseline prefilling on s of them: same-dc's queue is the "
+             f"same. PDD keeps its {f.prefill_accelerators}, so its prefill is that cheaper model's (same-dc as "
+             f"fitted; mean and 95 % interval over the draws, each PDD draw against same-dc's):", "",
+             *table_head(["baseline's prefill accelerators", "PDD's prefill cost", "PDD mean TTFT vs same-dc",
+                          "P50", "P99"], "rrrrr")]
+    for w in f.whatif:
+        lines.append(f"| {w.share} | x{w.pdd_prefill_cost:.3g} | {pct(w.vs_same['mean'])} | "
+                     f"{pct(w.vs_same['p50'])} | {pct(w.vs_same['p99'])} |")
+    return lines
+
+
 def regime_markdown(f: RegimeFit) -> str:
     lines = ["# Calibration of two unknowns: the load and the prefill's cost per token", "",
              f"Targets: same-dc TTFT P50 = {REPORT_SAME_P50_S:g} s (± {f.tolerance_s[0]:g}) and cross-dc TTFT P50 = "
@@ -165,6 +257,7 @@ def regime_markdown(f: RegimeFit) -> str:
         lines += ["", f"## Every policy at that point, over {len(runs)} draw(s) of {f.final_requests} requests", "",
                   "Everything but the two P50s is a prediction: nothing else was fitted.", "",
                   repetitions_markdown(runs).split("\n", 1)[1].strip()]
+    lines += whatif_markdown(f)
     return "\n".join(lines) + "\n"
 
 
