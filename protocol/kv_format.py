@@ -45,7 +45,7 @@ BLOCK_HDR = struct.Struct("!IIIHHHHBxxxI")
 # overran 3-31 ms beside its sends) but changed cross-datacenter TTFT with the dilation in
 # tests/test_fidelity.py (2.3 s at D 4 vs 1.7 s at D 8, twice): not understood yet, not used.
 FRAME_TOKENS = 16
-HELLO, OFFER, BLOCK, END, ACK, EXTEND = 1, 2, 3, 4, 5, 6
+HELLO, OFFER, BLOCK, END, ACK, EXTEND, AUTH = 1, 2, 3, 4, 5, 6, 7
 DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3, torch.float16: 4}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 DTYPE_NAMES = {str(d): d for d in DTYPE_CODES}  # "torch.float32" -> torch.float32: the only dtypes read
@@ -53,6 +53,10 @@ MAX_PROMPT_TOKENS = 1 << 20
 MAX_TOKEN_ID = (1 << 31) - 1
 MAX_CONTROL_FRAME = 64 * 1024  # OFFER, END, ACK: a few small JSON fields
 MAX_HELLO = 1024 + 12 * MAX_PROMPT_TOKENS  # JSON token ids of at most 10 digits and ", "
+# A connection's first frame: the run's KV token, alone and small, so a stranger is refused
+# after at most this many bytes (not a HELLO's megabytes) and within AUTH_TIMEOUT_S.
+MAX_AUTH = 512
+AUTH_TIMEOUT_S = 5.0  # real seconds: a legitimate AUTH follows the connect at once, even over a lossy line
 
 
 class KVTransferError(Exception):
@@ -92,6 +96,10 @@ class Hello(_Frame):
 
     def shape(self) -> ModelShape:
         return ModelShape(self.layers, self.kv_heads, self.head_dim, DTYPE_NAMES[self.dtype])
+
+
+class Auth(_Frame):
+    token: str = Field(default="", max_length=256)  # the run's KV token (only the run's workers know it)
 
 
 class Offer(_Frame):

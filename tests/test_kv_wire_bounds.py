@@ -56,7 +56,7 @@ def test_a_sender_gone_silent_mid_transfer_fails_it_within_the_timeout() -> None
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             hello = {"rid": "r1", "tokens": list(range(3, 35)), "dtype": "torch.float32", "layers": 2,
                      "kv_heads": 2, "head_dim": 4, "block_size": 16}
-            writer.write(_frame(HELLO, json.dumps(hello).encode()))
+            writer.write(_frame(kv_wire.AUTH, b"{}") + _frame(HELLO, json.dumps(hello).encode()))
             t0 = time.monotonic()
             await reader.readexactly(HDR.size)  # the OFFER's header: then silence
             reply = await asyncio.wait_for(reader.read(), timeout=5 * T)  # the rest, to the receiver's close
@@ -165,3 +165,37 @@ def test_a_hello_for_an_unknown_or_ended_request_is_refused_and_leaves_nothing()
         assert len(exp._ended) <= 4096
 
     asyncio.run(main())
+
+
+def test_a_connection_is_refused_unless_its_first_small_frame_carries_the_runs_token() -> None:
+    """A stranger announcing a 12 MB HELLO, one with a wrong token, and one saying nothing are
+    refused after a few hundred bytes at most and within the AUTH timeout (here the transfer
+    timeout, 1 s, which is shorter), told why; the run's own sender (AUTH first, on each fresh
+    connection) is served, and a refusal fails nothing."""
+    async def main() -> tuple[list[tuple[bytes, float]], _Receiver]:
+        rx = _Receiver()
+        server, port = await rx.start(timeout_s=1.0, token="s3cret")
+        answers = []
+        try:
+            for first in (HDR.pack(MAGIC, VERSION, HELLO, 0, kv_wire.MAX_HELLO),  # a HELLO first, 12 MB announced
+                          _frame(kv_wire.AUTH, json.dumps({"token": "guess"}).encode()),
+                          _frame(kv_wire.AUTH, b"x" * 600),  # more than MAX_AUTH
+                          b""):  # silent
+                r, w = await asyncio.open_connection("127.0.0.1", port)
+                t0 = time.monotonic()
+                w.write(first)
+                answers.append((await asyncio.wait_for(r.read(), timeout=3.0),
+                                time.monotonic() - t0))
+                w.close()
+            await kv_wire.send_kv("127.0.0.1", port, "ok", list(range(32)), torch.zeros(2, 2, 2, 32, 4), 1, 16,
+                                  token="s3cret", timeout_s=1.0)
+        finally:
+            server.close()
+        return answers, rx
+
+    answers, rx = asyncio.run(main())
+    (hello, _), (wrong, _), (big, _), (silent, waited) = answers
+    assert b"announces 12583936 bytes (at most 512 expected)" in hello, hello  # refused on its header
+    assert b"this run's KV token" in wrong and b"at most 512" in big, answers
+    assert b"nothing from the peer for 1 s" in silent and waited < 2.0
+    assert rx.done == ["ok"] and rx.failed == {}

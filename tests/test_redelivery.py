@@ -19,7 +19,7 @@ from protocol.token_stream import TokenChunk
 from protocol.worker_config import BrokerInfo, WorkerConfig
 from testbed.deploy.run_record import ClientRecord
 from workers.decode import DecodeWorker
-from workers.kv_wire import Incoming
+from workers.kv_wire import Incoming, KVTransferError
 from workers.model import ensure_default_model
 from workers.runtime import Worker
 from workers.seq import MainState, RelayState, Seq
@@ -183,3 +183,26 @@ def test_a_finished_or_cancelled_request_leaves_nothing_on_the_decoder(decoder: 
     w.cfg = w.cfg.model_copy(update={"kv_timeout_s": 3600.0})
     asyncio.run(main())
     assert not w.waiting and not w.running
+
+
+def test_kv_offered_under_tokens_that_are_not_the_requests_prompt_is_refused(decoder: DecodeWorker) -> None:
+    """The decoder caches KV under the HELLO's tokens: a sender naming a waiting request but
+    other tokens (a poisoned prefix cache) is refused with the reason; the request's own
+    prompt is still offered."""
+    w = decoder
+    prompt = [3, 1, 4, 1, 5, 9]
+
+    async def main() -> str:
+        w.emit = lambda event: None  # type: ignore[method-assign]
+        w.stream = lambda *a, **k: None  # type: ignore[method-assign]
+        await w.handle(DecodeCmd(rid="r-poison", prompt=prompt, max_new=2))
+        with pytest.raises(KVTransferError) as refused:
+            await w._offer("r-poison", [3, 1, 4, 1, 5, 8])
+        with pytest.raises(KVTransferError):
+            await w._offer("r-poison", prompt[:4])
+        assert await w._offer("r-poison", list(prompt)) >= 0
+        await w.handle(CancelCmd(rid="r-poison"))
+        return str(refused.value)
+
+    why = asyncio.run(main())
+    assert "the KV offered for r-poison is of 6 tokens that are not its prompt" in why

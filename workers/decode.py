@@ -192,6 +192,9 @@ class DecodeWorker(HandoffMixin, Worker):
         seq = self.waiting.get(rid)
         if seq is None:
             raise kv_wire.KVTransferError(f"{rid} is no longer waiting for KV on {self.cfg.name}")
+        if len(tokens) != len(seq.prompt) or tokens != list(seq.prompt):  # KV is cached under these tokens
+            raise kv_wire.KVTransferError(f"the KV offered for {rid} is of {len(tokens)} tokens that are not its "
+                                          f"prompt ({len(seq.prompt)} tokens)")
         if not seq.drc:
             return 0
         path = self.cache.match_prefix(tokens)

@@ -13,6 +13,11 @@ still queued in the sender's socket buffer are discarded instead of crossing the
 ``bytes_acked`` (from the kernel's ``tcp_info``) says how much the receiver really got.
 PDD cuts off useless WAN transfers this way.
 
+A connection opens with AUTH, the run's KV token alone (``MAX_AUTH`` bytes at most, within
+``AUTH_TIMEOUT_S``): ``serve_kv`` refuses and closes anything else before it reads a HELLO
+(up to ``MAX_HELLO``, megabytes) or serves a transfer, so a stranger on the emulated network
+can neither make a receiver read much nor hold its connection slots for long.
+
 Nothing waits forever on a peer (``timeout_s``, emulated seconds stretched by the dilation,
 like every time a worker is given): within a transfer every read and every write that
 drains the socket must make progress within it, the kernel gives up on data the peer does
@@ -37,6 +42,7 @@ import contextlib
 import hmac
 import socket
 import struct
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -45,6 +51,8 @@ import torch
 from protocol import clock
 from protocol.kv_format import (  # noqa: F401 - the format's names are part of this module's interface
     ACK,
+    AUTH,
+    AUTH_TIMEOUT_S,
     BLOCK,
     BLOCK_HDR,
     CODE_DTYPES,
@@ -56,6 +64,7 @@ from protocol.kv_format import (  # noqa: F401 - the format's names are part of 
     HDR,
     HELLO,
     MAGIC,
+    MAX_AUTH,
     MAX_CONTROL_FRAME,
     MAX_HELLO,
     MAX_PROMPT_TOKENS,
@@ -63,6 +72,7 @@ from protocol.kv_format import (  # noqa: F401 - the format's names are part of 
     OFFER,
     VERSION,
     Ack,
+    Auth,
     Block,
     End,
     Hello,
@@ -136,9 +146,14 @@ async def send_kv(
     except (OSError, TimeoutError) as e:
         raise KVTransferError(f"connect to {host}:{port}: {e or 'timed out'}") from e
     tune_socket(conn[1].get_extra_info("socket"), timeout_s)
+    try:  # a connection's first frame: the run's token, alone (the receiver reads nothing else first)
+        auth = await write_frame(conn[1], AUTH, Auth(token=token).model_dump_json().encode(), timeout_s)
+    except (OSError, KVTransferError) as e:
+        conn[1].close()
+        raise KVTransferError(f"transfer to {host}:{port} broke: {e}") from e
     try:
         return await _send(conn, host, port, request_id, tokens, kv, first_token, block_size, cancel, corrupt_block,
-                           on_progress, frame_tokens, token, pool, zeros, False, timeout_s)
+                           on_progress, frame_tokens, token, pool, zeros, False, timeout_s, auth)
     except _StaleConnection as e:  # not reused: a plain broken transfer
         raise KVTransferError(f"transfer to {host}:{port} broke: {e}") from e
 
@@ -147,12 +162,12 @@ async def _send(
     conn: Conn, host: str, port: int, request_id: str, tokens: list[int], kv: torch.Tensor, first_token: int,
     block_size: int, cancel: asyncio.Event | None, corrupt_block: int | None,
     on_progress: Callable[[TransferStats], None] | None, frame_tokens: int, token: str, pool: Connections | None,
-    zeros: bool, reused: bool, timeout_s: float | None,
+    zeros: bool, reused: bool, timeout_s: float | None, preamble: int = 0,
 ) -> TransferStats:
     # The sender's event loop runs beside a compute thread that needs the GIL after every
     # torch op: Python work per frame is time taken from a paced step (see FRAME_TOKENS).
     per_frame = max(block_size, (frame_tokens or FRAME_TOKENS) // block_size * block_size)
-    st = TransferStats(request_id, f"{host}:{port}", clock.time())
+    st = TransferStats(request_id, f"{host}:{port}", clock.time(), bytes_sent=preamble)  # its AUTH, if fresh
     layers, _, heads, n, head_dim = kv.shape
     reader, writer = conn
     sock = writer.get_extra_info("socket")
@@ -268,6 +283,8 @@ async def serve_kv(host: str, port: int, offer: OfferFn, done: DoneFn, fail: Fai
         open_conns += 1
         tune_socket(writer.get_extra_info("socket"), timeout_s)
         try:
+            if not await _authenticated(reader, writer, token, timeout_s):
+                return
             while await receive_kv(reader, writer, offer, done, fail, expect, token, keep_open=True, zeros=zeros,
                                    timeout_s=timeout_s):
                 pass  # the sender may send its next transfer on this connection
@@ -276,6 +293,34 @@ async def serve_kv(host: str, port: int, offer: OfferFn, done: DoneFn, fail: Fai
             writer.close()
 
     return await listen(handle, host, port, netns)
+
+
+async def _authenticated(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, token: str,
+                         timeout_s: float | None) -> bool:
+    """A connection's first frame must be AUTH with the run's token: at most ``MAX_AUTH``
+    bytes within ``AUTH_TIMEOUT_S`` (or the transfer timeout, if shorter). A stranger is told
+    why and closed before it can make the receiver read a HELLO or hold a connection slot."""
+    wait = AUTH_TIMEOUT_S if timeout_s is None else min(AUTH_TIMEOUT_S, timeout_s)
+    try:
+        ftype, payload = await read_frame(reader, MAX_AUTH, wait)
+        if ftype != AUTH:
+            raise KVTransferError(f"the first frame is type {ftype}, not AUTH")
+        auth = parse_frame(Auth, payload, "AUTH")
+        if token and not hmac.compare_digest(auth.token.encode(), token.encode()):
+            raise KVTransferError("AUTH without this run's KV token")
+        return True
+    except asyncio.IncompleteReadError as e:
+        if not e.partial:
+            return False  # connected and left without a word (a port scan, a liveness check)
+        why = f"cut off mid-frame ({len(e.partial)} bytes)"
+    except Exception as e:  # noqa: BLE001 - a stranger is refused, never the server
+        why = str(e) or type(e).__name__
+    peer = writer.get_extra_info("peername")
+    print(f"KV: refused a connection from {peer}: {why}", file=sys.stderr, flush=True)
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(1.0):
+            await write_frame(writer, ACK, Ack(error=f"refused: {why}").model_dump_json().encode())
+    return False
 
 
 async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, offer: OfferFn, done: DoneFn,

@@ -1,8 +1,9 @@
 """KV connections, modeled: the KV wire's exchange over the link model, in virtual time.
 
-A real transfer (``workers/kv_wire.py``) is HELLO (the prompt's token ids) -> OFFER (how much
-the receiver holds) -> BLOCK frames of what it lacks -> END -> ACK, over a TCP connection the
-sender keeps to each receiver. ``SimTransport.send_kv`` follows the same exchange with the
+A real transfer (``workers/kv_wire.py``) is HELLO (the prompt's token ids; on a fresh
+connection after AUTH, the run's token) -> OFFER (how much the receiver holds) -> BLOCK
+frames of what it lacks -> END -> ACK, over a TCP connection the sender keeps to each
+receiver. ``SimTransport.send_kv`` follows the same exchange with the
 same bytes (frame headers included, so the WAN bytes of a run equal the emulation's) and
 calls the receiver's own callbacks at the times their frames would arrive: ``offer`` (the
 decoder's ``_offer``: its DRC lookup, its wait for the request's command), ``done`` (its
@@ -32,7 +33,7 @@ import aiomqtt
 import torch
 
 from protocol import clock
-from protocol.kv_format import BLOCK_HDR, FRAME_TOKENS, HDR, End, Hello, KVTransferError
+from protocol.kv_format import BLOCK_HDR, FRAME_TOKENS, HDR, Auth, End, Hello, KVTransferError
 from protocol.worker_config import BrokerInfo
 from testbed.sim.bus import SimBroker, SimClient
 from testbed.sim.links import Conn
@@ -166,7 +167,8 @@ class SimTransport:
         receiving = False
         clean = False
         try:
-            if not conn.established:
+            fresh = not conn.established
+            if fresh:
                 await self._connect(conn, host, port, timeout_s)
             lst = self.net.listeners.get((host, port))
             if lst is None or not lst.open or lst.offer is None:
@@ -175,6 +177,8 @@ class SimTransport:
             await asyncio.sleep(links.prepare(conn))
             hello = hello_bytes(request_id, tokens, (layers, heads, head_dim), kv.dtype, block_size,
                                 options.get("token", ""))
+            if fresh:  # a connection's first frame is its AUTH (kv_wire.send_kv)
+                hello += HDR.size + len(Auth(token=options.get("token", "")).model_dump_json())
             await self._push(conn, hello, stops, timeout_s, st)
             if any(ev.is_set() for ev in stops):
                 return self._cut(st, conn, lst, request_id, receiving)
