@@ -63,7 +63,7 @@ class _Metrics:
 
 
 def _served(**kw: Any) -> Served:
-    return Served(model=MODEL, max_len=256, vocab=100, eos=None, policy="pdd", created=0, **kw)
+    return Served(**{"model": MODEL, "max_len": 256, "vocab": 100, "eos": None, "policy": "pdd", "created": 0, **kw})
 
 
 async def _with_client(served: Served, body: Any) -> Any:
@@ -160,3 +160,38 @@ def test_fuzzed_bodies_get_a_client_error_with_a_reason_and_the_server_serves_on
         assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 3
 
     asyncio.run(_with_client(_served(), body))
+
+
+def test_a_client_too_slow_to_send_or_to_read_is_let_go_and_its_slot_freed() -> None:
+    """With one slot: a client that announces a body and never sends it gets 408 after the
+    body timeout; one that asks for a long stream and reads nothing has its stream cut after
+    the write timeout. Either way the next request is served (no 429 for ever)."""
+    async def body(client: TestClient, tok: _Tokenizer, gw: _Gateway) -> None:
+        gw.release.set()
+        host, port = client.server.host, client.server.port
+        r, w = await asyncio.open_connection(host, port)
+        w.write(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                "Content-Length: 100\r\n\r\n".encode())
+        answer = b""
+        async with asyncio.timeout(5):  # the answer (the connection may be kept alive after it)
+            while b"}}" not in answer:
+                answer += await r.read(4096)
+        w.close()
+        assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.3 s" in answer, answer[:300]
+        # A stream of 60,000 chunks (megabytes) to a client that reads none of it.
+        r, w = await asyncio.open_connection(host, port)
+        req = json.dumps({"model": MODEL, "prompt": [5], "max_tokens": 60000, "stream": True})
+        w.write(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(req)}\r\n\r\n{req}".encode())
+        await w.drain()
+        for _ in range(100):  # until the server gave up on it
+            await asyncio.sleep(0.1)
+            ok = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            if ok.status == 200:
+                break
+            assert ok.status == 429
+        w.close()
+        assert ok.status == 200 and (await ok.json())["usage"]["completion_tokens"] == 2
+
+    asyncio.run(_with_client(_served(max_concurrency=1, max_len=70000, body_timeout_s=0.3, write_timeout_s=0.5),
+                             body))

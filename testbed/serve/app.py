@@ -72,6 +72,10 @@ class Served:
     policy: str
     created: int
     max_concurrency: int = 256  # requests at once; more are answered 429
+    # A request holds one of those slots: a client that sends its body this slowly, or takes a
+    # streamed chunk this slowly, is let go (408, or its stream cut) and the slot freed.
+    body_timeout_s: float = 30.0
+    write_timeout_s: float = 60.0
     default_max_tokens: int = 1024  # a chat request's when it sets none (bounded by the context left)
 
     @property
@@ -217,7 +221,12 @@ class OpenAiFront:
 
     # ------------------------------------------------------------------ shared
     async def _parse(self, request: web.Request, model: type[BaseModel]) -> BaseModel:
-        raw = await request.read()
+        try:
+            async with asyncio.timeout(self.served.body_timeout_s):
+                raw = await request.read()
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.served.body_timeout_s:g} s",
+                           code="request_timeout") from None
         try:
             body = model.model_validate_json(raw)
         except ValidationError as e:
@@ -279,8 +288,13 @@ class OpenAiFront:
                       stream: Any, chat: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        with contextlib.suppress(ConnectionResetError):  # the client went away: its record says so
+        try:
             await self._events(resp, body, rid, prompt, max_new, stream, chat)
+        except ConnectionResetError:
+            pass  # the client went away: its record says so
+        except TimeoutError:  # the client stopped taking what it asked for: cut, and its slot freed
+            if request.transport is not None:
+                request.transport.abort()
         return resp
 
     async def _events(self, resp: web.StreamResponse, body: Any, rid: str, prompt: list[int], max_new: int,
@@ -290,7 +304,8 @@ class OpenAiFront:
 
         async def send(chunk: BaseModel | str) -> None:
             data = chunk if isinstance(chunk, str) else chunk.model_dump_json()
-            await resp.write(f"data: {data}\n\n".encode())
+            async with asyncio.timeout(self.served.write_timeout_s):  # a client that reads nothing
+                await resp.write(f"data: {data}\n\n".encode())
 
         detok = Detokenizer(self.tok)
         out: list[int] = []
@@ -320,4 +335,5 @@ class OpenAiFront:
                 else:
                     await send(Completion(id=rid, model=model, choices=[], usage=usage))
         await send("[DONE]")
-        await resp.write_eof()
+        async with asyncio.timeout(self.served.write_timeout_s):
+            await resp.write_eof()
