@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ import pytest
 
 from testbed.net import netns, runstate
 from workers import namespace
-from workers.privilege import NamespaceSockets, OutDir, drop_privileges
+from workers.privilege import NamespaceSockets, OutDir, drop_privileges, no_new_privileges
 
 from .conftest import UNPRIVILEGED as WHO
 from .conftest import assert_unprivileged, needs_root, status_of
@@ -107,6 +108,36 @@ def test_dropped_privileges_cannot_come_back_and_write_only_through_the_open_fol
     assert (out / "deaths.jsonl").read_text() == "one\ntwo\n"
     assert secret.read_text() == "root's" and not (out / "link.json").is_symlink()
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_every_thread_of_a_process_that_drops_root_has_no_new_privs_or_it_refuses_to_start() -> None:
+    """``PR_SET_NO_NEW_PRIVS`` is per thread: a thread started before it could still exec a
+    set-user-ID program. The processes set it first thing; a drop that finds a thread without
+    it refuses, still root, before it changes credentials."""
+    def sleeper() -> threading.Thread:
+        t = threading.Thread(target=time.sleep, args=(3,), daemon=True)
+        t.start()
+        return t
+
+    def early() -> None:
+        sleeper()
+        try:
+            drop_privileges(WHO)
+        finally:
+            print(f"uid {os.getuid()}")
+
+    code, text = in_child(early)
+    assert code == 1 and "lack PR_SET_NO_NEW_PRIVS" in text and "uid 0" in text, text
+
+    def first() -> None:
+        no_new_privileges()
+        t = sleeper()
+        drop_privileges(WHO)
+        assert status_of(os.getpid())["NoNewPrivs"] == "1"
+        assert "NoNewPrivs:\t1" in Path(f"/proc/self/task/{t.native_id}/status").read_text()
+
+    code, text = in_child(first)
+    assert code == 0, text
 
 
 def test_a_link_put_in_the_folder_is_never_followed(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from workers.decode import DecodeWorker
 from workers.event_loop import new_event_loop
 from workers.namespace import use_socket_maker
 from workers.prefill import PrefillWorker
-from workers.privilege import Identity, NamespaceSockets, drop_privileges
+from workers.privilege import Identity, NamespaceSockets, drop_privileges, no_new_privileges
 from workers.runtime import Worker
 
 GIL_SWITCH_S = 1e-4
@@ -94,6 +94,7 @@ async def serve(workers: list[Worker]) -> str | None:
 
 
 def main(config_path: str) -> None:
+    no_new_privileges()  # before torch or anything else starts a thread
     cfgs = load_configs(Path(config_path).read_text())
     who = set_up_privileges(cfgs)  # before the model: its child is a copy of a small process
     workers: list[Worker] = [PrefillWorker(c) if c.role == "prefill" else DecodeWorker(c) for c in cfgs]

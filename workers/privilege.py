@@ -40,6 +40,24 @@ class Identity(NamedTuple):
     gid: int
 
 
+def no_new_privileges() -> None:
+    """``PR_SET_NO_NEW_PRIVS`` for this thread and every thread and child it creates after:
+    called first thing in a process's main, before torch, an executor or anything else starts
+    a thread (the flag is per thread; ``drop_privileges`` checks that every thread has it)."""
+    if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+
+
+def _threads_without_no_new_privs() -> list[str]:
+    missing = []
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            status = (task / "status").read_text()
+            if "\nNoNewPrivs:\t1" not in status:
+                missing.append(task.name)
+    return missing
+
+
 def drop_privileges(who: Identity | None) -> None:
     """Become ``who`` for good (``None``: stay as started). The parent-death signal that ties
     the process to its parent is cleared by a change of credentials, so it is set again; a
@@ -47,12 +65,15 @@ def drop_privileges(who: Identity | None) -> None:
     if who is None:
         return
     _import_what_comes_later()
+    no_new_privileges()
+    missing = _threads_without_no_new_privs()
+    if missing:  # a thread started before no_new_privileges() could still gain privileges by exec
+        raise RuntimeError(f"threads {', '.join(missing)} lack PR_SET_NO_NEW_PRIVS: call no_new_privileges() "
+                           "before any thread starts")
     parent = os.getppid()
     os.setgroups([])
     os.setresgid(who.gid, who.gid, who.gid)
     os.setresuid(who.uid, who.uid, who.uid)
-    if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
     if _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
     if os.getppid() != parent:

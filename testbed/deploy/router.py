@@ -49,7 +49,7 @@ from testbed.deploy.liveness import Liveness
 from testbed.policies import ClusterView, Policy, RequestState, make_policy
 from testbed.policies.base import WorkerView
 from workers.allocator import WATCH
-from workers.privilege import Identity, OutDir, drop_privileges
+from workers.privilege import Identity, OutDir, drop_privileges, no_new_privileges
 from workers.transport import HOST, Transport
 
 MEMORY_REPORT_S = 30  # seconds between writes of the router's memory report
@@ -365,6 +365,7 @@ class _Held:
 
 
 if __name__ == "__main__":
+    no_new_privileges()  # before anything starts a thread
     cfg = RouterConfig.model_validate_json(Path(sys.argv[1]).read_text())
     router = Router(cfg)
     # What arrives from the broker is parsed without root (the configuration, read above,

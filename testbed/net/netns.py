@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from pyroute2 import IPRoute
 
 from workers.namespace import CLONE_NEWNET, NETNS_DIR, entered, libc, setns_fd
-from workers.privilege import open_regular
+from workers.privilege import no_new_privileges, open_regular
 
 T = TypeVar("T")
 
@@ -317,6 +317,9 @@ def _spawn(ns: str | None, argv: list[str], log_path: Path | None, env: dict[str
             setns_fd(fd)
             os.close(fd)
         die_with_parent()
+        # Before exec, so every thread the program ever starts has it (it is per thread): no
+        # process of a run gains privileges by exec (a set-user-ID program, file capabilities).
+        no_new_privileges()
 
     # Root opens the log: never through a link, never a FIFO, 0600 (``open_regular``).
     out = open_regular(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND) if log_path else None

@@ -39,7 +39,7 @@ from testbed.serve.app import OpenAiFront, Served
 from testbed.serve.gateway import Gateway
 from testbed.serve.prometheus import Pipelines, ServeMetrics
 from testbed.serve.record import SERVED_FILE
-from workers.privilege import Identity, OutDir, drop_privileges
+from workers.privilege import Identity, OutDir, drop_privileges, no_new_privileges
 
 # The desk's protocol: the front end sends ASK, the orchestrator answers with a 4-byte
 # big-endian length and the report's JSON (length 0: no delay line, or no report yet).
@@ -147,6 +147,7 @@ async def _serve(cfg: FrontConfig, listen: socket.socket, tokenizer: Any, desk: 
 
 
 def main(argv: list[str] | None = None) -> int:
+    no_new_privileges()  # netns.spawn sets it before exec (threads start at import); this covers a start by hand
     ap = argparse.ArgumentParser(prog="python -m testbed.serve.front")
     ap.add_argument("config", type=Path)
     ap.add_argument("--listen-fd", type=int, required=True)
