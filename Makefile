@@ -214,8 +214,8 @@ tune: setup
 	$(VENV)/bin/testbed tune --scenario $(SCENARIO) --trace $(TRACE) --token-scale $(TOKEN_SCALE) --policy pdd \
 	  --trials $(TUNE_TRIALS) --limit $(TUNE_LIMIT) $(TUNE_ARGS)
 
-# 30 minutes of replay of the default trace, copies back to back at about 1.6x the request rate
-# one replay averages, a random fault every minute (pdd): every request must complete or fail
+# 30 emulated minutes (x D of wall clock) of the default trace, copies back to back at about 1.6x
+# the request rate one replay averages, a random fault every emulated minute (pdd): every request must complete or fail
 # with a reason (0 hung, 0 lost), memory of every long-lived process flat (docs/faults.md).
 SOAK_MINUTES ?= 30
 soak: setup

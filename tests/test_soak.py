@@ -37,14 +37,15 @@ def test_the_trace_repeats_back_to_back_with_whole_sessions() -> None:
 
 def test_random_faults_cover_every_kind_and_fit_the_scenario() -> None:
     sc = load_scenario(TOPOLOGIES / "two-dc.yaml")
-    faults = random_faults(sc, wall_s=3600, every_s=60, dilation=3.0, seed=4)
+    # Times are emulated seconds, whatever the dilation: the emulated system meets the same rate.
+    faults = random_faults(sc, emulated_s=3600, every_s=60, seed=4)
     assert len(faults) == 59
     assert {f.kind for f in faults} == {"wan-down", "loss", "delay", "rate", "partition", "kill", "broker-restart"}
-    assert [f.at_s for f in faults] == pytest.approx([60 * (k + 1) / 3.0 for k in range(59)], abs=0.01)
+    assert [f.at_s for f in faults] == pytest.approx([60 * (k + 1) for k in range(59)], abs=0.01)
     for f in faults:
         sc.check_fault(f)  # names the scenario's datacenters, workers, shaped directions
         assert f.duration_s is not None  # a killed worker comes back: the cluster lives on
-    assert random_faults(sc, 3600, 60, 3.0, seed=4) == faults  # seeded
+    assert random_faults(sc, 3600, 60, seed=4) == faults  # seeded
 
 
 def test_a_soak_fails_when_nothing_completes_after_the_faults() -> None:
@@ -62,7 +63,8 @@ def test_a_soak_fails_when_a_long_lived_process_grows() -> None:
     from testbed.deploy.process_sampling import ProcessMemory
     from testbed.load.soak import SoakReport
 
-    base = {"minutes": 10, "load": 1, "policy": "pdd", "dilation": 2, "requests": 10, "completed": 10,
+    # 5 emulated minutes at D 2: 600 wall s, half of it 300 s.
+    base = {"minutes": 5, "load": 1, "policy": "pdd", "dilation": 2, "requests": 10, "completed": 10,
             "failed": 0, "hung": 0, "lost": 0, "failures_by_reason": {}, "faults": [], "faults_by_kind": {}}
 
     def proc(first: float, mid: float, last: float, lived_s: float) -> ProcessMemory:
@@ -109,8 +111,9 @@ def test_a_short_soak_ends_every_request_and_samples_memory(tmp_path: Path) -> N
     namespaces = set(netns.list_namespaces())
     # Seed 6: a broker restart, a rate and a loss fault. Not a WAN outage: one that TCP's
     # backoff stretches past the broker keepalive still marks a live worker dead (open).
-    res = subprocess.run([sys.executable, "-m", "testbed", "soak", "--trace", str(trace), "--minutes", "0.3",
-                          "--fault-every", "5",
+    # 12 emulated s (18 s of wall clock at D 1.5), a fault every 3.5 emulated s.
+    res = subprocess.run([sys.executable, "-m", "testbed", "soak", "--trace", str(trace), "--minutes", "0.2",
+                          "--fault-every", "3.5",
                           "--token-scale", "16", "--dilation", "1.5", "--seed", "6", "--out", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -120,6 +123,8 @@ def test_a_short_soak_ends_every_request_and_samples_memory(tmp_path: Path) -> N
     assert report["after_faults_sent"] == 0 or report["after_faults_completed"] > 0, report
     assert report["completed"] + report["failed"] == report["requests"] > 0
     assert sum(report["faults_by_kind"].values()) >= 3
+    assert report["fault_every_s"] == 3.5 and "(17 per emulated minute)" in res.stdout
+    assert sorted(f["at_s"] for f in report["faults"]) == pytest.approx([3.5, 7.0, 10.5])  # emulated s, not wall
     names = {m["name"] for m in report["memory"]}
     assert {"router", "mosquitto", "worker-prefill", "worker-decode-b", "orchestrator"} <= names
     assert all((out / f).stat().st_size > 0 for f in ("requests.csv", "rss.csv", "rss.png"))

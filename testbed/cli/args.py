@@ -275,13 +275,13 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     scenario_opts(p)
     p.add_argument("--trace", type=Path, default=Path("traces/agentic-quick.jsonl"))
     trace_opts(p)
-    p.add_argument("--minutes", type=float, default=30.0, help="wall-clock minutes of replay (default 30)")
+    p.add_argument("--minutes", type=float, default=30.0, help="emulated minutes of replay (default 30; wall: x D)")
     p.add_argument("--load", type=float, default=0.4,
                    help="times the trace's session-start rate, copies back to back (default 0.4: about 1.6x the "
                         "request rate one replay of the default trace averages)")
     p.add_argument("--policy", default="pdd", help="one policy, name[:key=value,...] (default pdd)")
     p.add_argument("--fault-every", type=float, default=60.0, metavar="S",
-                   help="a fault of a random kind every S wall seconds (default 60)")
+                   help="a fault of a random kind every S emulated seconds (default 60)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--dilation", metavar="D|auto", help="default: the scenario's")
     retry_opts(p)

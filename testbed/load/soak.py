@@ -2,9 +2,11 @@
 finds: a request that never ends, one that vanishes, a process whose memory grows.
 
 The workload is the trace repeated back to back (each copy's request ids prefixed ``cK-``)
-at ``load`` times its rate, for ``minutes`` of wall-clock replay; a fault of a random kind
-(``random_faults``: every kind of ``testbed.faults.timeline``, a killed worker started again
-after a few seconds, so the cluster lives on) lands every ``fault_every_s`` wall seconds.
+at ``load`` times its rate, for ``minutes`` of emulated time (``minutes x D`` of wall
+clock); a fault of a random kind (``random_faults``: every kind of
+``testbed.faults.timeline``, a killed worker started again after a few seconds, so the
+cluster lives on) lands every ``fault_every_s`` emulated seconds: the fault rate the
+emulated system meets is the same at any dilation.
 Every process of the run has its resident memory sampled (``RssSampler``). The verdict:
 every request *completed* or *failed with a reason*; *hung* (no end within the client's
 bound) and *lost* (sent, yet unknown to the router and never finished) must both be 0; the
@@ -48,7 +50,7 @@ FAULT_KINDS = ("wan-down", "loss", "delay", "rate", "partition", "kill", "broker
 
 @dataclass(frozen=True)
 class SoakOptions:
-    minutes: float = 30.0  # wall-clock minutes of replay
+    minutes: float = 30.0  # emulated minutes of replay (wall: x the dilation)
     # Times the trace's own session-start rate, copies back to back. A trace's sessions start
     # in a burst (the default's 32 sessions in 24 s) and their turns run long after it: at 1.5
     # the default trace offered ~7 requests per emulated second, about 6x the 1.2 that one
@@ -57,7 +59,7 @@ class SoakOptions:
     # 1.6x that average: a cluster under steady load above the default run's, not a flood.
     load: float = 0.4
     policy: str = "pdd"
-    fault_every_s: float = 60.0  # wall seconds
+    fault_every_s: float = 60.0  # emulated seconds
     seed: int = 1
     dilation: float | str | None = None  # None: the scenario's
     out: Path | None = None
@@ -65,7 +67,7 @@ class SoakOptions:
 
 
 class SoakReport(BaseModel):
-    minutes: float
+    minutes: float  # emulated
     load: float
     policy: str
     dilation: float
@@ -88,6 +90,12 @@ class SoakReport(BaseModel):
     # cluster must serve again once the faults are over.
     after_faults_sent: int = 0
     after_faults_completed: int = 0
+    fault_every_s: float = 0.0  # emulated seconds between faults
+
+    @property
+    def faults_per_minute(self) -> float:
+        """Faults per emulated minute, as scheduled."""
+        return 60.0 / self.fault_every_s if self.fault_every_s else 0.0
 
     @property
     def recovered(self) -> bool:
@@ -97,7 +105,7 @@ class SoakReport(BaseModel):
     def grew(self) -> list[ProcessMemory]:
         """Processes that lived through at least half the soak and whose memory did not stay flat
         (``ProcessMemory.flat``); a worker restarted late is too young to judge."""
-        return [m for m in self.memory if m.settled_s >= 30 * self.minutes and not m.flat()]
+        return [m for m in self.memory if m.settled_s >= 30 * self.minutes * self.dilation and not m.flat()]
 
     @property
     def failed_share(self) -> float:
@@ -127,9 +135,9 @@ def soak_specs(wl: Workload, wall_s: float, load: float, dilation: float) -> lis
     return [s for s in out if s.rid in kept]
 
 
-def random_faults(sc: Scenario, wall_s: float, every_s: float, dilation: float, seed: int) -> list[Fault]:
-    """One fault of a random kind every ``every_s`` wall seconds (the first after one
-    period), lasting a few emulated seconds; times in emulated seconds."""
+def random_faults(sc: Scenario, emulated_s: float, every_s: float, seed: int) -> list[Fault]:
+    """One fault of a random kind every ``every_s`` emulated seconds (the first after one
+    period), lasting a few emulated seconds."""
     rng = random.Random(seed)
     a, b = sc.wan.between
     workers = sorted(h for dc in sc.datacenters.values() for h, spec in dc.hosts.items()
@@ -137,8 +145,8 @@ def random_faults(sc: Scenario, wall_s: float, every_s: float, dilation: float, 
     shaped = [d for d, w in ((f"{a}->{b}", sc.wan.forward), (f"{b}->{a}", sc.wan.reverse)) if w.rate_mbit]
     out = []
     t = every_s
-    while t < wall_s:
-        at = round(t / dilation, 2)
+    while t < emulated_s:
+        at = round(t, 2)
         kind = rng.choice(FAULT_KINDS)
         if kind == "rate" and not shaped:
             kind = "loss"
@@ -188,16 +196,18 @@ def run_soak(sc: Scenario, wl: Workload, opts: SoakOptions) -> int:
         if value <= 0:
             raise InputError(f"{name}: must be positive, got {value}")
     spec = parse_policy(opts.policy)  # one policy; a bad one exits 2 naming it, before anything starts
-    wall_s = opts.minutes * 60
     plan = emulation_plan(sc, wl, wl.specs(opts.load), opts.dilation)
     d = plan.dilation
+    emulated_s = opts.minutes * 60
+    wall_s = emulated_s * d
     timeout_s = wall_s + 4 * sc.workers.request_timeout_s * d  # the bound every request must end within
     load = SoakLoop(wl, wall_s, opts.load, d, timeout_s, opts.retry)
-    faults = random_faults(sc, wall_s, opts.fault_every_s, d, opts.seed)
+    faults = random_faults(sc, emulated_s, opts.fault_every_s, opts.seed)
     out = opts.out or new_run_dir("soak")
     out.mkdir(parents=True, exist_ok=True)
-    print(f"soak: {len(load.specs)} requests over {opts.minutes:g} min at {opts.load:g}x the trace's rate, "
-          f"policy {spec.label}, D = {d:g}, a fault every {opts.fault_every_s:g} s ({len(faults)})", flush=True)
+    print(f"soak: {len(load.specs)} requests over {opts.minutes:g} emulated min ({wall_s / 60:.1f} min of wall clock "
+          f"at D = {d:g}) at {opts.load:g}x the trace's rate, policy {spec.label}, a fault every "
+          f"{opts.fault_every_s:g} emulated s ({len(faults)})", flush=True)
     with Deployment(sc, spec, emulation=plan, timeline=faults) as dep:
         run = dep.run(load)
     recs, router, applied = run.recs, run.router, run.faults
@@ -221,6 +231,7 @@ def run_soak(sc: Scenario, wl: Workload, opts: SoakOptions) -> int:
         faults=applied,
         faults_by_kind=dict(Counter(f.kind for f in applied if f.applied_s is not None and not f.error)),
         memory=memory, after_faults_sent=len(after), after_faults_completed=sum(r.ok for r in after),
+        fault_every_s=opts.fault_every_s,
     )  # fmt: skip
     write_atomic(out / "soak.json", report.model_dump_json(indent=2))
     write_csv(pd.DataFrame([{"rid": r.rid, "ok": r.ok, "error": r.error, "sent": r.sent, "ended": r.ended,
@@ -244,7 +255,9 @@ def run_soak(sc: Scenario, wl: Workload, opts: SoakOptions) -> int:
 def format_soak(r: SoakReport) -> str:
     lines = [f"requests {r.requests}: completed {r.completed}, failed with a reason {r.failed} "
              f"({100 * r.failed_share:.1f} % after retries), hung {r.hung}, lost {r.lost}",
-             "faults applied: " + (", ".join(f"{k} {n}" for k, n in sorted(r.faults_by_kind.items())) or "none"),
+             f"{r.minutes:g} emulated minutes at D {r.dilation:g}, a fault every {r.fault_every_s:g} emulated s "
+             f"({r.faults_per_minute:.2g} per emulated minute); faults applied: "
+             + (", ".join(f"{k} {n}" for k, n in sorted(r.faults_by_kind.items())) or "none"),
              f"after the last fault cleared: {r.after_faults_completed} of {r.after_faults_sent} requests sent "
              "completed",
              f"retries: {r.failed_attempts} failed attempts sent again ({100 * r.retry_share:.1f} % of attempts), "
