@@ -16,6 +16,7 @@ from protocol.worker_config import BrokerInfo
 from testbed.deploy.cluster import ROUTER_ENV
 from testbed.deploy.router import ENDED_KEPT, Router
 from testbed.policies import RequestState
+from testbed.policies.base import PolicyContext
 from testbed.policies.prefix_index import PrefixIndex
 from testbed.policies.spec import parse_policy
 
@@ -152,3 +153,51 @@ def test_the_router_holds_a_requests_tokens_compactly_and_counts_them() -> None:
     index = PrefixIndex(16, 1 << 20)
     index.insert(req.prompt)  # the router indexes the array; a policy may ask with the message's list
     assert index.match(toks) == 4096 and index.match(toks[:100] + [1] * 60) == 96
+
+
+def test_a_repeated_event_is_acted_on_and_counted_once(tmp_path: Path) -> None:
+    """After a broker restart QoS 1 may deliver a worker's event twice: the router hands off
+    once, records one transfer (its WAN bytes once) and drops the repeat, also after the end."""
+    import asyncio
+
+    from protocol.messages import Done, KvReceived, KvSent
+
+    cfg = RouterConfig(run_id="t4", broker=BrokerInfo(host="10.0.0.1", port=1883, username="r", password="p"),
+                       policy=parse_policy("pdd:relay_s=0"), records_path=str(tmp_path / "records.jsonl"),
+                       context=PolicyContext(wan_rate_bps=1e9, wan_rtt_s=0.03, kv_bytes_per_token=4096, home_dc="a"),
+                       workers={"prefill": WorkerEndpoint(role="prefill", dc="a", host="10.0.0.2", kv_port=7070),
+                                "relay": WorkerEndpoint(role="relay-decode", dc="a", host="10.0.0.3", kv_port=7070),
+                                "decode-b": WorkerEndpoint(role="decode", dc="b", host="10.0.0.4", kv_port=7070)})
+    router = Router(cfg)
+    sent: list[str] = []
+
+    async def publish(topic: str, payload: bytes, retain: bool = False) -> None:
+        sent.append(topic)
+
+    async def main() -> None:
+        router.publish = publish  # type: ignore[method-assign]
+        for w in router.view.workers.values():
+            w.up = True
+        await router._admit(Request(rid="r1", prompt=list(range(5000)), max_new=50))
+        plan = router.inflight["r1"].plan
+        assert plan is not None and plan.relay == "relay" and plan.decode == "decode-b"
+        kv = KvSent(rid="r1", worker="prefill", t=1.0, to="decode-b", bytes=10_000, written=10_000, payload=9_000,
+                    planned_payload=9_000, tokens=5000, had=0, start=0.5, end=1.0)
+        got = KvReceived(rid="r1", worker="decode-b", t=1.1, bytes=10_000, had=0, start=0.5, end=1.05)
+        before = len(sent)
+        for ev in (kv, got, kv, got):
+            await router._on_event(KvSent.model_validate_json(ev.model_dump_json()) if ev is kv else
+                                   KvReceived.model_validate_json(ev.model_dump_json()))
+        assert sent[before:] == [router.topics.cmd("relay")]  # one handoff
+        assert [e.kind for e in router.inflight["r1"].events] == ["kv_sent", "kv_received"]
+        done = Done(rid="r1", worker="decode-b", t=2.0, output_tokens=50)
+        await router._on_event(done)
+        await router._on_event(Done.model_validate_json(done.model_dump_json()))  # after the end
+        assert [e.kind for e in router.finished["r1"].events] == ["kv_sent", "kv_received", "done"]
+        # A later event of the same kind from the same worker is not a repeat.
+        await router._on_event(kv.model_copy(update={"t": 3.0}))
+        assert [e.kind for e in router.finished["r1"].events].count("kv_sent") == 2
+
+    with open(cfg.records_path, "w") as router.records:
+        asyncio.run(main())
+    assert router.repeated_events == 3

@@ -85,6 +85,7 @@ class Router:
         self.liveness = Liveness(cfg, self.view.workers, self._worker_died, self.out, transport.probe)
         WATCH.add_holder(_Held(self))
         self.repeated_requests = 0
+        self.repeated_events = 0
 
     async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
         assert self.session is not None
@@ -242,9 +243,13 @@ class Router:
         req = self.inflight.get(ev.rid)
         if req is None:
             if ev.rid in self.finished:  # e.g. the sender's kv_sent after the decoder's done
+                if self._repeated(self.finished[ev.rid].events, ev):
+                    return
                 self.finished[ev.rid].events.append(ev)
                 if ev.rid in self.ended:
                     self.policy.on_event(self.ended[ev.rid], ev)
+            return
+        if self._repeated(req.events, ev):
             return
         req.events.append(ev)
         self.policy.on_event(req, ev)
@@ -279,6 +284,17 @@ class Router:
         elif isinstance(ev, Done):
             self._finish(req, None)
             await self._cache_answer(req)
+
+    def _repeated(self, events: list[Event], ev: Event) -> bool:
+        """QoS 1 delivers at least once: after a broker restart a worker's event can come twice.
+        Acted on twice it would hand off twice, or count a transfer's WAN bytes twice. An event
+        is its kind, worker and time (a worker stamps each one it sends), so a repeat is
+        dropped, counted and logged."""
+        if not any(e.kind == ev.kind and e.worker == ev.worker and e.t == ev.t for e in events):
+            return False
+        self.repeated_events += 1
+        print(f"router: dropped a repeated {ev.kind} of {ev.rid} from {ev.worker}", file=sys.stderr, flush=True)
+        return True
 
     async def _cache_answer(self, req: RequestState) -> None:
         """``cache_outputs``: the prefill instance that served a completed request computes
