@@ -66,9 +66,22 @@ class Topics:
     def all_status(self) -> str:
         return f"{self.root}/worker/+/status"
 
+    def events(self, worker: str) -> str:
+        """A worker's events: only that worker may write here (the broker's ACL), so the
+        topic, not the message, says who sent one."""
+        return f"{self.root}/worker/{worker}/events"
+
     @property
-    def events(self) -> str:
-        return f"{self.root}/events"
+    def all_events(self) -> str:
+        return f"{self.root}/worker/+/events"
+
+    def worker_of(self, topic: str) -> str | None:
+        """The worker a ``worker/<name>/...`` topic of this run belongs to."""
+        head = f"{self.root}/worker/"
+        if not topic.startswith(head):
+            return None
+        name, sep, _ = topic[len(head):].partition("/")
+        return name if sep and name else None
 
     def tokens(self, rid: str) -> str:
         return f"{self.root}/tokens/{rid}"

@@ -74,15 +74,17 @@ def test_each_component_reads_and_writes_only_its_own_topics() -> None:
                 await prefill.subscribe(t.cmd("prefill"), qos=QOS)
                 await client.subscribe(t.all_tokens, qos=QOS)
                 await client.subscribe(t.all_streams, qos=QOS)
-                await client.subscribe(t.events, qos=QOS)  # not its topic
+                await client.subscribe(t.all_events, qos=QOS)  # not its topic
                 await prefill.publish(t.requests, b"request from prefill", qos=QOS)  # not its topic: dropped
                 await prefill.publish(t.cmd("decode-a"), b"prefill to decode-a", qos=QOS)  # dropped
                 await relay.publish(t.cmd("decode-b"), b"relay to decode-b", qos=QOS)  # the handoff: allowed
                 await relay.publish(t.stream("relay"), b"relay's tokens", qos=QOS)  # its own stream
                 await relay.publish(t.stream("prefill"), b"relay as prefill", qos=QOS)  # another's: dropped
                 await client.publish(t.requests, b"request from client", qos=QOS)
-                await client.publish(t.events, b"event from client", qos=QOS)  # dropped
-                for topic in (t.cmd("relay"), t.cmd("prefill"), t.events, t.tokens("r1")):
+                await client.publish(t.events("prefill"), b"event from client", qos=QOS)  # dropped
+                await prefill.publish(t.events("prefill"), b"prefill's event", qos=QOS)  # its own events
+                await prefill.publish(t.events("relay"), b"prefill as relay", qos=QOS)  # another's: dropped
+                for topic in (t.cmd("relay"), t.cmd("prefill"), t.events("relay"), t.tokens("r1")):
                     await admin.publish(topic, f"admin to {topic.removeprefix(t.root + '/')}".encode(), qos=QOS)
                 seen: dict[str, list[str]] = {"admin": [], "prefill": [], "client": []}
 
@@ -113,7 +115,8 @@ def test_each_component_reads_and_writes_only_its_own_topics() -> None:
     assert seen["prefill"] == {"admin to worker/prefill/cmd"}, seen
     assert seen["client"] == {"admin to tokens/r1", "relay's tokens"}, seen
     sent_by_components = seen["admin"] - {m for m in seen["admin"] if m.startswith("admin to")}
-    assert sent_by_components == {"relay to decode-b", "relay's tokens", "request from client"}, seen
+    assert sent_by_components == {"relay to decode-b", "relay's tokens", "request from client", "prefill's event"}, \
+        seen
 
 
 def _as_mosquitto(fn: Any) -> Any:

@@ -227,7 +227,7 @@ def _inject_when_streaming(cl: Cluster, victim: str, worker: str, seen: dict[str
         b = cl.access.admin  # the orchestrator may use every topic of the run
         async with aiomqtt.Client(b.host, b.port, username=b.username, password=b.password,
                                   identifier=f"{topics.root}-injector") as c:
-            for t in (topics.stream(worker), topics.tokens("bad-req"), topics.events):
+            for t in (topics.stream(worker), topics.tokens("bad-req"), topics.all_events):
                 await c.subscribe(t, qos=QOS)
             async with asyncio.timeout(90):
                 async for msg in c.messages:
@@ -256,12 +256,12 @@ def _inject_when_streaming(cl: Cluster, victim: str, worker: str, seen: dict[str
                         # recursion limit, numbers out of range, invalid UTF-8, a payload
                         # over the size a message may have.
                         for payload in HOSTILE_PAYLOADS:
-                            for topic in (topics.requests, topics.events, topics.cancels, topics.cmd(worker),
+                            for topic in (topics.requests, topics.events(worker), topics.cancels, topics.cmd(worker),
                                           topics.cmd("prefill"), topics.tokens("ghost"), topics.stream(worker)):
                                 await c.publish(topic, payload, qos=QOS)
                     elif str(msg.topic) == topics.tokens("bad-req"):
                         seen["bad-req"] = Tokens.model_validate_json(payload)
-                    elif str(msg.topic) == topics.events:
+                    elif str(msg.topic).endswith("/events"):
                         ev = parse_event(payload)
                         if isinstance(ev, Failed) and ev.rid == victim:
                             seen["failed"] = ev

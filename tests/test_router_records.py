@@ -201,3 +201,53 @@ def test_a_repeated_event_is_acted_on_and_counted_once(tmp_path: Path) -> None:
     with open(cfg.records_path, "w") as router.records:
         asyncio.run(main())
     assert router.repeated_events == 3
+
+
+def test_a_worker_speaks_only_for_itself_and_for_requests_it_was_given(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """Who sent a status or an event is its topic's worker: relay's status naming decode-b,
+    prefill's event signed decode-b, and an event for a request by a worker outside its plan
+    are refused and logged; the request and decode-b are untouched."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from protocol.messages import Done, Failed, Status
+
+    cfg = RouterConfig(run_id="t5", broker=BrokerInfo(host="10.0.0.1", port=1883, username="r", password="p"),
+                       policy=parse_policy("cross-dc"), records_path=str(tmp_path / "records.jsonl"),
+                       workers={"prefill": WorkerEndpoint(role="prefill", dc="a", host="10.0.0.2", kv_port=7070),
+                                "decode-a": WorkerEndpoint(role="decode", dc="a", host="10.0.0.3", kv_port=7070),
+                                "decode-b": WorkerEndpoint(role="decode", dc="b", host="10.0.0.4", kv_port=7070)})
+    router = Router(cfg)
+    t = router.topics
+
+    async def publish(topic: str, payload: bytes, retain: bool = False) -> None:
+        pass
+
+    def msg(topic: str, body: object) -> SimpleNamespace:
+        return SimpleNamespace(topic=topic, payload=body.dump())  # type: ignore[attr-defined]
+
+    async def main() -> None:
+        router.publish = publish  # type: ignore[method-assign]
+        for w in router.view.workers.values():
+            w.up = True
+        await router._admit(Request(rid="r1", prompt=list(range(100)), max_new=5))
+        plan = router.inflight["r1"].plan
+        assert plan is not None and plan.decode == "decode-b"
+        dead = Status(worker="decode-b", role="decode", state="dead")
+        await router._on_message(msg(t.status("decode-a"), dead))  # decode-a declaring decode-b dead
+        fail = Failed(rid="r1", worker="decode-b", t=1.0, reason="forged")
+        await router._on_message(msg(t.events("prefill"), fail))  # prefill signing as decode-b
+        await router._on_message(msg(t.events("decode-a"), Failed(rid="r1", worker="decode-a", t=1.0,
+                                                                  reason="not mine")))  # not in r1's plan
+        assert "r1" in router.inflight and router.inflight["r1"].events == []
+        assert router.view.workers["decode-b"].up and not router.liveness.suspects
+        await router._on_message(msg(t.events("decode-b"), Done(rid="r1", worker="decode-b", t=2.0,
+                                                                 output_tokens=5)))
+        assert "r1" not in router.inflight  # its own worker is heard
+
+    with open(cfg.records_path, "w") as router.records:
+        asyncio.run(main())
+    log = capsys.readouterr().err
+    assert f"refused a message on {t.status('decode-a')} claiming to be 'decode-b'" in log
+    assert f"refused a message on {t.events('prefill')} claiming to be 'decode-b' (for r1)" in log
+    assert "refused a failed of r1 from decode-a, not a worker of its plan" in log

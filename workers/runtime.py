@@ -139,7 +139,7 @@ class Worker:
     # before it awaits; buffered tokens go out before any event or command that follows
     # them), so a request's stream and a worker's events stay in order.
     def emit(self, event: Event) -> None:
-        self.send(self.topics.events, event.dump())
+        self.send(self.topics.events(self.cfg.name), event.dump())
 
     def send(self, topic: str, payload: bytes) -> None:
         """Publish without waiting, after the tokens buffered so far."""

@@ -52,13 +52,14 @@ def acl_rules(topics: Topics, workers: dict[str, str]) -> dict[str, list[tuple[s
     t = topics
     rules: dict[str, list[tuple[str, str]]] = {
         "admin": [("readwrite", f"{t.root}/#")],
-        "router": [("read", t.requests), ("read", t.cancels), ("read", t.events), ("read", t.all_status),
+        "router": [("read", t.requests), ("read", t.cancels), ("read", t.all_events), ("read", t.all_status),
                    ("write", t.cmd("+")), ("write", t.all_tokens), ("readwrite", t.router_status)],
         "client": [("write", t.requests), ("write", t.cancels), ("read", t.all_streams), ("read", t.all_tokens),
                    ("read", t.router_status)],
     }
     for name, role in sorted(workers.items()):
-        mine = [("read", t.cmd(name)), ("readwrite", t.status(name)), ("write", t.events), ("write", t.stream(name))]
+        mine = [("read", t.cmd(name)), ("readwrite", t.status(name)), ("write", t.events(name)),
+                ("write", t.stream(name))]
         if role in DECODERS:
             mine += [("write", t.cmd(peer)) for peer, r in sorted(workers.items()) if r in DECODERS and peer != name]
         rules[f"w-{name}"] = mine

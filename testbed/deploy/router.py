@@ -16,6 +16,7 @@ import gc
 import os
 import signal
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TextIO
 
@@ -105,7 +106,7 @@ class Router:
         will = aiomqtt.Will(self.topics.router_status, down, qos=1, retain=True)
         client = self.transport.mqtt_client(b, f"{self.cfg.run_id}-router", 5, will)
         self.session = Session(client, [self.topics.requests, self.topics.cancels, self.topics.all_status,
-                                        self.topics.events], "router")
+                                        self.topics.all_events], "router")
         self.session.on_error = self._reject
         self.liveness.session = self.session
 
@@ -137,10 +138,14 @@ class Router:
             elif topic == self.topics.cancels:
                 cancel = CancelRequest.model_validate_json(payload)
                 await self._fail(cancel.rid, f"cancelled by the client: {cancel.reason}")
-            elif topic == self.topics.events:
-                await self._on_event(parse_event(payload))
+            elif topic.endswith("/events"):
+                ev = parse_event(payload)
+                if self._speaks_for(topic, ev.worker, ev.rid):
+                    await self._on_event(ev)
             elif topic.endswith("/status"):
-                await self._on_status(Status.model_validate_json(payload))
+                st = Status.model_validate_json(payload)
+                if self._speaks_for(topic, st.worker, None):
+                    await self._on_status(st)
         except ValidationError as e:
             await self._reject(topic, bytes(payload), why_invalid(e))
 
@@ -243,13 +248,14 @@ class Router:
         req = self.inflight.get(ev.rid)
         if req is None:
             if ev.rid in self.finished:  # e.g. the sender's kv_sent after the decoder's done
-                if self._repeated(self.finished[ev.rid].events, ev):
+                rec = self.finished[ev.rid]
+                if not self._in_plan(ev, (rec.prefill, rec.relay, rec.decode)) or self._repeated(rec.events, ev):
                     return
-                self.finished[ev.rid].events.append(ev)
+                rec.events.append(ev)
                 if ev.rid in self.ended:
                     self.policy.on_event(self.ended[ev.rid], ev)
             return
-        if self._repeated(req.events, ev):
+        if (req.plan is not None and not self._in_plan(ev, req.plan.workers)) or self._repeated(req.events, ev):
             return
         req.events.append(ev)
         self.policy.on_event(req, ev)
@@ -284,6 +290,25 @@ class Router:
         elif isinstance(ev, Done):
             self._finish(req, None)
             await self._cache_answer(req)
+
+    def _speaks_for(self, topic: str, claimed: str, rid: str | None) -> bool:
+        """Who sent a status or an event is the topic's worker (only it may write there), not
+        what the message says: a worker naming another is refused and logged, and touches
+        nothing (it cannot declare another dead or end another's request)."""
+        if claimed == self.topics.worker_of(topic):
+            return True
+        print(f"router: refused a message on {topic} claiming to be {claimed!r}"
+              f"{f' (for {rid})' if rid else ''}", file=sys.stderr, flush=True)
+        return False
+
+    def _in_plan(self, ev: Event, workers: Iterable[str | None]) -> bool:
+        """Only the workers the router gave a request to speak for it: another worker's event
+        for it (a failure, a transfer, a done) is refused and logged."""
+        if ev.worker in workers:
+            return True
+        print(f"router: refused a {ev.kind} of {ev.rid} from {ev.worker}, not a worker of its plan", file=sys.stderr,
+              flush=True)
+        return False
 
     def _repeated(self, events: list[Event], ev: Event) -> bool:
         """QoS 1 delivers at least once: after a broker restart a worker's event can come twice.
