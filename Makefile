@@ -74,16 +74,19 @@ test-fast: $(STAMP)
 
 # Replays the default agentic trace under each policy, prints the side-by-side table and
 # saves requests.csv/.parquet, summary.json, report.md and plots under runs/<timestamp>/ (`testbed report DIR` rebuilds them).
+# The simulator's part runs whatever the emulated run's exit; make's exit is the emulated run's.
+# (A variable: a comma inside $(if ...) would split its arguments.)
+REGIME_RUN = echo; echo "== THE SIMULATOR, not this host's emulation: the report's regime (topologies/paper.yaml," \
+  "$(REGIME_LIMIT) requests of traces/paper.jsonl at load $(REGIME_LOAD)x, prefill x$(REGIME_PREFILL_COST), as" \
+  "make reproduce fitted them; docs/results.md)"; \
+  $(VENV)/bin/testbed run --engine sim --scenario topologies/paper.yaml --trace traces/paper.jsonl \
+  --token-scale $(TOKEN_SCALE) --limit $(REGIME_LIMIT) --load $(REGIME_LOAD) \
+  --prefill-cost $(REGIME_PREFILL_COST) --policies same-dc,cross-dc,pdd || rc=$$((rc ? rc : $$?));
 run-trace: setup
 	$(VENV)/bin/testbed clean
-	$(VENV)/bin/testbed run --scenario $(SCENARIO) --trace $(TRACE) --token-scale $(TOKEN_SCALE) \
-	  --policies $(POLICIES) $(if $(NETWORK),--network $(NETWORK)) $(RUN_ARGS)
-	$(if $(filter 1,$(REGIME)),@echo; echo "== THE SIMULATOR, not this host's emulation: the report's regime" \
-	  "(topologies/paper.yaml, $(REGIME_LIMIT) requests of traces/paper.jsonl at load $(REGIME_LOAD)x, prefill" \
-	  "x$(REGIME_PREFILL_COST), as make reproduce fitted them; docs/results.md)"; \
-	  $(VENV)/bin/testbed run --engine sim --scenario topologies/paper.yaml --trace traces/paper.jsonl \
-	  --token-scale $(TOKEN_SCALE) --limit $(REGIME_LIMIT) --load $(REGIME_LOAD) \
-	  --prefill-cost $(REGIME_PREFILL_COST) --policies same-dc,cross-dc,pdd)
+	rc=0; $(VENV)/bin/testbed run --scenario $(SCENARIO) --trace $(TRACE) --token-scale $(TOKEN_SCALE) \
+	  --policies $(POLICIES) $(if $(NETWORK),--network $(NETWORK)) $(RUN_ARGS) || rc=$$?; \
+	$(if $(filter 1,$(REGIME)),$(REGIME_RUN)) exit $$rc
 
 # The report's device counts (75 emulated accelerators for PDD) as modeled instances.
 run-cluster: setup

@@ -50,7 +50,9 @@ if TYPE_CHECKING:
 # compute thread, and stats files renamed on a disk filesystem (0.2-0.6 s journal waits).
 # With those gone, at 1.35 (D 2.4) same-dc and cross-dc ran without a single overrun and
 # PDD's prefill still overran 4 of 117 steps (3-31 ms: its sends to two decoders beside it).
-MARGIN = 1.5
+# At 1.5 (D 2.8, 2026-12-04) `make run-trace` passed some times and failed others: PDD's
+# prefill overran 3 of 117 steps, the worst 110 ms against 92 ms modeled (it needed 1.8).
+MARGIN = 2.0
 DECODE_BATCHES = (1, 8, 24)
 EXTEND_TOKENS = (1, 64)  # a catch-up handoff's last batch is often one token: fixed costs dominate
 
