@@ -79,7 +79,8 @@ class WhatIf(BaseModel):
     share: int
     pdd_prefill_cost: float
     runs: list[str]
-    vs_same: dict[str, tuple[float, float | None]]  # "mean"|"p50"|"p99" -> (mean, half-width) of PDD / same-dc - 1
+    # "mean"|"p50"|"p99" -> (mean, half-width) of PDD / same-dc - 1; (None, None) where no draw measured it
+    vs_same: dict[str, tuple[float | None, float | None]]
 
 
 class RegimeFit(BaseModel):
@@ -211,7 +212,7 @@ def whatif_shares(sc: Scenario, fit: RegimeFit, final_draws: list[Draw], opts: R
             ratios = [getattr(p, field) / getattr(b, field) - 1 for p, b in zip(mine, same, strict=True)
                       if getattr(p, field) and getattr(b, field)]
             ci = mean_ci(ratios)
-            vs[key] = (ci.mean, ci.half) if ci else (float("nan"), None)
+            vs[key] = (ci.mean, ci.half) if ci else (None, None)
         found.append(WhatIf(share=x, pdd_prefill_cost=c, runs=[str(f) for f in dirs[x]], vs_same=vs))
     fit = fit.model_copy(update={"prefill_accelerators": total, "whatif": found})
     save_regime(fit, out)
@@ -222,7 +223,9 @@ def whatif_markdown(f: RegimeFit) -> list[str]:
     if not f.whatif:
         return []
 
-    def pct(v: tuple[float, float | None]) -> str:
+    def pct(v: tuple[float | None, float | None]) -> str:
+        if v[0] is None:
+            return "-"
         return f"{100 * v[0]:+.1f} %" + ("" if v[1] is None else f" ± {100 * v[1]:.1f}")
 
     lines = ["", "## What the baseline's prefill share would make true", "",
