@@ -66,22 +66,12 @@ class Topics:
     def all_status(self) -> str:
         return f"{self.root}/worker/+/status"
 
-    def events(self, worker: str) -> str:
-        """A worker's events: only that worker may write here (the broker's ACL), so the
-        topic, not the message, says who sent one."""
+    def events(self, worker: str) -> str:  # only that worker may write here (the ACL): the topic says who
         return f"{self.root}/worker/{worker}/events"
 
     @property
     def all_events(self) -> str:
         return f"{self.root}/worker/+/events"
-
-    def worker_of(self, topic: str) -> str | None:
-        """The worker a ``worker/<name>/...`` topic of this run belongs to."""
-        head = f"{self.root}/worker/"
-        if not topic.startswith(head):
-            return None
-        name, sep, _ = topic[len(head):].partition("/")
-        return name if sep and name else None
 
     def tokens(self, rid: str) -> str:
         return f"{self.root}/tokens/{rid}"
@@ -103,8 +93,7 @@ class Topics:
 
 
 class Message(Contract):
-    """A message on the control plane: a contract whose numbers are finite (a time or a size
-    of ``inf`` or ``nan`` from a peer would poison every sum and comparison it enters)."""
+    """A control-plane message: its numbers are finite (a peer's ``inf``/``nan`` would poison every sum)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -114,8 +103,7 @@ class Message(Contract):
 SAFE_NAME = r"^[A-Za-z0-9_.:=@-]{1,128}$"
 RequestId = Annotated[str, Field(pattern=SAFE_NAME)]
 _SAFE = re.compile(SAFE_NAME)
-# A token id as a client may send it: a 4-byte integer (every vocabulary fits), which is how
-# the router holds prompts (``testbed/policies/token_ids.py``).
+# A token id as a client may send it: 4 bytes, as the router holds prompts (policies/token_ids.py).
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 

@@ -5,11 +5,27 @@ transfers themselves: ``workers/kv_wire.py``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hmac
 import socket
 import struct
+import sys
 from collections.abc import Awaitable, Callable
 
-from protocol.kv_format import HDR, MAGIC, MAX_CONTROL_FRAME, VERSION, KVTransferError
+from protocol.kv_format import (
+    ACK,
+    AUTH,
+    AUTH_TIMEOUT_S,
+    HDR,
+    MAGIC,
+    MAX_AUTH,
+    MAX_CONTROL_FRAME,
+    VERSION,
+    Ack,
+    Auth,
+    KVTransferError,
+    parse_frame,
+)
 from workers.namespace import tcp_socket
 
 MAX_CONNECTIONS = 256  # a receiver's open connections (senders keep kv_streams_per_peer each)
@@ -129,3 +145,31 @@ async def listen(handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], 
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     return await asyncio.start_server(handle, sock=sock)
+
+
+async def authenticate(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, token: str,
+                         timeout_s: float | None) -> bool:
+    """A connection's first frame must be AUTH with the run's token: at most ``MAX_AUTH``
+    bytes within ``AUTH_TIMEOUT_S`` (or the transfer timeout, if shorter). A stranger is told
+    why and closed before it can make the receiver read a HELLO or hold a connection slot."""
+    wait = AUTH_TIMEOUT_S if timeout_s is None else min(AUTH_TIMEOUT_S, timeout_s)
+    try:
+        ftype, payload = await read_frame(reader, MAX_AUTH, wait)
+        if ftype != AUTH:
+            raise KVTransferError(f"the first frame is type {ftype}, not AUTH")
+        auth = parse_frame(Auth, payload, "AUTH")
+        if token and not hmac.compare_digest(auth.token.encode(), token.encode()):
+            raise KVTransferError("AUTH without this run's KV token")
+        return True
+    except asyncio.IncompleteReadError as e:
+        if not e.partial:
+            return False  # connected and left without a word (a port scan, a liveness check)
+        why = f"cut off mid-frame ({len(e.partial)} bytes)"
+    except Exception as e:  # noqa: BLE001 - a stranger is refused, never the server
+        why = str(e) or type(e).__name__
+    peer = writer.get_extra_info("peername")
+    print(f"KV: refused a connection from {peer}: {why}", file=sys.stderr, flush=True)
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(1.0):
+            await write_frame(writer, ACK, Ack(error=f"refused: {why}").model_dump_json().encode())
+    return False

@@ -42,7 +42,6 @@ import contextlib
 import hmac
 import socket
 import struct
-import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -93,6 +92,7 @@ from workers.kv_conn import (  # noqa: F401 - Connections and the limits are par
     Conn,
     Connections,
     PeerSilent,
+    authenticate,
     bytes_acked,
     connect,
     listen,
@@ -283,7 +283,7 @@ async def serve_kv(host: str, port: int, offer: OfferFn, done: DoneFn, fail: Fai
         open_conns += 1
         tune_socket(writer.get_extra_info("socket"), timeout_s)
         try:
-            if not await _authenticated(reader, writer, token, timeout_s):
+            if not await authenticate(reader, writer, token, timeout_s):
                 return
             while await receive_kv(reader, writer, offer, done, fail, expect, token, keep_open=True, zeros=zeros,
                                    timeout_s=timeout_s):
@@ -294,33 +294,6 @@ async def serve_kv(host: str, port: int, offer: OfferFn, done: DoneFn, fail: Fai
 
     return await listen(handle, host, port, netns)
 
-
-async def _authenticated(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, token: str,
-                         timeout_s: float | None) -> bool:
-    """A connection's first frame must be AUTH with the run's token: at most ``MAX_AUTH``
-    bytes within ``AUTH_TIMEOUT_S`` (or the transfer timeout, if shorter). A stranger is told
-    why and closed before it can make the receiver read a HELLO or hold a connection slot."""
-    wait = AUTH_TIMEOUT_S if timeout_s is None else min(AUTH_TIMEOUT_S, timeout_s)
-    try:
-        ftype, payload = await read_frame(reader, MAX_AUTH, wait)
-        if ftype != AUTH:
-            raise KVTransferError(f"the first frame is type {ftype}, not AUTH")
-        auth = parse_frame(Auth, payload, "AUTH")
-        if token and not hmac.compare_digest(auth.token.encode(), token.encode()):
-            raise KVTransferError("AUTH without this run's KV token")
-        return True
-    except asyncio.IncompleteReadError as e:
-        if not e.partial:
-            return False  # connected and left without a word (a port scan, a liveness check)
-        why = f"cut off mid-frame ({len(e.partial)} bytes)"
-    except Exception as e:  # noqa: BLE001 - a stranger is refused, never the server
-        why = str(e) or type(e).__name__
-    peer = writer.get_extra_info("peername")
-    print(f"KV: refused a connection from {peer}: {why}", file=sys.stderr, flush=True)
-    with contextlib.suppress(Exception):
-        async with asyncio.timeout(1.0):
-            await write_frame(writer, ACK, Ack(error=f"refused: {why}").model_dump_json().encode())
-    return False
 
 
 async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, offer: OfferFn, done: DoneFn,

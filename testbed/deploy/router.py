@@ -47,6 +47,7 @@ from protocol.messages import (
 from protocol.mqtt_session import Session
 from protocol.router_config import RequestRecord, RouterConfig
 from testbed.deploy.liveness import Liveness
+from testbed.deploy.router_checks import in_plan, repeated, speaks_for
 from testbed.policies import ClusterView, Policy, RequestState, make_policy
 from testbed.policies.base import WorkerView
 from workers.allocator import WATCH
@@ -292,33 +293,15 @@ class Router:
             await self._cache_answer(req)
 
     def _speaks_for(self, topic: str, claimed: str, rid: str | None) -> bool:
-        """Who sent a status or an event is the topic's worker (only it may write there), not
-        what the message says: a worker naming another is refused and logged, and touches
-        nothing (it cannot declare another dead or end another's request)."""
-        if claimed == self.topics.worker_of(topic):
-            return True
-        print(f"router: refused a message on {topic} claiming to be {claimed!r}"
-              f"{f' (for {rid})' if rid else ''}", file=sys.stderr, flush=True)
-        return False
+        return speaks_for(self.topics, topic, claimed, rid)
 
     def _in_plan(self, ev: Event, workers: Iterable[str | None]) -> bool:
-        """Only the workers the router gave a request to speak for it: another worker's event
-        for it (a failure, a transfer, a done) is refused and logged."""
-        if ev.worker in workers:
-            return True
-        print(f"router: refused a {ev.kind} of {ev.rid} from {ev.worker}, not a worker of its plan", file=sys.stderr,
-              flush=True)
-        return False
+        return in_plan(ev, workers)
 
     def _repeated(self, events: list[Event], ev: Event) -> bool:
-        """QoS 1 delivers at least once: after a broker restart a worker's event can come twice.
-        Acted on twice it would hand off twice, or count a transfer's WAN bytes twice. An event
-        is its kind, worker and time (a worker stamps each one it sends), so a repeat is
-        dropped, counted and logged."""
-        if not any(e.kind == ev.kind and e.worker == ev.worker and e.t == ev.t for e in events):
+        if not repeated(events, ev):
             return False
         self.repeated_events += 1
-        print(f"router: dropped a repeated {ev.kind} of {ev.rid} from {ev.worker}", file=sys.stderr, flush=True)
         return True
 
     async def _cache_answer(self, req: RequestState) -> None:

@@ -1,0 +1,50 @@
+"""What the router believes of a message before it acts on it: who sent it (its topic, not its
+body), whether that worker is one of the request's, and whether it was already handled."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+
+from protocol.messages import Event, Topics
+
+
+def worker_of(topics: Topics, topic: str) -> str | None:
+    """The worker a ``worker/<name>/...`` topic of this run belongs to."""
+    head = f"{topics.root}/worker/"
+    if not topic.startswith(head):
+        return None
+    name, sep, _ = topic[len(head):].partition("/")
+    return name if sep and name else None
+
+
+def speaks_for(topics: Topics, topic: str, claimed: str, rid: str | None) -> bool:
+    """Who sent a status or an event is the topic's worker (only it may write there), not
+    what the message says: a worker naming another is refused and logged, and touches
+    nothing (it cannot declare another dead or end another's request)."""
+    if claimed == worker_of(topics, topic):
+        return True
+    print(f"router: refused a message on {topic} claiming to be {claimed!r}{f' (for {rid})' if rid else ''}",
+          file=sys.stderr, flush=True)
+    return False
+
+
+def in_plan(ev: Event, workers: Iterable[str | None]) -> bool:
+    """Only the workers the router gave a request to speak for it: another worker's event
+    for it (a failure, a transfer, a done) is refused and logged."""
+    if ev.worker in workers:
+        return True
+    print(f"router: refused a {ev.kind} of {ev.rid} from {ev.worker}, not a worker of its plan", file=sys.stderr,
+          flush=True)
+    return False
+
+
+def repeated(events: list[Event], ev: Event) -> bool:
+    """QoS 1 delivers at least once: after a broker restart a worker's event can come twice.
+    Acted on twice it would hand off twice, or count a transfer's WAN bytes twice. An event
+    is its kind, worker and time (a worker stamps each one it sends), so a repeat is
+    dropped and logged."""
+    if not any(e.kind == ev.kind and e.worker == ev.worker and e.t == ev.t for e in events):
+        return False
+    print(f"router: dropped a repeated {ev.kind} of {ev.rid} from {ev.worker}", file=sys.stderr, flush=True)
+    return True
