@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 from protocol.messages import Request
 from protocol.router_config import RequestRecord, RouterConfig, WorkerEndpoint
@@ -155,6 +156,21 @@ def test_the_router_holds_a_requests_tokens_compactly_and_counts_them() -> None:
     assert index.match(toks) == 4096 and index.match(toks[:100] + [1] * 60) == 96
 
 
+async def _admitted(router: Router, sent: list[str], req: Request) -> Any:
+    """``req`` admitted by a router whose workers are all up and whose publications land in
+    ``sent`` (their topics); returns its plan."""
+    async def publish(topic: str, payload: bytes, retain: bool = False) -> None:
+        sent.append(topic)
+
+    router.publish = publish  # type: ignore[method-assign]
+    for w in router.view.workers.values():
+        w.up = True
+    await router._admit(req)
+    plan = router.inflight[req.rid].plan
+    assert plan is not None
+    return plan
+
+
 def test_a_repeated_event_is_acted_on_and_counted_once(tmp_path: Path) -> None:
     """After a broker restart QoS 1 may deliver a worker's event twice: the router hands off
     once, records one transfer (its WAN bytes once) and drops the repeat, also after the end."""
@@ -171,16 +187,9 @@ def test_a_repeated_event_is_acted_on_and_counted_once(tmp_path: Path) -> None:
     router = Router(cfg)
     sent: list[str] = []
 
-    async def publish(topic: str, payload: bytes, retain: bool = False) -> None:
-        sent.append(topic)
-
     async def main() -> None:
-        router.publish = publish  # type: ignore[method-assign]
-        for w in router.view.workers.values():
-            w.up = True
-        await router._admit(Request(rid="r1", prompt=list(range(5000)), max_new=50))
-        plan = router.inflight["r1"].plan
-        assert plan is not None and plan.relay == "relay" and plan.decode == "decode-b"
+        plan = await _admitted(router, sent, Request(rid="r1", prompt=list(range(5000)), max_new=50))
+        assert plan.relay == "relay" and plan.decode == "decode-b"
         kv = KvSent(rid="r1", worker="prefill", t=1.0, to="decode-b", bytes=10_000, written=10_000, payload=9_000,
                     planned_payload=9_000, tokens=5000, had=0, start=0.5, end=1.0)
         got = KvReceived(rid="r1", worker="decode-b", t=1.1, bytes=10_000, had=0, start=0.5, end=1.05)
@@ -220,19 +229,12 @@ def test_a_worker_speaks_only_for_itself_and_for_requests_it_was_given(tmp_path:
     router = Router(cfg)
     t = router.topics
 
-    async def publish(topic: str, payload: bytes, retain: bool = False) -> None:
-        pass
-
     def msg(topic: str, body: object) -> SimpleNamespace:
         return SimpleNamespace(topic=topic, payload=body.dump())  # type: ignore[attr-defined]
 
     async def main() -> None:
-        router.publish = publish  # type: ignore[method-assign]
-        for w in router.view.workers.values():
-            w.up = True
-        await router._admit(Request(rid="r1", prompt=list(range(100)), max_new=5))
-        plan = router.inflight["r1"].plan
-        assert plan is not None and plan.decode == "decode-b"
+        plan = await _admitted(router, [], Request(rid="r1", prompt=list(range(100)), max_new=5))
+        assert plan.decode == "decode-b"
         dead = Status(worker="decode-b", role="decode", state="dead")
         await router._on_message(msg(t.status("decode-a"), dead))  # decode-a declaring decode-b dead
         fail = Failed(rid="r1", worker="decode-b", t=1.0, reason="forged")
