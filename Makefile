@@ -65,9 +65,16 @@ $(MININET_LINK): $(STAMP)
 	  ln -sfn "$$src" "$$site/mininet" && $(PY) -c 'import mininet.topo' && touch $@
 
 # Every tier (unit, emulation, slow); `make test-fast` the unit tier alone: no root, no
-# namespaces, no worker processes.
+# namespaces, no worker processes. Most emulation tests wait on emulated time rather than
+# compute, so TEST_WORKERS of them run side by side (pytest-xdist, a process each); those marked
+# `serial` (they compare timings measured on this host with a tolerance, or look at the host's
+# global state) run afterwards, alone. Both parts always run; either failing fails the target.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q
+	@$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load -m "not serial"; parallel=$$?; \
+	  echo "--- the serial part: tests that time this host or read its global state, one at a time"; \
+	  $(PY) -m pytest -q -m serial; serial=$$?; \
+	  test $$parallel = 0 && test $$serial = 0
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m unit

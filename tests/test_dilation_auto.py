@@ -91,6 +91,7 @@ def test_an_auto_choice_is_kept_per_inputs_and_host_raised_after_a_failure_and_n
     assert dilation_cache.recall(key) is None
 
 
+@pytest.mark.serial
 @needs_root
 def test_auto_on_a_host_with_a_busy_core_passes_or_says_why_and_the_next_run_reuses_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -23,6 +23,9 @@ from workers.model_dir import kv_bytes_per_token
 
 from .conftest import needs_root, scenario_with
 
+# Latencies measured on this host compared within 10 %: run alone (make test's serial part).
+pytestmark = pytest.mark.serial
+
 SERVING = ("prefill", "relay", "decode-a", "decode-b")
 STATS = ("ttft_s", "tpot_s")
 

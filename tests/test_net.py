@@ -26,6 +26,7 @@ pytestmark = needs_root
 
 
 # The two ends of the range (a middle case took 7 s of `make test` and found nothing they miss).
+@pytest.mark.serial
 @pytest.mark.parametrize(("delay_ms", "rate_mbit"), [(5, 50), (50, 500)])
 def test_rtt_and_goodput_match_configuration(delay_ms: float, rate_mbit: float) -> None:
     with built(small_wan(delay_ms, rate_mbit)) as net:
@@ -42,6 +43,7 @@ def test_rtt_and_goodput_match_configuration(delay_ms: float, rate_mbit: float) 
         assert 0.9 * rate_mbit <= r.measured <= 1.05 * rate_mbit
 
 
+@pytest.mark.serial
 def test_jitter_spread_matches_configuration() -> None:
     delay, jitter = 10.0, 4.0
     with built(small_wan(delay, None, jitter_ms=jitter)) as net:
@@ -63,6 +65,7 @@ def test_jitter_spread_matches_configuration() -> None:
     assert sum(r > bound for r in res.rtts_ms) <= 0.02 * len(res.rtts_ms)
 
 
+@pytest.mark.serial
 def test_loss_matches_configuration() -> None:
     pct, count, warmup = 5.0, 4000, 2
     with built(small_wan(2.0, None, loss_fwd=pct)) as net:
@@ -109,6 +112,7 @@ def _udp_flood(ns: str, dst_ip: str, seconds: float) -> int:
     return sent
 
 
+@pytest.mark.serial
 def test_delay_line_survives_flood_that_overflows_queue() -> None:
     # 20 Mbit/s with a 200 KB buffer: a UDP flood at several Gbit/s must overflow it.
     with built(small_wan(5.0, 20, queue_bytes=200_000)) as net:

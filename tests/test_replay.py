@@ -39,6 +39,7 @@ def _sessions(path: Path, n: int, turns: int, out_tokens: int = 6, delay: float 
     return path
 
 
+@pytest.mark.serial
 def test_bad_trace_exits_2_naming_line_and_field_and_starts_nothing(tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.jsonl"

@@ -20,7 +20,8 @@ from workers.model_dir import kv_bytes_per_token
 
 from .conftest import TOPOLOGIES, needs_root, run_cli_output
 
-pytestmark = needs_root
+# Both compare timings measured on this host with a tolerance: run alone (make test's serial part).
+pytestmark = [needs_root, pytest.mark.serial]
 
 
 def test_the_link_model_times_transfers_as_the_delay_line_does() -> None:

@@ -97,6 +97,7 @@ def test_a_worker_is_judged_on_its_floor_net_of_caches() -> None:
     assert with_floor(relay, steady[:4]) == relay  # under 4 settled minutes: RSS decides
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 @needs_root
 def test_a_short_soak_ends_every_request_and_samples_memory(tmp_path: Path) -> None:
