@@ -19,7 +19,7 @@ import pytest
 from testbed.cli.main import main as testbed_main
 from testbed.deploy.deployment import network_session
 from testbed.deploy.fidelity import host_steal_s
-from testbed.net import netns
+from testbed.net import netns, runstate
 from testbed.net.build import Network
 from testbed.scenario import Scenario, deep_merge, load_scenario
 from workers.privilege import Identity
@@ -50,6 +50,27 @@ def assert_unprivileged(pid: int) -> None:
     assert st["Uid"].split() == [str(uid)] * 4 and st["Gid"].split() == [str(gid)] * 4, (pid, st["Name"], st["Uid"])
     assert int(st["CapEff"], 16) == 0 and int(st["CapPrm"], 16) == 0
     assert st["NoNewPrivs"] == "1"
+
+
+def host_state() -> tuple[set[str], set[str]]:
+    """The host's namespaces and run folders now (``left_behind``'s ``before``)."""
+    root = runstate.STATE_ROOT
+    return set(netns.list_namespaces()), set(os.listdir(root)) if root.exists() else set()
+
+
+def left_behind(before: tuple[set[str], set[str]]) -> set[str]:
+    """Namespaces and run folders that appeared since ``before`` and belong to no live run: what
+    a finished command left. A live run is another test's, running alongside under make test's
+    parallel part; one caught while it writes its manifest is looked at again a second later."""
+    for attempt in range(2):
+        spaces, runs = host_state()
+        live = {r.run_id for r in runstate.live_runs()}
+        new = {n for n in spaces - before[0] if not any(n.startswith(f"pdd{r}-") for r in live)}
+        new |= {f"{runstate.STATE_ROOT}/{r}" for r in runs - before[1] - live}
+        if not new or attempt:
+            return new
+        time.sleep(1.0)
+    return new
 
 
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:

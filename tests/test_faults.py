@@ -104,7 +104,6 @@ def test_wan_outage_and_broker_restart_lose_nothing(spread_prompts) -> None:
     assert {router[s.rid].pipeline for s in specs} == {"P-RLD-MD"}
 
 
-@pytest.mark.serial
 def test_a_wan_outage_past_the_broker_keepalive_makes_the_decoder_unreachable_not_dead(spread_prompts,
                                                                                       tmp_path: Path) -> None:
     """14 s without a line lapses decode-b's broker session (after 7.5-9 s) and its last will goes

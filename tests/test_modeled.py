@@ -114,7 +114,6 @@ def test_router_prefers_the_instance_holding_the_prefix_within_a_load_slack() ->
     assert view.pick("prefill", prompt=prompt).name == "p2"  # too busy for affinity
 
 
-@pytest.mark.serial
 @pytest.mark.slow
 @needs_root
 def test_modeled_cluster_replays_with_balanced_instances_that_keep_their_pace(tmp_path: Path) -> None:

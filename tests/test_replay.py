@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,11 +13,10 @@ from protocol.worker_config import WorkerFaults
 from testbed.analysis.results import load_run
 from testbed.deploy.deployment import Deployment
 from testbed.load.trace_replay import TraceReplay
-from testbed.net import netns, runstate
 from testbed.policies import parse_policy
 from testbed.traces import load_trace
 
-from .conftest import ROOT, needs_root, run_cli, scenario_with
+from .conftest import ROOT, host_state, left_behind, needs_root, run_cli, scenario_with
 
 pytestmark = needs_root
 
@@ -39,20 +37,16 @@ def _sessions(path: Path, n: int, turns: int, out_tokens: int = 6, delay: float 
     return path
 
 
-@pytest.mark.serial
 def test_bad_trace_exits_2_naming_line_and_field_and_starts_nothing(tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [1, 2]}\n'
                    '{"timestamp": 5, "input_length": 2000, "output_length": 3, "hash_ids": [1, 2]}\n')
-    before_ns = set(netns.list_namespaces())
-    before_runs = set(os.listdir(runstate.STATE_ROOT)) if runstate.STATE_ROOT.exists() else set()
+    before = host_state()
     res = _testbed("run", "--trace", str(bad), "--policies", "same-dc")
     assert res.returncode == 2, res.stderr
     assert f"{bad}:2: hash_ids:" in res.stderr
-    assert set(netns.list_namespaces()) == before_ns
-    after_runs = set(os.listdir(runstate.STATE_ROOT)) if runstate.STATE_ROOT.exists() else set()
-    assert after_runs == before_runs
+    assert not left_behind(before)
     # The same checks of the policy grammar, in this process (the exit path is the one above).
     trace = str(ROOT / "traces" / "agentic-default.jsonl")
     code, err = run_cli(["run", "--trace", trace, "--policies", "nope"], capsys)

@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 
 from testbed.load.soak import random_faults, soak_specs
-from testbed.net import netns
 from testbed.scenario import load_scenario
 from testbed.traces import load_trace
 
-from .conftest import ROOT, TOPOLOGIES, needs_root
+from .conftest import ROOT, TOPOLOGIES, host_state, left_behind, needs_root
 
 
 def test_the_trace_repeats_back_to_back_with_whole_sessions() -> None:
@@ -97,7 +96,6 @@ def test_a_worker_is_judged_on_its_floor_net_of_caches() -> None:
     assert with_floor(relay, steady[:4]) == relay  # under 4 settled minutes: RSS decides
 
 
-@pytest.mark.serial
 @pytest.mark.slow
 @needs_root
 def test_a_short_soak_ends_every_request_and_samples_memory(tmp_path: Path) -> None:
@@ -109,7 +107,7 @@ def test_a_short_soak_ends_every_request_and_samples_memory(tmp_path: Path) -> N
         "session": f"s{i}", "start_s": 1.2 * i, "shared_prefix": {"id": f"tools-{i % 2}", "tokens": 1500},
         "turns": [{"new_tokens": 300, "output_tokens": 48},
                   {"new_tokens": 100, "output_tokens": 48, "delay_s": 0.5}]}) + "\n" for i in range(10)))
-    namespaces = set(netns.list_namespaces())
+    before = host_state()
     # Seed 6: a broker restart, a rate and a loss fault. Not a WAN outage: one that TCP's
     # backoff stretches past the broker keepalive still marks a live worker dead (open).
     # 12 emulated s (18 s of wall clock at D 1.5), a fault every 3.5 emulated s.
@@ -131,7 +129,7 @@ def test_a_short_soak_ends_every_request_and_samples_memory(tmp_path: Path) -> N
     assert all((out / f).stat().st_size > 0 for f in ("requests.csv", "rss.csv", "rss.png"))
     assert "hung 0, lost 0" in res.stdout
     # Nothing left behind, the restarted broker included.
-    assert set(netns.list_namespaces()) == namespaces
+    assert not left_behind(before)
     pids = {m["pid"] for m in report["memory"] if m["name"] != "orchestrator"}
     assert pids and not [pid for pid in pids if _ours_alive(pid)]
 
