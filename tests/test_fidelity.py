@@ -303,6 +303,7 @@ def _plan(sc: Any, dilation: float, dtype: str = "float64") -> EmulationPlan:
     return EmulationPlan.make(sc, 1, dilation, kv_bytes_per_token(ensure_default_model(), dtype))
 
 
+@pytest.mark.serial  # real compute held to its modeled step times: no neighbour on the cores
 @needs_root
 def test_paced_and_dilated_pdd_produces_the_reference_tokens() -> None:
     # Outputs long enough that the main decoder takes over from the relay.
@@ -343,6 +344,7 @@ def _tpot(sc: Any, policy: str, dilation: float) -> tuple[float, float]:
     return float(np.median(df.tpot_s)), float(np.median(df.ttft_s))
 
 
+@pytest.mark.serial  # real compute held to its modeled step times: no neighbour on the cores
 @needs_root
 def test_no_wan_round_trip_on_the_decode_path() -> None:
     # Both decoders on the same device, a long idle WAN (60 ms each way): with nothing on the
