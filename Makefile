@@ -27,11 +27,18 @@ REGIME_LOAD ?= 0.7925
 REGIME_PREFILL_COST ?= 32
 REGIME_LIMIT ?= 1000
 
-.PHONY: reproduce sensitivity outage tune soak bench-cache bench-client bench-scale bench-sim setup debs test test-fast lint run-trace run-cluster bench-net bench-handoff clean distclean
+.PHONY: reproduce sensitivity outage tune soak bench-cache bench-client bench-scale bench-sim setup debs test test-fast test-cluster lint run-trace run-cluster bench-net bench-handoff clean distclean
 
 MININET_LINK := $(VENV)/.mininet-linked
+# CLUSTER=1: also Ray, for --executor ray (docs/scale-out.md); the default install leaves it out.
+CLUSTER ?=
+CLUSTER_STAMP := $(VENV)/.cluster-installed
 
-setup: debs $(STAMP) $(MININET_LINK)
+setup: debs $(STAMP) $(MININET_LINK) $(if $(filter 1,$(CLUSTER)),$(CLUSTER_STAMP))
+
+$(CLUSTER_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-compile -e '.[dev,cluster]'
+	@touch $@
 
 # Installs only the Debian packages that are missing; needs root (apt-get).
 debs:
@@ -71,13 +78,19 @@ $(MININET_LINK): $(STAMP)
 # global state) run afterwards, alone. Both parts always run; either failing fails the target.
 TEST_WORKERS ?= 2
 test: setup
-	@$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load -m "not serial"; parallel=$$?; \
+	@$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not serial"; parallel=$$?; \
 	  echo "--- the serial part: tests that time this host or read its global state, one at a time"; \
 	  $(PY) -m pytest -q -m serial; serial=$$?; \
 	  test $$parallel = 0 && test $$serial = 0
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m unit
+
+# --executor ray's tests on a local two-node cluster; make test skips them where Ray is not
+# installed (the default install), this target installs it first.
+test-cluster:
+	$(MAKE) setup CLUSTER=1
+	$(PY) -m pytest -q tests/test_ray_executor.py
 
 # Replays the default agentic trace under each policy, prints the side-by-side table and
 # saves requests.csv/.parquet, summary.json, report.md and plots under runs/<timestamp>/ (`testbed report DIR` rebuilds them).
@@ -116,6 +129,8 @@ run-cluster: setup
 #     `testbed validate` sets its figures beside the simulator's, each against its tolerance.
 # One report: $(REPRO_OUT)/reproduce.md. Every replay is kept as it ends: `make reproduce
 # REPRO_OUT=<its folder>` resumes an interrupted one where it stopped (--resume).
+# EXECUTOR=ray: every replay a task on the Ray cluster at RAY_ADDRESS (docs/scale-out.md).
+EXECUTOR ?=
 REPRO_SCENARIO ?= topologies/paper.yaml
 REPRO_TRACE ?= traces/paper.jsonl
 REPRO_STAMP := $(shell date +%Y%m%d-%H%M%S)
@@ -169,7 +184,8 @@ sensitivity: setup
 
 reproduce: setup
 	$(VENV)/bin/testbed clean
-	$(eval COMMON := --scenario $(REPRO_SCENARIO) --trace $(REPRO_TRACE) --token-scale $(TOKEN_SCALE) --resume)
+	$(eval COMMON := --scenario $(REPRO_SCENARIO) --trace $(REPRO_TRACE) --token-scale $(TOKEN_SCALE) --resume \
+	  $(if $(EXECUTOR),--executor $(EXECUTOR)))
 	$(VENV)/bin/testbed calibrate $(COMMON) --engine sim --fit load,prefill --limit $(REPRO_LIMIT) \
 	  --range $(REPRO_RANGE) --steps $(REPRO_STEPS) --tolerance $(REPRO_TOL) --prefill-cost-range $(REPRO_COST_RANGE) \
 	  --prefill-cost-steps $(REPRO_COST_STEPS) --final-seeds $(REPRO_SEEDS) --whatif-shares $(REPRO_WHATIF) \

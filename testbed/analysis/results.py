@@ -100,6 +100,8 @@ class RunSummary(_Saved):
     policies: dict[str, PolicySummary]
     workers: dict[str, dict[str, WorkerStats]]
     engine: str = "emulation"  # what produced it: "emulation" (processes, bytes) or "sim" (the simulator)
+    node: str = ""  # the host that replayed it (a Ray cluster's node: host/node id)
+    wall_s: float = 0.0  # the replay's wall time so far, every policy's (set as each is saved)
 
     @property
     def units(self) -> str:

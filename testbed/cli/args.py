@@ -128,6 +128,14 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         p.add_argument("--resume", action="store_true",
                        help="with --out naming an earlier run's folder: keep every replay it saved that matches this "
                             "one (trace, load, scenario, emulation) and run only what is missing")
+        p.add_argument("--executor", choices=["local", "ray"], default="local",
+                       help="local: replays on this host (default); ray: each replay a task on a Ray cluster, "
+                            "emulations one per node (pip install -e '.[cluster]'; docs/scale-out.md)")
+        p.add_argument("--ray-address", metavar="HOST:PORT",
+                       help="with --executor ray: the cluster's head (default: RAY_ADDRESS)")
+        p.add_argument("--ray-retries", type=int, default=2, metavar="N",
+                       help="with --executor ray: a replay whose worker or node died is sent again up to N times, "
+                            "then recorded as failed (default 2)")
         retry_opts(p)
 
     p = sub.add_parser("run", help="replay a trace under one or more policies; save, plot and compare")
@@ -196,6 +204,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    help="the defaults and the best trial again over N draws of the trace's recipe (default 3)")
     p.add_argument("--seed", type=int, default=1, help="the sampler's seed (default 1)")
     p.add_argument("--load", type=float, default=1.0, metavar="X", help="offered load, x the trace's rate")
+    p.add_argument("--concurrent-trials", type=int, metavar="N",
+                   help="with --executor ray: N trials on the cluster at once, each asking the sampler as it "
+                        "starts (default 4; locally one at a time)")
     p.add_argument("--out", type=Path, help="results folder (default runs/tune-<timestamp>)")
     p.set_defaults(command="tune")
 

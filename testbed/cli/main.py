@@ -90,6 +90,7 @@ def cmd_bench_scale(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from testbed.experiments.parallel import Replay, run_all
     from testbed.experiments.trace_run import run_trace
 
     if args.speed <= 0:
@@ -98,6 +99,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     faults = parse_faults(args.fault, sc.check_fault)
     opts = dataclasses.replace(opts, allow_infidelity=args.allow_infidelity, speed=args.speed,
                                out=Path(args.out) if args.out else None, faults=faults)
+    if opts.executor == "ray":  # one replay, as a task on the cluster; its folder comes back here
+        opts = dataclasses.replace(opts, out=opts.out or new_run_dir(""))
+        print(f"results: {opts.out}", flush=True)
+        return run_all([Replay(sc, wl, policies, opts)])[0]
     return run_trace(sc, wl, policies, opts)
 
 
@@ -194,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     # non-interactive shell, some CI runners); Ctrl-C or `kill -INT` must still tear down.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        emulating = getattr(args, "engine", "emulation") == "emulation"  # the simulator needs neither
+        # The simulator needs neither; nor does a driver whose replays run on a cluster's nodes.
+        emulating = (getattr(args, "engine", "emulation") == "emulation"
+                     and getattr(args, "executor", "local") == "local")
         if args.command in NEEDS_ROOT and emulating:
             require_root()
         if args.command in STARTS_WORKERS and emulating:

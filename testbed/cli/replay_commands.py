@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,7 @@ from protocol.messages import why_invalid
 from testbed.analysis.cost import missing_for
 from testbed.cli.args import retry_policy, scenario_from_args
 from testbed.errors import InputError
+from testbed.experiments.ray_executor import FAILED_FILE, ray_address
 from testbed.faults.timeline import parse_faults
 from testbed.outputs import new_run_dir
 from testbed.policies import make_policy
@@ -75,7 +77,12 @@ def replay_inputs(args: argparse.Namespace) -> tuple[Scenario, list[PolicySpec],
         check_simulable(sc)
     opts = RunOptions(args.impairment, args.dilation, False, 1.0, args.limit, args.window,
                       Slo(args.slo_ttft, args.slo_tpot), args.timeout, retry=retry_policy(args), resume=args.resume,
-                      engine=args.engine, jobs=_jobs(args))
+                      engine=args.engine, jobs=_jobs(args), executor=args.executor, ray_address=args.ray_address,
+                      ray_retries=args.ray_retries)
+    if args.ray_retries < 0:
+        raise InputError(f"--ray-retries: must be at least 0, got {args.ray_retries}")
+    if args.executor == "ray":
+        ray_address(args.ray_address)  # named, or an error before anything starts
     if args.resume and args.out is None:
         raise InputError("--resume: needs --out, the folder of the run to resume")
     return sc, policies, wl, opts
@@ -162,7 +169,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print("\n" + (out / "bathtub.md").read_text())
         where = f"{out}/hit-*/" if one else f"{out}/seed-*/hit-*/"
         print(f"saved: {out}/bathtub.csv, bathtub.md, bathtub.png; each rate's run in {where}")
-        return 0
+        return _missing(out)
     results = [(d.seed, load_sweep(sc, d.workload, policies, loads, sub(d.tag))) for d in ds]
     if not one:
         write_seeded_sweep(results, out)
@@ -170,7 +177,16 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     where = f"{out}/load-*/" if one else f"{out}/seed-*/load-*/"
     print(f"saved: {out}/sweep.md, sweep.png, {'sweep.json, sweep.csv' if one else 'sweep_seeds.csv'}; "
           f"each load's run in {where}")
-    return 0
+    return _missing(out)
+
+
+def _missing(out: Path) -> int:
+    """1 when a replay of the experiment never came back (a cluster recorded why in its folder)."""
+    lost = sorted(str(p.parent.relative_to(out)) for p in out.rglob(FAILED_FILE))
+    if lost:
+        print(f"{len(lost)} replays missing from the tables above (each folder's {FAILED_FILE} says why): "
+              f"{', '.join(lost)}", file=sys.stderr)
+    return 1 if lost else 0
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -266,7 +282,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise InputError("--load must be positive, --trials at least 2 and --seeds at least 1")
     out = _out(args, "tune")
     ds = _draws(args, wl, out)
-    r = tune(sc, wl, ds, TuneOptions(policies[0].name, args.trials, args.seeds, args.seed, args.load, opts), out)
+    concurrent = args.concurrent_trials or (4 if opts.executor == "ray" else 1)
+    if concurrent < 1 or (concurrent > 1 and opts.executor != "ray"):
+        raise InputError(f"--concurrent-trials: 1 here, or several with --executor ray; got {concurrent}")
+    r = tune(sc, wl, ds, TuneOptions(policies[0].name, args.trials, args.seeds, args.seed, args.load, opts,
+                                     concurrent), out)
     print("\n" + (out / "tune.md").read_text())
     print(f"saved: {out}/tune.md, tune.json, tune.png; every trial's run in {out}/trial-NNN/")
     return 0 if r.trials else 1

@@ -99,7 +99,7 @@ def compared(labels: list[str]) -> tuple[str, str]:
 def hit_sweep(sc: Scenario, wl: Workload, policies: list[PolicySpec], rates: list[float], load: float,
               opts: SweepOptions) -> tuple[list[HitPoint], pd.DataFrame]:
     """Every policy at every hit rate (one dilation for all), saved as bathtub.csv/.png/.md."""
-    from testbed.experiments.parallel import Replay, run_all
+    from testbed.experiments.parallel import Replay, run_all, saved
 
     run = fixed_dilation(sc, wl, opts.run)
     points: list[HitPoint] = []
@@ -110,8 +110,11 @@ def hit_sweep(sc: Scenario, wl: Workload, policies: list[PolicySpec], rates: lis
               f"{opts.out / f'hit-{h:g}'}", flush=True)
     run_all([Replay(sc, workloads[h], policies, dataclasses.replace(run, speed=load, out=opts.out / f"hit-{h:g}",
                                                                     allow_infidelity=True)) for h in rates])
+    present = saved([opts.out / f"hit-{h:g}" for h in rates])
     for h in rates:
         run_dir, trace_hit = opts.out / f"hit-{h:g}", trace_hits[h]
+        if run_dir not in present:
+            continue
         summary, df = load_run(run_dir)
         for name, s in summary.policies.items():
             ok = df[(df.policy == name) & df.ok & df.prefill_hit_tokens.notna()]

@@ -34,7 +34,8 @@ from testbed.analysis.results import PolicySummary, load_run, write_csv
 from testbed.analysis.tables import table_head
 from testbed.deploy.dilation import emulation_plan
 from testbed.errors import InputError
-from testbed.experiments.parallel import Replay, run_all
+from testbed.experiments.parallel import Replay, run_all, saved
+from testbed.experiments.ray_executor import dilation_on_a_node
 from testbed.experiments.trace_run import RunOptions, run_trace
 from testbed.outputs import write_atomic
 from testbed.policies import make_policy
@@ -199,6 +200,8 @@ def fixed_dilation(sc: Scenario, wl: Workload, opts: RunOptions) -> RunOptions:
     the simulator's is 1)."""
     if opts.engine == "sim":
         return dataclasses.replace(opts, dilation=1.0)
+    if opts.executor == "ray":  # probed on a node, as the replays run there, not on the driver
+        return dataclasses.replace(opts, dilation=dilation_on_a_node(sc, wl, opts))
     plan = emulation_plan(sc, wl, wl.specs(1.0), opts.dilation)
     return dataclasses.replace(opts, dilation=plan.dilation)
 
@@ -221,9 +224,12 @@ def load_sweep(sc: Scenario, wl: Workload, policies: list[PolicySpec], loads: li
     run_all([Replay(sc, wl, policies, dataclasses.replace(run, speed=load, out=opts.out / f"load-{load:g}",
                                                           allow_infidelity=True)) for load in loads])
     points: list[LoadPoint] = []
+    present = saved([opts.out / f"load-{load:g}" for load in loads])
     for load in loads:
-        summary, _ = load_run(opts.out / f"load-{load:g}")
-        points += [LoadPoint.of(load, name, s, opts.out / f"load-{load:g}") for name, s in summary.policies.items()]
+        if (run_dir := opts.out / f"load-{load:g}") not in present:
+            continue
+        summary, _ = load_run(run_dir)
+        points += [LoadPoint.of(load, name, s, run_dir) for name, s in summary.policies.items()]
     sla = []
     for spec in policies:
         t = sla_throughput(points, spec.label, opts.share)

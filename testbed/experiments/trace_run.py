@@ -8,6 +8,7 @@ fidelity verdicts, the report and plots (``testbed report`` rebuilds them).
 
 from __future__ import annotations
 
+import socket
 import sys
 import time
 from collections import Counter
@@ -56,12 +57,17 @@ class RunOptions:
     resume: bool = False  # keep the policies a matching run already saved in ``out``
     engine: Literal["emulation", "sim"] = "emulation"  # real processes and bytes, or the simulator
     jobs: int = 1  # an experiment's simulations at once (``experiments/parallel.py``)
+    executor: Literal["local", "ray"] = "local"  # where an experiment's replays run (``ray_executor.py``)
+    ray_address: str | None = None  # the cluster (None: RAY_ADDRESS)
+    ray_retries: int = 2  # a replay whose worker or node died, sent again at most this often
+    node: str = ""  # the host that ran the replay (a Ray task names its node; "": this host)
 
 
 def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunOptions) -> int:
     """Replay ``wl`` under each policy on a fresh network; print, save and plot. Exit code:
     0 when every request of every policy completed with a passing fidelity verdict; 3 when
     a verdict failed (unless ``allow_infidelity``); 1 when requests failed."""
+    started = time.monotonic()
     if opts.engine == "sim":
         plan = sim_plan(sc, wl.token_scale)
     else:
@@ -84,6 +90,7 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
                             token_scale=wl.token_scale, block_size=wl.block_size, meta=wl.meta),
             speed=opts.speed, limit=opts.limit, window=opts.window, emulation=plan.summary(sc), scenario=sc,
             policies=summaries, workers=workers, engine=opts.engine,
+            node=opts.node or socket.gethostname(), wall_s=round(time.monotonic() - started, 1),
         )  # fmt: skip
 
     if opts.resume:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,10 +33,12 @@ from pydantic import BaseModel
 from testbed.analysis.confidence import mean_ci
 from testbed.analysis.cost import hardware_cost
 from testbed.analysis.plots import plot_tune
-from testbed.analysis.results import PolicySummary, load_run
+from testbed.analysis.results import SUMMARY_FILE, PolicySummary, load_run
 from testbed.analysis.tables import table_head
-from testbed.errors import InputError
+from testbed.errors import InputError, TestbedError
 from testbed.experiments.load_sweep import Draw, fixed_dilation
+from testbed.experiments.parallel import Replay, run_all
+from testbed.experiments.ray_executor import FAILED_FILE
 from testbed.experiments.trace_run import RunOptions, run_trace
 from testbed.outputs import write_atomic
 from testbed.policies import make_policy
@@ -78,6 +81,7 @@ class TuneOptions:
     seed: int = 1  # the sampler's
     load: float = 1.0
     run: RunOptions = RunOptions()
+    concurrent: int = 1  # trials at once (on a Ray cluster: ``--executor ray``)
 
 
 class TrialPoint(BaseModel):
@@ -134,8 +138,15 @@ def tune(sc: Scenario, wl: Workload, draws: list[Draw], opts: TuneOptions, out: 
     run = dataclasses.replace(fixed_dilation(sc, wl, opts.run), speed=opts.load, allow_infidelity=True)
     trials: list[TrialPoint] = []
 
+    lock = threading.Lock()  # concurrent trials (threads waiting on the cluster) append and save here
+
     def replay(w: Workload, spec: PolicySpec, run_dir: Path) -> None:
-        run_trace(sc, w, [spec], dataclasses.replace(run, out=run_dir))
+        if run.executor == "ray":  # a task on the cluster; its folder comes back here
+            run_all([Replay(sc, w, [spec], dataclasses.replace(run, out=run_dir))])
+            if not (run_dir / SUMMARY_FILE).exists():
+                raise optuna.TrialPruned(f"{run_dir.name}: the replay never came back (its {FAILED_FILE})")
+        else:
+            run_trace(sc, w, [spec], dataclasses.replace(run, out=run_dir))
 
     def objective(trial: Any) -> tuple[float, float]:
         knobs = suggest(trial)
@@ -144,27 +155,42 @@ def tune(sc: Scenario, wl: Workload, draws: list[Draw], opts: TuneOptions, out: 
         print(f"\n== tune: trial {trial.number + 1}/{opts.trials}: {spec.label} -> {run_dir}", flush=True)
         replay(wl, spec, run_dir)
         p = _point(sc, spec, trial.number, knobs, run_dir)
-        trials.append(p)
-        _save_trials(out, trials)
+        with lock:
+            trials.append(p)
+            trials.sort(key=lambda t: t.number)  # concurrent trials end in any order
+            _save_trials(out, trials)
         return (p.goodput_per_price or 0.0, p.ttft_p99_s if p.ttft_p99_s is not None else float("inf"))
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sampler = optuna.samplers.TPESampler(seed=opts.seed, n_startup_trials=max(2, opts.trials // 3))
     study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
     study.enqueue_trial(DEFAULTS[opts.policy])  # trial 0: where the policy starts
-    study.optimize(objective, n_trials=opts.trials)
+    # With n_jobs > 1 Optuna runs trials in threads, each asking the sampler when it starts:
+    # at most ``concurrent`` replays are on the cluster at once.
+    study.optimize(objective, n_trials=opts.trials, n_jobs=opts.concurrent)
+    if not trials:
+        raise TestbedError("tune: no trial came back")
     front = sorted(t.number for t in study.best_trials)
+    by_number = {t.number: t for t in trials}
     best = max(trials, key=lambda p: (p.goodput_per_price or 0.0, -(p.ttft_p99_s or float("inf")))).number
     repeated: dict[str, list[TrialPoint]] = {}
     for name, number in (("defaults", 0), ("best", best)):
-        knobs = trials[number].knobs
+        if number not in by_number:
+            continue  # the defaults' trial never came back from the cluster
+        knobs = by_number[number].knobs
         spec = to_spec(knobs)
-        points = [trials[number].model_copy(update={"seed": draws[0].seed})]
-        for d in draws[1:]:
-            run_dir = out / f"{name}-{d.tag}"
+        points = [by_number[number].model_copy(update={"seed": draws[0].seed})]
+        dirs = [out / f"{name}-{d.tag}" for d in draws[1:]]
+        for d, run_dir in zip(draws[1:], dirs, strict=True):
             print(f"\n== tune: {name} ({spec.label}) on draw {d.tag} -> {run_dir}", flush=True)
-            replay(d.workload, spec, run_dir)
-            points.append(_point(sc, spec, number, knobs, run_dir, d.seed))
+        if run.executor == "ray":  # the draws side by side
+            run_all([Replay(sc, d.workload, [spec], dataclasses.replace(run, out=f)) for d, f in zip(draws[1:], dirs,
+                                                                                                  strict=True)])
+        else:
+            for d, run_dir in zip(draws[1:], dirs, strict=True):
+                replay(d.workload, spec, run_dir)
+        points += [_point(sc, spec, number, knobs, f, d.seed) for d, f in zip(draws[1:], dirs, strict=True)
+                   if (f / SUMMARY_FILE).exists()]
         repeated[name] = points
     assert isinstance(run.dilation, float)
     result = TuneResult(policy=opts.policy, load=opts.load, dilation=run.dilation, slo_ttft_s=run.slo.ttft_s,

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from pathlib import Path
 
 import pandas as pd
 from pydantic import BaseModel, ConfigDict
 from scipy.stats import wasserstein_distance
 
-from testbed.analysis.results import PolicySummary, load_run
+from testbed.analysis.results import SUMMARY_FILE, PolicySummary, load_run
+from testbed.experiments.parallel import Replay, run_all
 from testbed.experiments.trace_run import RunOptions, run_trace
 from testbed.outputs import write_atomic
 from testbed.policies.spec import PolicySpec
@@ -191,13 +193,22 @@ def validate(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunOp
     """Both engines on the same replay, then the comparison. Exit: 0 when every figure is
     within tolerance, 1 otherwise (3 when the emulation's fidelity verdict failed: its
     figures measure the host, nothing to validate against)."""
-    print("== the emulation", flush=True)
-    code = run_trace(sc, wl, policies, dataclasses.replace(opts, engine="emulation", out=out / "emulation"))
+    emulation = dataclasses.replace(opts, engine="emulation", out=out / "emulation")
+    sim = dataclasses.replace(opts, engine="sim", dilation=None, out=out / "sim")
+    if opts.executor == "ray":  # both engines side by side, the emulation on a host of its own
+        code = run_all([Replay(sc, wl, policies, emulation), Replay(sc, wl, policies, sim)])[0]
+    else:
+        print("== the emulation", flush=True)
+        code = run_trace(sc, wl, policies, emulation)
     if code == 3:
         print("validate: the emulation's fidelity verdict failed; nothing to compare with", flush=True)
         return 3
-    print("\n== the simulator", flush=True)
-    run_trace(sc, wl, policies, dataclasses.replace(opts, engine="sim", dilation=None, out=out / "sim"))
+    if opts.executor != "ray":
+        print("\n== the simulator", flush=True)
+        run_trace(sc, wl, policies, sim)
+    if not all((o.out / SUMMARY_FILE).exists() for o in (emulation, sim) if o.out is not None):
+        print("validate: a replay never came back from the cluster; nothing to compare", file=sys.stderr, flush=True)
+        return 1
     result = compare(out / "emulation", out / "sim")
     text = format_result(result)
     write_atomic(out / "validation.md", text + "\n")

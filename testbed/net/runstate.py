@@ -171,7 +171,7 @@ class Run:
         return path
 
     def add_namespace(self, name: str) -> None:
-        if not name.startswith(f"{self.prefix}-") or not NS_RE.match(name):
+        if not name.startswith(f"{self.prefix}-") or not NS_RE.fullmatch(name):
             raise ValueError(f"namespace name {name!r} is not of run {self.run_id}")
         self.namespaces.append(name)
         self.save()
@@ -220,11 +220,11 @@ class Run:
         if not isinstance(data, dict):
             raise ValueError(f"{path}: not a manifest")
         run_id = data.get("run_id")
-        if not isinstance(run_id, str) or not RUN_ID_RE.match(run_id) or run_id != path.parent.name:
+        if not isinstance(run_id, str) or not RUN_ID_RE.fullmatch(run_id) or run_id != path.parent.name:
             raise ValueError(f"{path}: run_id {run_id!r} is not this folder's")
         spaces = data.get("namespaces", [])
         if not isinstance(spaces, list) or not all(isinstance(n, str) and n.startswith(f"pdd{run_id}-")
-                                                    and NS_RE.match(n) for n in spaces):
+                                                    and NS_RE.fullmatch(n) for n in spaces):
             raise ValueError(f"{path}: namespaces: not all of run {run_id}")
         procs = []
         for p in data.get("processes", []):
@@ -254,12 +254,12 @@ INFRASTRUCTURE = {BROKER, DELAY_LINE, MININET_SHELL}
 
 def destroy(run_id: str, namespaces: list[str], processes: list[ProcRecord]) -> list[str]:
     """Stop the run's processes and delete its namespaces. Returns what was removed."""
-    if not RUN_ID_RE.match(run_id):
+    if not RUN_ID_RE.fullmatch(run_id):
         raise ValueError(f"not a run id: {run_id!r}")
     removed: list[str] = []
     prefix = f"pdd{run_id}-"
     all_ns = sorted(n for n in set(namespaces) | set(netns.list_namespaces())
-                    if n.startswith(prefix) and NS_RE.match(n))
+                    if n.startswith(prefix) and NS_RE.fullmatch(n))
     victims = [p.pid for p in _alive(processes)]
     for ns in all_ns:
         victims += netns.pids_in_namespace(ns)
@@ -292,7 +292,7 @@ def clean_stale(include_live: bool = False) -> list[str]:
     known: set[str] = set()
     if check_state_root():
         for d in sorted(STATE_ROOT.iterdir()):
-            if not RUN_ID_RE.match(d.name) or d.is_symlink():
+            if not RUN_ID_RE.fullmatch(d.name) or d.is_symlink():
                 continue  # not a run's folder: not ours to judge
             mf = d / "manifest.json"
             try:
@@ -308,7 +308,7 @@ def clean_stale(include_live: bool = False) -> list[str]:
             if include_live or not run.owner_alive():
                 removed += destroy(run.run_id, run.namespaces, run.processes)
     for ns in netns.list_namespaces():
-        if NS_RE.match(ns) and ns[3:9] not in known and not _held(ns):
+        if NS_RE.fullmatch(ns) and ns[3:9] not in known and not _held(ns):
             removed += destroy(ns[3:9], [ns], [])
     return removed
 

@@ -1,0 +1,208 @@
+"""--executor ray on a local cluster of two nodes (127.0.0.1), each offering one testbed_host:
+a simulated sweep gives the tables a local one gives, a replay whose worker is killed is sent
+again and nothing is lost, one that fails on every try is recorded in its folder and named
+missing, and --resume keeps what came back. Ray is optional (make setup CLUSTER=1): without
+it these are skipped and ``--executor ray`` is a clear error (exit 4), tested either way."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from testbed.errors import EXIT_INTERRUPTED
+from testbed.experiments.ray_executor import FAILED_FILE, HOST_RESOURCE, TASK_LOG, placement
+from testbed.experiments.trace_run import RunOptions
+
+from .conftest import ROOT, run_cli
+
+# One cluster for the module: under make test's parallel part its tests stay on one worker.
+pytestmark = pytest.mark.xdist_group("ray")
+
+TRACE = ROOT / "traces" / "agentic-quick.jsonl"
+SWEEP = ["sweep", "--engine", "sim", "--trace", str(TRACE), "--token-scale", "16", "--load", "0.5:1:0.5",
+         "--limit", "40", "--policies", "same-dc,pdd", "--jobs", "1"]
+
+
+def test_an_emulation_claims_its_host_and_a_simulation_one_core() -> None:
+    assert placement(RunOptions(engine="emulation")) == {"num_cpus": 0, "resources": {HOST_RESOURCE: 1}}
+    assert placement(RunOptions(engine="sim")) == {"num_cpus": 1}
+
+
+def test_without_ray_or_a_cluster_the_executor_is_a_clear_error(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    code, err = run_cli([*SWEEP, "--out", str(tmp_path / "a"), "--executor", "ray"], capsys)
+    assert code == 2 and "--ray-address" in err, err
+    # Ray missing, or no cluster at the address: exit 4, saying which (never a wait on a head that is not there).
+    code, err = run_cli([*SWEEP, "--out", str(tmp_path / "b"), "--executor", "ray", "--ray-address", "127.0.0.1:1"],
+                        capsys)
+    assert code == 4 and ("make setup CLUSTER=1" in err or "no Ray cluster answers at 127.0.0.1:1" in err), err
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    # Both nodes on this host, at its own address (a driver told 127.0.0.1 is sent to that
+    # address by the head and waits forever): nothing leaves the machine; no usage reports.
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    node = {"num_cpus": 1, "resources": {HOST_RESOURCE: 1}, "object_store_memory": 80 << 20}
+    c = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+    try:
+        c.add_node(**node)
+        c.wait_for_nodes()
+        yield c.address
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def _rows(folder: Path) -> dict[str, bytes]:
+    return {p.parent.name: p.read_bytes() for p in sorted(folder.glob("load-*/requests.csv"))}
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("local") / "sweep"
+    from testbed.cli.main import main
+
+    assert main([*SWEEP, "--out", str(out)]) == 0
+    return out
+
+
+def _killer(name: str, stop: threading.Event, killed: list[int]) -> None:
+    """SIGKILL, once, the cluster's worker process that runs the replay ``name`` (Ray titles a
+    task's process ``ray::<task name>``): a worker dying mid-replay, as on a node's OOM."""
+    while not stop.is_set() and not killed:
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if cmd.startswith(f"ray::testbed replay {name}"):
+                os.kill(int(d.name), signal.SIGKILL)
+                killed.append(int(d.name))
+                return
+        time.sleep(0.05)
+
+
+def _sweep_with_a_kill(argv: list[str], name: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, list[int]]:
+    stop, killed = threading.Event(), []
+    t = threading.Thread(target=_killer, args=(name, stop, killed), daemon=True)
+    t.start()
+    try:
+        code, err = run_cli(argv, capsys)
+    finally:
+        stop.set()
+        t.join()
+    return code, err, killed
+
+
+def test_a_simulated_sweep_on_the_cluster_gives_the_local_tables(cluster: str, local: Path, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sweep"
+    code, err = run_cli([*SWEEP, "--out", str(out), "--executor", "ray", "--ray-address", cluster], capsys)
+    assert code == 0, err
+    assert _rows(out) == _rows(local) and len(_rows(out)) == 2  # byte for byte
+    assert (out / "sweep.md").read_text() == (local / "sweep.md").read_text()
+    for d in out.glob("load-*"):
+        summary = json.loads((d / "summary.json").read_text())
+        assert "/" in summary["node"] and summary["wall_s"] > 0  # host/node id, and how long it took there
+        assert "trace" in (d / TASK_LOG).read_text()  # what the replay printed on its node
+    assert not list(out.rglob(".*.tmp"))
+    # --resume: what came back is kept, nothing replayed again.
+    code, err = run_cli([*SWEEP, "--out", str(out), "--executor", "ray", "--ray-address", cluster, "--resume"], capsys)
+    assert code == 0, err
+    assert all("--resume: kept from" in (d / TASK_LOG).read_text() for d in out.glob("load-*"))
+    assert _rows(out) == _rows(local)
+
+
+def test_a_replay_whose_worker_dies_is_sent_again_and_nothing_is_lost(cluster: str, local: Path, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sweep"
+    code, err, killed = _sweep_with_a_kill([*SWEEP, "--out", str(out), "--executor", "ray", "--ray-address", cluster],
+                                           "load-1", capsys)
+    assert killed, "the replay's worker was never seen"
+    assert code == 0, err
+    assert _rows(out) == _rows(local)
+    assert not list(out.rglob(FAILED_FILE))
+
+
+def test_a_replay_that_dies_on_every_try_is_recorded_and_named_missing(cluster: str, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sweep"
+    code, err, killed = _sweep_with_a_kill([*SWEEP, "--out", str(out), "--executor", "ray", "--ray-address", cluster,
+                                            "--ray-retries", "0"], "load-1", capsys)
+    assert killed and code == 1, err
+    why = json.loads((out / "load-1" / FAILED_FILE).read_text())["failed"]
+    assert "died" in why.lower() or "worker" in why.lower(), why
+    assert "missing: load-1" in err and "1 replays missing" in err
+    assert (out / "load-0.5" / "summary.json").exists()  # the other point is in the table
+    assert "| 0.5 |" in (out / "sweep.md").read_text() and "| 1 |" not in (out / "sweep.md").read_text()
+
+
+def test_tune_runs_its_trials_side_by_side_on_the_cluster(cluster: str, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "tune"
+    code, err = run_cli(["tune", "--engine", "sim", "--trace", str(TRACE), "--token-scale", "16", "--limit", "30",
+                         "--trials", "4", "--seeds", "1", "--executor", "ray", "--ray-address", cluster,
+                         "--concurrent-trials", "2", "--out", str(out)], capsys)
+    assert code == 0, err
+    result = json.loads((out / "tune.json").read_text())
+    assert [t["number"] for t in result["trials"]] == [0, 1, 2, 3] and result["front"]  # in order, whatever ended first
+    nodes = {json.loads((out / f"trial-{n:03d}" / "summary.json").read_text())["node"] for n in range(4)}
+    assert all("/" in n for n in nodes)
+    # Locally, one trial at a time: asking for more is an error, not a silent serial run.
+    code, err = run_cli(["tune", "--engine", "sim", "--trace", str(TRACE), "--token-scale", "16", "--limit", "30",
+                         "--trials", "4", "--concurrent-trials", "2", "--out", str(tmp_path / "t2")], capsys)
+    assert code == 2 and "--concurrent-trials" in err
+
+
+def _replay_processes() -> list[int]:
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if (d / "cmdline").read_bytes().startswith(b"ray::testbed replay"):
+                    found.append(int(d.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_ctrl_c_cancels_the_clusters_replays(cluster: str, tmp_path: Path) -> None:
+    # Eight replays of the whole trace (seconds each): some running, some waiting, when Ctrl-C comes.
+    argv = [sys.executable, "-m", "testbed", "sweep", "--engine", "sim", "--trace", str(TRACE), "--token-scale", "16",
+            "--load", "0.25:2:0.25", "--policies", "same-dc,cross-dc,pdd", "--out", str(tmp_path / "sweep"),
+            "--executor", "ray", "--ray-address", cluster]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _replay_processes():  # a replay is running on a node
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == EXIT_INTERRUPTED, output[-3000:]
+    assert "cancelling" in output
+    deadline = time.monotonic() + 30
+    while _replay_processes() and time.monotonic() < deadline:  # cancelled, not left to finish
+        time.sleep(0.2)
+    assert not _replay_processes()
