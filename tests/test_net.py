@@ -221,6 +221,9 @@ def test_net_up_tears_down_on_signal(sig: signal.Signals, network: str) -> None:
         runstate.destroy(run_id, [], [])
 
 
+# Serial: any deployment starting beside it (make test's parallel part) cleans the killed
+# run first, as every start does with a dead run's leftovers.
+@pytest.mark.serial
 @pytest.mark.parametrize("network", ["pyroute2", "mininet"])
 def test_kill9_then_clean_leaves_nothing(network: str) -> None:
     proc, run_id = _start_net_up(TOPOLOGIES / "two-dc.yaml", "--network", network)

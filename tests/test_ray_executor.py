@@ -189,13 +189,19 @@ def test_ctrl_c_cancels_the_clusters_replays(cluster: str, tmp_path: Path) -> No
             "--executor", "ray", "--ray-address", cluster]
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
     try:
         deadline = time.monotonic() + 60
-        while not _replay_processes():  # a replay is running on a node
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        # The driver has sent its replays and one of them is running on a node.
+        while not (any("replays sent" in x for x in lines) and _replay_processes()):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
             time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGINT)
-        output = proc.communicate(timeout=120)[0]
+        proc.wait(timeout=120)
+        reader.join(timeout=10)
+        output = "".join(lines)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -30,7 +30,10 @@ from workers.model import ModelRunner, ensure_default_model
 
 from .conftest import ROOT, assert_unprivileged
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces")
+# One worker of make test's parallel part holds this module: its tests share a module fixture
+# (one server, whose later tests read what the earlier ones served).
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces"),
+              pytest.mark.xdist_group("serve")]
 openai = pytest.importorskip("openai")
 
 MODEL = "pdd-tiny-llama-v2"

@@ -19,7 +19,8 @@ from testbed.bench.links import format_links, run_links_bench
 from testbed.bench.net import run_bench
 from testbed.bench.sim_speed import run_bench as run_sim_bench
 from testbed.cli import net_commands, profile_commands, replay_commands, serve_commands
-from testbed.cli.args import build_parser, retry_policy, scenario_from_args
+from testbed.cli.arg_values import retry_policy, scenario_from_args
+from testbed.cli.args import build_parser
 from testbed.cli.net_commands import require_root, wire_scenario
 from testbed.cli.replay_commands import policies_for, replay_inputs
 from testbed.deploy import forkserver

@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 
-from testbed.cli.args import scenario_from_args
+from testbed.cli.arg_values import scenario_from_args
 from testbed.deploy.deployment import network_session
 from testbed.deploy.emulation import EmulationPlan
 from testbed.deploy.model_files import ensure_model

@@ -17,9 +17,8 @@ from pydantic import ValidationError
 
 from protocol.messages import why_invalid
 from testbed.analysis.cost import missing_for
-from testbed.cli.args import retry_policy, scenario_from_args
+from testbed.cli.arg_values import retry_policy, scenario_from_args
 from testbed.errors import InputError
-from testbed.experiments.ray_executor import FAILED_FILE, ray_address
 from testbed.faults.timeline import parse_faults
 from testbed.outputs import new_run_dir
 from testbed.policies import make_policy
@@ -82,6 +81,8 @@ def replay_inputs(args: argparse.Namespace) -> tuple[Scenario, list[PolicySpec],
     if args.ray_retries < 0:
         raise InputError(f"--ray-retries: must be at least 0, got {args.ray_retries}")
     if args.executor == "ray":
+        from testbed.experiments.ray_executor import ray_address  # pandas, torch
+
         ray_address(args.ray_address)  # named, or an error before anything starts
     if args.resume and args.out is None:
         raise InputError("--resume: needs --out, the folder of the run to resume")
@@ -182,6 +183,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def _missing(out: Path) -> int:
     """1 when a replay of the experiment never came back (a cluster recorded why in its folder)."""
+    from testbed.experiments.ray_executor import FAILED_FILE  # pandas, torch
+
     lost = sorted(str(p.parent.relative_to(out)) for p in out.rglob(FAILED_FILE))
     if lost:
         print(f"{len(lost)} replays missing from the tables above (each folder's {FAILED_FILE} says why): "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from testbed.cli.args import scenario_from_args
+from testbed.cli.arg_values import scenario_from_args
 from testbed.deploy.model_files import ensure_model
 from testbed.errors import InputError
 from testbed.policies.spec import parse_policy

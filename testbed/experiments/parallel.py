@@ -15,23 +15,13 @@ import json
 import multiprocessing
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 from testbed.analysis.results import SUMMARY_FILE
 from testbed.experiments.ray_executor import FAILED_FILE, run_on_ray
-from testbed.experiments.trace_run import RunOptions, run_trace
-from testbed.policies.spec import PolicySpec
-from testbed.scenario import Scenario
-from testbed.traces.workload import Workload
+from testbed.experiments.trace_run import Replay, run_trace
 
-
-@dataclass(frozen=True)
-class Replay:
-    sc: Scenario
-    wl: Workload
-    policies: list[PolicySpec]
-    opts: RunOptions
+__all__ = ["Replay", "run_all", "saved"]
 
 
 def _one(r: Replay) -> int:

@@ -33,15 +33,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from testbed.deploy.dilation import emulation_plan
 from testbed.errors import CapabilityError, InputError, TestbedError
-
-if TYPE_CHECKING:
-    from testbed.experiments.parallel import Replay
-    from testbed.experiments.trace_run import RunOptions
-    from testbed.scenario import Scenario
-    from testbed.traces.workload import Workload
+from testbed.experiments.trace_run import Replay, RunOptions, run_trace
+from testbed.net import runstate
+from testbed.scenario import Scenario
+from testbed.traces.workload import Workload
 
 HOST_RESOURCE = "testbed_host"  # offered once per node: one emulation per host at a time
 FAILED_FILE = "replay-failed.json"
@@ -118,9 +117,6 @@ def write_files(folder: Path, files: dict[str, bytes]) -> None:
 def replay_here(replay: Replay, kept: dict[str, bytes], node: str) -> Outcome:
     """One replay on this node (the body of the Ray task): into a private folder, seeded with
     what the driver's folder already held, and every file sent back."""
-    from testbed.experiments.trace_run import run_trace
-    from testbed.net import runstate
-
     t0 = time.monotonic()
     log = io.StringIO()
     with tempfile.TemporaryDirectory(prefix="testbed-replay-") as tmp:
@@ -148,8 +144,6 @@ def _task(replay: Replay, kept: dict[str, bytes]) -> Outcome:
 
 
 def _dilation_task(sc: Scenario, wl: Workload, dilation: float | str | None) -> float:
-    from testbed.deploy.dilation import emulation_plan
-
     return emulation_plan(sc, wl, wl.specs(1.0), dilation).dilation
 
 
@@ -193,8 +187,6 @@ def _reason(e: Exception) -> str:
 
 
 def _clean_task() -> list[str]:
-    from testbed.net import runstate
-
     return runstate.clean_stale()
 
 
@@ -217,19 +209,20 @@ def run_on_ray(replays: list[Replay]) -> list[int]:
     address = ray_address(replays[0].opts.ray_address)
     task = ray.remote(_task)
     refs: dict[Any, int] = {}
-    for i, r in enumerate(replays):
-        assert r.opts.out is not None, "a replay sent to a cluster names its folder"
-        kept = folder_files(r.opts.out) if r.opts.resume else {}
-        kept.pop(FAILED_FILE, None)
-        there = dataclasses.replace(r, opts=dataclasses.replace(r.opts, out=None))  # the node picks its folder
-        ref = task.options(max_retries=r.opts.ray_retries, name=f"testbed replay {r.opts.out.name}",
-                           **placement(r.opts)).remote(there, kept)
-        refs[ref] = i
     rcs = [EXIT_TASK_FAILED] * len(replays)
-    pending = list(refs)
-    print(f"ray: {len(replays)} replays sent to {address} "
-          f"({sum(r.opts.engine == 'emulation' for r in replays)} emulations, one per host)", flush=True)
-    try:
+    pending: list[Any] = []
+    try:  # from the first submission: a Ctrl-C while sending cancels what was sent
+        for i, r in enumerate(replays):
+            assert r.opts.out is not None, "a replay sent to a cluster names its folder"
+            kept = folder_files(r.opts.out) if r.opts.resume else {}
+            kept.pop(FAILED_FILE, None)
+            there = dataclasses.replace(r, opts=dataclasses.replace(r.opts, out=None))  # the node picks its folder
+            ref = task.options(max_retries=r.opts.ray_retries, name=f"testbed replay {r.opts.out.name}",
+                               **placement(r.opts)).remote(there, kept)
+            refs[ref] = i
+            pending.append(ref)
+        print(f"ray: {len(replays)} replays sent to {address} "
+              f"({sum(r.opts.engine == 'emulation' for r in replays)} emulations, one per host)", flush=True)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
             for ref in done:

@@ -63,6 +63,16 @@ class RunOptions:
     node: str = ""  # the host that ran the replay (a Ray task names its node; "": this host)
 
 
+@dataclass(frozen=True)
+class Replay:
+    """One ``run_trace``'s inputs: what an experiment hands to an executor, here or on a cluster."""
+
+    sc: Scenario
+    wl: Workload
+    policies: list[PolicySpec]
+    opts: RunOptions
+
+
 def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunOptions) -> int:
     """Replay ``wl`` under each policy on a fresh network; print, save and plot. Exit code:
     0 when every request of every policy completed with a passing fidelity verdict; 3 when

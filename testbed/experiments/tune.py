@@ -189,8 +189,9 @@ def tune(sc: Scenario, wl: Workload, draws: list[Draw], opts: TuneOptions, out: 
         else:
             for d, run_dir in zip(draws[1:], dirs, strict=True):
                 replay(d.workload, spec, run_dir)
+        # A draw that never came back from the cluster is left out (the command named it missing).
         points += [_point(sc, spec, number, knobs, f, d.seed) for d, f in zip(draws[1:], dirs, strict=True)
-                   if (f / SUMMARY_FILE).exists()]
+                   if run.executor != "ray" or (f / SUMMARY_FILE).exists()]
         repeated[name] = points
     assert isinstance(run.dilation, float)
     result = TuneResult(policy=opts.policy, load=opts.load, dilation=run.dilation, slo_ttft_s=run.slo.ttft_s,
