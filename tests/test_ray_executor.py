@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from testbed.errors import EXIT_INTERRUPTED
-from testbed.experiments.ray_executor import FAILED_FILE, HOST_RESOURCE, TASK_LOG, placement
+from testbed.experiments.ray_executor import FAILED_FILE, HOST_RESOURCE, PLACEMENT_FILE, TASK_LOG, placement
 from testbed.experiments.trace_run import RunOptions
 
 from .conftest import ROOT, run_cli
@@ -212,3 +212,21 @@ def test_ctrl_c_cancels_the_clusters_replays(cluster: str, tmp_path: Path) -> No
     while _replay_processes() and time.monotonic() < deadline:  # cancelled, not left to finish
         time.sleep(0.2)
     assert not _replay_processes()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces")
+def test_emulations_never_share_a_host(cluster: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Three short emulated replays on two nodes of one testbed_host each: by their records
+    (node, start and end), no two ever ran on one node at once."""
+    out = tmp_path / "sweep"
+    code, err = run_cli(["sweep", "--scenario", str(ROOT / "topologies" / "two-dc-modeled.yaml"), "--trace", str(TRACE),
+                         "--token-scale", "16", "--load", "1:3:1", "--limit", "4", "--policies", "same-dc",
+                         "--dilation", "2", "--executor", "ray", "--ray-address", cluster, "--out", str(out)], capsys)
+    assert code == 0, err
+    runs = [json.loads((out / f"load-{x}" / PLACEMENT_FILE).read_text()) for x in (1, 2, 3)]
+    assert all(r["exit"] in (0, 1, 3) for r in runs) and len({r["node"] for r in runs}) <= 2
+    for a in runs:
+        for b in runs:
+            if a is not b and a["node"] == b["node"]:
+                assert a["ended"] <= b["started"] or b["ended"] <= a["started"], runs
+    assert all(json.loads((out / f"load-{x}" / "summary.json").read_text())["engine"] == "emulation" for x in (1, 2, 3))

@@ -44,6 +44,7 @@ from testbed.traces.workload import Workload
 
 HOST_RESOURCE = "testbed_host"  # offered once per node: one emulation per host at a time
 FAILED_FILE = "replay-failed.json"
+PLACEMENT_FILE = "replay.json"  # where and when it ran: node, start and end on the node's clock, exit
 TASK_LOG = "replay.log"  # what the replay printed on its node (a local replay prints it here)
 EXIT_TASK_FAILED = 1  # a replay that never came back: its requests count as not completed
 CANCEL_GRACE_S = 60.0  # for interrupted tasks to tear down before they are killed
@@ -61,6 +62,8 @@ class Outcome:
     node: str
     wall_s: float
     log: str
+    started: float = 0.0  # the node's clock (Unix seconds): when the replay began and ended there
+    ended: float = 0.0
 
 
 def import_ray() -> Any:
@@ -117,7 +120,7 @@ def write_files(folder: Path, files: dict[str, bytes]) -> None:
 def replay_here(replay: Replay, kept: dict[str, bytes], node: str) -> Outcome:
     """One replay on this node (the body of the Ray task): into a private folder, seeded with
     what the driver's folder already held, and every file sent back."""
-    t0 = time.monotonic()
+    t0, started = time.monotonic(), time.time()
     log = io.StringIO()
     with tempfile.TemporaryDirectory(prefix="testbed-replay-") as tmp:
         out = Path(tmp) / "run"
@@ -133,7 +136,7 @@ def replay_here(replay: Replay, kept: dict[str, bytes], node: str) -> Outcome:
                 print(f"error: {e}", file=sys.stderr)
                 rc = e.exit_code
         files = {n: b for n, b in folder_files(out).items() if n not in kept or kept[n] != b}
-    return Outcome(rc, files, node, time.monotonic() - t0, log.getvalue())
+    return Outcome(rc, files, node, time.monotonic() - t0, log.getvalue(), started, time.time())
 
 
 def _task(replay: Replay, kept: dict[str, bytes]) -> Outcome:
@@ -238,7 +241,10 @@ def run_on_ray(replays: list[Replay]) -> list[int]:
                           file=sys.stderr, flush=True)
                     continue
                 (folder / FAILED_FILE).unlink(missing_ok=True)
-                write_files(folder, {**got.files, TASK_LOG: got.log.encode()})
+                where = {"node": got.node, "started": got.started, "ended": got.ended, "wall_s": round(got.wall_s, 3),
+                         "exit": got.rc}
+                write_files(folder, {**got.files, TASK_LOG: got.log.encode(),
+                                     PLACEMENT_FILE: json.dumps(where, indent=1).encode()})
                 rcs[i] = got.rc
                 print(f"ray: {folder.name}: exit {got.rc} on {got.node} in {got.wall_s:.1f} s "
                       f"({len(replays) - len(pending)}/{len(replays)})", flush=True)
