@@ -143,7 +143,10 @@ def test_a_replay_whose_worker_dies_is_sent_again_and_nothing_is_lost(cluster: s
 def test_a_replay_that_dies_on_every_try_is_recorded_and_named_missing(cluster: str, tmp_path: Path,
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "sweep"
-    code, err, killed = _sweep_with_a_kill([*SWEEP, "--out", str(out), "--executor", "ray", "--ray-address", cluster,
+    # The whole trace under three policies: seconds of replay, so the kill lands while it runs
+    # (one that lands after the replay returned would fail nothing).
+    code, err, killed = _sweep_with_a_kill([*SWEEP, "--limit", "117", "--policies", "same-dc,cross-dc,pdd",
+                                            "--out", str(out), "--executor", "ray", "--ray-address", cluster,
                                             "--ray-retries", "0"], "load-1", capsys)
     assert killed and code == 1, err
     why = json.loads((out / "load-1" / FAILED_FILE).read_text())["failed"]
