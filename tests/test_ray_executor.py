@@ -233,3 +233,14 @@ def test_emulations_never_share_a_host(cluster: str, tmp_path: Path, capsys: pyt
             if a is not b and a["node"] == b["node"]:
                 assert a["ended"] <= b["started"] or b["ended"] <= a["started"], runs
     assert all(json.loads((out / f"load-{x}" / "summary.json").read_text())["engine"] == "emulation" for x in (1, 2, 3))
+
+
+def test_a_nodes_files_are_written_inside_the_folder_or_refused(tmp_path: Path) -> None:
+    from testbed.experiments.ray_executor import write_files
+
+    write_files(tmp_path / "run", {"summary.json": b"{}", "logs/router.log": b"x"})
+    assert (tmp_path / "run" / "logs" / "router.log").read_bytes() == b"x"
+    for bad in ("../escape", "/etc/passwd", "logs/../../escape"):
+        with pytest.raises(ValueError, match="not a file of its folder"):
+            write_files(tmp_path / "run", {bad: b"x"})
+    assert not (tmp_path / "escape").exists()

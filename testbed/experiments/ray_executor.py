@@ -243,8 +243,13 @@ def run_on_ray(replays: list[Replay]) -> list[int]:
                 (folder / FAILED_FILE).unlink(missing_ok=True)
                 where = {"node": got.node, "started": got.started, "ended": got.ended, "wall_s": round(got.wall_s, 3),
                          "exit": got.rc}
-                write_files(folder, {**got.files, TASK_LOG: got.log.encode(),
-                                     PLACEMENT_FILE: json.dumps(where, indent=1).encode()})
+                try:
+                    write_files(folder, {**got.files, TASK_LOG: got.log.encode(),
+                                         PLACEMENT_FILE: json.dumps(where, indent=1).encode()})
+                except ValueError as e:  # a node's answer is checked like any input: this replay fails, not all
+                    _record_failure(folder, f"{got.node}: {e}")
+                    print(f"ray: {folder.name}: FAILED: {e}", file=sys.stderr, flush=True)
+                    continue
                 rcs[i] = got.rc
                 print(f"ray: {folder.name}: exit {got.rc} on {got.node} in {got.wall_s:.1f} s "
                       f"({len(replays) - len(pending)}/{len(replays)})", flush=True)
