@@ -103,7 +103,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if opts.executor == "ray":  # one replay, as a task on the cluster; its folder comes back here
         opts = dataclasses.replace(opts, out=opts.out or new_run_dir(""))
         print(f"results: {opts.out}", flush=True)
-        return run_all([Replay(sc, wl, policies, opts)])[0]
+        rc = run_all([Replay(sc, wl, policies, opts)])[0]
+        log = opts.out / "replay.log"  # what it printed there: the tables a local run prints
+        if log.exists():
+            print(log.read_text(), end="")
+        return rc
     return run_trace(sc, wl, policies, opts)
 
 

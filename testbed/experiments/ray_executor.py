@@ -64,6 +64,7 @@ class Outcome:
     log: str
     started: float = 0.0  # the node's clock (Unix seconds): when the replay began and ended there
     ended: float = 0.0
+    folder: str = ""  # where it wrote on the node (its log names this; the driver's copy names its own)
 
 
 def import_ray() -> Any:
@@ -136,7 +137,7 @@ def replay_here(replay: Replay, kept: dict[str, bytes], node: str) -> Outcome:
                 print(f"error: {e}", file=sys.stderr)
                 rc = e.exit_code
         files = {n: b for n, b in folder_files(out).items() if n not in kept or kept[n] != b}
-    return Outcome(rc, files, node, time.monotonic() - t0, log.getvalue(), started, time.time())
+    return Outcome(rc, files, node, time.monotonic() - t0, log.getvalue(), started, time.time(), str(out))
 
 
 def _task(replay: Replay, kept: dict[str, bytes]) -> Outcome:
@@ -244,7 +245,8 @@ def run_on_ray(replays: list[Replay]) -> list[int]:
                 where = {"node": got.node, "started": got.started, "ended": got.ended, "wall_s": round(got.wall_s, 3),
                          "exit": got.rc}
                 try:
-                    write_files(folder, {**got.files, TASK_LOG: got.log.encode(),
+                    log = got.log.replace(got.folder, str(folder)) if got.folder else got.log
+                    write_files(folder, {**got.files, TASK_LOG: log.encode(),
                                          PLACEMENT_FILE: json.dumps(where, indent=1).encode()})
                 except ValueError as e:  # a node's answer is checked like any input: this replay fails, not all
                     _record_failure(folder, f"{got.node}: {e}")
