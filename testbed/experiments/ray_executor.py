@@ -39,6 +39,7 @@ from testbed.deploy.dilation import emulation_plan
 from testbed.errors import CapabilityError, InputError, TestbedError
 from testbed.experiments.trace_run import Replay, RunOptions, run_trace
 from testbed.net import runstate
+from testbed.outputs import atomic_path
 from testbed.scenario import Scenario
 from testbed.traces.workload import Workload
 
@@ -106,16 +107,8 @@ def write_files(folder: Path, files: dict[str, bytes]) -> None:
         target = (root / name).resolve()
         if root not in target.parents or name.startswith("/") or len(data) > MAX_FILE_BYTES:
             raise ValueError(f"a replay sent back {name!r}: not a file of its folder")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, target)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        with atomic_path(target) as tmp:
+            tmp.write_bytes(data)
 
 
 def replay_here(replay: Replay, kept: dict[str, bytes], node: str) -> Outcome:
