@@ -30,10 +30,10 @@ from workers.model import ModelRunner, ensure_default_model
 
 from .conftest import ROOT, assert_unprivileged
 
-# One worker of make test's parallel part holds this module: its tests share a module fixture
-# (one server, whose later tests read what the earlier ones served).
+# Serial: one server for the module, whose later tests read what the earlier ones served; make
+# test's parallel part spread this module over both workers (xdist_group did not hold it).
 pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces"),
-              pytest.mark.xdist_group("serve")]
+              pytest.mark.serial]
 openai = pytest.importorskip("openai")
 
 MODEL = "pdd-tiny-llama-v2"
