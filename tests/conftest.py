@@ -94,11 +94,22 @@ def run_cli_output(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple
     return code, captured.out, captured.err
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+_ungrouped: set[str] = set()
+
+
+@pytest.hookimpl(trylast=True)  # after xdist's own: it checks what xdist did
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The tiers: a test that needs root (namespaces, processes) is ``emulation``, any other
     ``unit`` (``make test-fast`` runs those alone); ``slow`` is set by hand on the tests that
     run a whole command end to end, and implies ``emulation``. An emulation test that failed
-    while this virtual machine's hypervisor took its CPUs away is run again (twice at most)."""
+    while this virtual machine's hypervisor took its CPUs away is run again (twice at most).
+
+    Under ``--dist loadgroup`` xdist marks a grouped test by suffixing its node id with the
+    group; with a pytest where that suffix does not stick (9.2: pytest-xdist issue 1386) a group
+    is spread over workers, each starting the module's shared fixture (two Ray clusters whose
+    tests kill each other's replays): each such test fails, saying why, rather than run wrong."""
+    if getattr(config.option, "loadgroup", False):
+        _ungrouped.update(i.nodeid for i in items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid)
     for item in items:
         needs = any(m.kwargs.get("reason") == ROOT_REASON for m in item.iter_markers("skipif"))
         if needs or item.get_closest_marker("slow") is not None:
@@ -133,6 +144,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.nodeid in _ungrouped:
+        pytest.fail("--dist loadgroup is not in effect with this pytest (the test kept no xdist group): "
+                    "use the pytest pinned in pyproject.toml", pytrace=False)
     _attempt_started[0] = time.monotonic()
 
 

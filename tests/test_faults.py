@@ -28,9 +28,7 @@ from workers.model import ModelRunner, ensure_default_model
 
 from .conftest import ROOT, built, needs_root, scenario_with, small_wan
 
-# One worker of make test's parallel part holds this module: its tests share a module fixture
-# (the reference tokens, computed once).
-pytestmark = [needs_root, pytest.mark.xdist_group("faults")]
+pytestmark = needs_root
 
 
 def test_delay_line_takes_a_direction_down_adds_delay_and_loss_and_restores() -> None:

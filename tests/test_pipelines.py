@@ -19,9 +19,7 @@ from workers.model import ModelRunner, ensure_default_model
 
 from .conftest import assert_unprivileged, needs_root, scenario_with
 
-# One worker of make test's parallel part holds this module: its tests share a module fixture
-# (the reference tokens, computed once).
-pytestmark = [needs_root, pytest.mark.xdist_group("pipelines")]
+pytestmark = needs_root
 
 
 @pytest.fixture(scope="module")

@@ -80,18 +80,27 @@ def local(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def _cmdline(pid: int | str) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _killer(name: str, stop: threading.Event, killed: list[int]) -> None:
     """SIGKILL, once, the cluster's worker process that runs the replay ``name`` (Ray titles a
-    task's process ``ray::<task name>``): a worker dying mid-replay, as on a node's OOM."""
+    task's process ``ray::<task name>``): a worker dying mid-replay, as on a node's OOM. Not a
+    child it forked (same title until its exec): killing that fails nothing Ray sees."""
+    title = f"ray::testbed replay {name}"
     while not stop.is_set() and not killed:
         for d in Path("/proc").iterdir():
-            if not d.name.isdigit():
+            if not d.name.isdigit() or not _cmdline(d.name).startswith(title):
                 continue
             try:
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
+                parent = (d / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            except (OSError, IndexError):
                 continue
-            if cmd.startswith(f"ray::testbed replay {name}"):
+            if not _cmdline(parent).startswith(title):
                 os.kill(int(d.name), signal.SIGKILL)
                 killed.append(int(d.name))
                 return
@@ -174,15 +183,8 @@ def test_tune_runs_its_trials_side_by_side_on_the_cluster(cluster: str, tmp_path
 
 
 def _replay_processes() -> list[int]:
-    found = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if (d / "cmdline").read_bytes().startswith(b"ray::testbed replay"):
-                    found.append(int(d.name))
-            except OSError:
-                continue
-    return found
+    return [int(d.name) for d in Path("/proc").iterdir()
+            if d.name.isdigit() and _cmdline(d.name).startswith("ray::testbed replay")]
 
 
 def test_ctrl_c_cancels_the_clusters_replays(cluster: str, tmp_path: Path) -> None:

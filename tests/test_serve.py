@@ -30,10 +30,10 @@ from workers.model import ModelRunner, ensure_default_model
 
 from .conftest import ROOT, assert_unprivileged
 
-# Serial: one server for the module, whose later tests read what the earlier ones served; make
-# test's parallel part spread this module over both workers (xdist_group did not hold it).
+# One server for the module, whose later tests read what the earlier ones served: one worker of
+# make test's parallel part holds the module.
 pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces"),
-              pytest.mark.serial]
+              pytest.mark.xdist_group("serve")]
 openai = pytest.importorskip("openai")
 
 MODEL = "pdd-tiny-llama-v2"
