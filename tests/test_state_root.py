@@ -132,20 +132,27 @@ def test_saving_replaces_a_planted_link_instead_of_writing_through_it(root: Path
 
 
 @needs_root
-def test_a_live_runs_namespaces_survive_a_clean_under_another_state_root(root: Path) -> None:
+def test_a_live_runs_namespaces_survive_a_clean_under_another_state_root(root: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     run = runstate.Run.new()
-    ns = f"{run.prefix}-h1"
+    ns, building = f"{run.prefix}-h1", f"{run.prefix}-h2"
     try:
-        run.add_namespace(ns)
-        netns.create_namespace(ns)
-        run.hold(ns)
+        for n in (ns, building):
+            run.add_namespace(n)
+            netns.create_namespace(n)
+        run.hold(ns)  # the other one is mid-build: made, not yet locked
         other = root.parent / "other-state"
         runstate.STATE_ROOT = other  # monkeypatched back by the fixture
-        runstate.clean_stale()  # this root knows nothing of the run: the lock alone protects it
+        # This root knows nothing of the run: the lock protects one, its age the other; and the
+        # young one is no door to the held one (the run's other namespaces are not swept with it).
+        runstate.clean_stale()
+        assert {ns, building} <= set(netns.list_namespaces())
+        monkeypatch.setattr(runstate, "BUILD_GRACE_S", 0.0)  # seconds later, still not locked
+        assert runstate.clean_stale() == [f"namespace {building}"]
         assert ns in netns.list_namespaces()
         run.release()
         assert f"namespace {ns}" in runstate.clean_stale()
     finally:
         runstate.STATE_ROOT = root
         run.destroy()
-    assert ns not in netns.list_namespaces()
+    assert ns not in netns.list_namespaces() and building not in netns.list_namespaces()

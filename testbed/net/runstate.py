@@ -65,6 +65,7 @@ NS_RE = re.compile(r"^pdd[0-9a-f]{6}-[A-Za-z0-9][A-Za-z0-9._-]{0,40}$")
 # user, may still open its password, ACL and log files in its folder inside the run's (a reload
 # reads them again).
 ROOT_MODE = 0o711
+BUILD_GRACE_S = 5.0  # a manifest or namespace this young may belong to a run mid-build
 
 
 def check_state_root(create: bool = False) -> bool:
@@ -258,8 +259,12 @@ def destroy(run_id: str, namespaces: list[str], processes: list[ProcRecord]) -> 
         raise ValueError(f"not a run id: {run_id!r}")
     removed: list[str] = []
     prefix = f"pdd{run_id}-"
-    all_ns = sorted(n for n in set(namespaces) | set(netns.list_namespaces())
-                    if n.startswith(prefix) and NS_RE.fullmatch(n))
+    # Those the caller names, and any other of the run's prefix that no live run holds: one a
+    # live run holds (its manifest under another state root), or one made in the last seconds
+    # (created, not yet locked: a run mid-build), is spared.
+    found = {n for n in netns.list_namespaces() if n.startswith(prefix) and NS_RE.fullmatch(n)
+             and n not in namespaces and not _held(n) and not _young(n)}
+    all_ns = sorted(n for n in set(namespaces) | found if n.startswith(prefix) and NS_RE.fullmatch(n))
     victims = [p.pid for p in _alive(processes)]
     for ns in all_ns:
         victims += netns.pids_in_namespace(ns)
@@ -299,7 +304,7 @@ def clean_stale(include_live: bool = False) -> list[str]:
                 run = Run.load(mf)
             except (OSError, ValueError, TypeError):
                 # Manifest being written right now or unreadable: judge by age.
-                if time.time() - d.stat().st_mtime < 5:
+                if time.time() - d.stat().st_mtime < BUILD_GRACE_S:
                     known.add(d.name)
                     continue
                 removed += destroy(d.name, [], [])
@@ -308,9 +313,18 @@ def clean_stale(include_live: bool = False) -> list[str]:
             if include_live or not run.owner_alive():
                 removed += destroy(run.run_id, run.namespaces, run.processes)
     for ns in netns.list_namespaces():
-        if NS_RE.fullmatch(ns) and ns[3:9] not in known and not _held(ns):
+        if NS_RE.fullmatch(ns) and ns[3:9] not in known and not _held(ns) and not _young(ns):
             removed += destroy(ns[3:9], [ns], [])
     return removed
+
+
+def _young(ns: str) -> bool:
+    """Whether namespace ``ns`` was made within ``BUILD_GRACE_S``: a run creates a namespace,
+    then locks it; in between only its age says it is not an orphan."""
+    try:
+        return time.time() - os.lstat(netns.NETNS_DIR / ns).st_mtime < BUILD_GRACE_S
+    except OSError:
+        return False
 
 
 def _held(ns: str) -> bool:
