@@ -21,6 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field
 WorkerRole = Literal["prefill", "decode", "relay-decode"]
 
 
+# Every worker's KV listener (its host is its own namespace); the delay line counts KV bytes by it.
+KV_PORT = 7070
+
 class Contract(BaseModel):
     """Base of every cross-process shape: strict, immutable, JSON in and out."""
 
@@ -100,7 +103,7 @@ class WorkerConfig(Contract):
     role: WorkerRole
     run_id: str
     host_ip: str
-    kv_port: int = Field(default=7070, ge=1, le=65535)
+    kv_port: int = Field(default=KV_PORT, ge=1, le=65535)
     # The namespace of this worker's host when its process stands for several hosts (modeled
     # instances sharing a process): its KV sockets are opened there. None: the process's own.
     netns: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")

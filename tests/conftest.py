@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from testbed.analysis.results import SUMMARY_FILE, RunSummary
+from testbed.analysis.wan_line import disagreements
 from testbed.cli.main import main as testbed_main
 from testbed.deploy.deployment import network_session
 from testbed.deploy.fidelity import host_steal_s
@@ -33,6 +35,24 @@ os.environ["PDD_TESTBED_DILATION_CACHE"] = "off"
 ROOT_REASON = "needs root for network namespaces"
 UNPRIVILEGED = Identity(pwd.getpwnam("nobody").pw_uid, pwd.getpwnam("nobody").pw_gid)  # workers.run_as's default
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason=ROOT_REASON)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """After a test, every run it saved under its ``tmp_path``: no bin of KV on the WAN above
+    what the line's rate and buffer allow, and on a lossless line the KV it counted sums to the
+    table's (``testbed.analysis.wan_line.disagreements``): the suite's runs never plot the
+    impossible."""
+    result = yield
+    tmp = getattr(item, "funcargs", {}).get("tmp_path")
+    for path in Path(tmp).rglob(SUMMARY_FILE) if tmp is not None else []:
+        try:
+            summary = RunSummary.model_validate_json(path.read_text())
+        except (OSError, ValueError):
+            continue  # a folder a test broke on purpose
+        problems = disagreements(summary)
+        assert not problems, f"{path.parent}: {problems[:3]}"
+    return result
 
 
 def status_of(pid: int) -> dict[str, str]:

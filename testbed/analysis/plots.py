@@ -23,6 +23,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from protocol.worker_config import WorkerStats  # noqa: E402
+from testbed.analysis.results import WanLine  # noqa: E402
 from testbed.outputs import atomic_path  # noqa: E402
 
 HIT_EDGES = [0.0, 0.5, 0.8, 0.9, 0.95, 0.99, 1.0001]
@@ -61,12 +62,14 @@ def _covering(starts: np.ndarray, ends: np.ndarray, grid: np.ndarray) -> np.ndar
 
 
 def plot_timeline(df: pd.DataFrame, path: Path, byte_factor: float = 1.0, points: int = 400,
-                  rates: dict[str, dict[str, list[tuple[float, float]]]] | None = None) -> None:
-    """Per policy: KV bytes on the WAN over time (each transfer's bytes, times ``byte_factor``,
-    spread evenly over its duration) with the line's rate per direction (``rates``: policy ->
-    direction -> (s, Mbit/s) at each change, as a link trace or a fault set it), and the
-    requests each relay and decoder was decoding (first token, or the main decoder's takeover,
-    to the last token)."""
+                  rates: dict[str, dict[str, list[tuple[float, float]]]] | None = None,
+                  lines: dict[str, dict[str, WanLine]] | None = None) -> None:
+    """Per policy: KV on the WAN over time, times ``byte_factor``, per direction as it crossed
+    the line (``lines``: policy -> direction -> the line's counters), or where nothing counted
+    it (netem) each transfer's bytes spread evenly over its duration, labelled so; with the
+    line's rate per direction (``rates``: policy -> direction -> (s, Mbit/s) at each change,
+    as a link trace or a fault set it); and the requests each relay and decoder was decoding
+    (first token, or the main decoder's takeover, to the last token)."""
     policies = list(dict.fromkeys(df.policy))
     fig, axes = plt.subplots(len(policies), 2, figsize=(12, 3 * max(1, len(policies))), squeeze=False)
     for (ax_wan, ax_load), p in zip(axes, policies, strict=True):
@@ -75,17 +78,25 @@ def plot_timeline(df: pd.DataFrame, path: Path, byte_factor: float = 1.0, points
         end = float(np.nanmax([(ok.sent_offset_s + ok.e2e_s).max(), d.wan_end_s.max(), 1.0]))
         grid = np.linspace(0.0, end, points)
         step = grid[1] - grid[0]
-        rate = np.zeros_like(grid)
-        for r in d[d.wan_start_s.notna() & (d.wan_kv_bytes > 0)].itertuples():
-            span = max(r.wan_end_s - r.wan_start_s, step)
-            bits = 8 * r.wan_kv_bytes * byte_factor
-            rate += ((grid >= r.wan_start_s) & (grid < r.wan_start_s + span)) * (bits / span / 1e9)
-        ax_wan.plot(grid, rate, label="KV")
+        counted = (lines or {}).get(p, {})
+        for direction, line in counted.items():
+            if not any(line.wire_bytes):
+                continue
+            xs = line.start_s + line.bin_s * np.arange(len(line.wire_bytes) + 1)
+            gbit = np.asarray(line.wire_bytes, dtype=float) * 8 * byte_factor / line.bin_s / 1e9
+            ax_wan.stairs(gbit, xs, label=f"KV {direction}, as it crossed")
+        if not counted:
+            rate = np.zeros_like(grid)
+            for r in d[d.wan_start_s.notna() & (d.wan_kv_bytes > 0)].itertuples():
+                span = max(r.wan_end_s - r.wan_start_s, step)
+                bits = 8 * r.wan_kv_bytes * byte_factor
+                rate += ((grid >= r.wan_start_s) & (grid < r.wan_start_s + span)) * (bits / span / 1e9)
+            ax_wan.plot(grid, rate, label="KV, spread over each transfer")
         for direction, steps in (rates or {}).get(p, {}).items():
             xs = [t for t, _ in steps] + [end]
             ax_wan.step(xs, [m / 1e3 for _, m in steps] + [steps[-1][1] / 1e3], where="post", linestyle="--",
                         label=f"line {direction}")
-        if len(ax_wan.lines) > 1:
+        if ax_wan.lines or ax_wan.patches:
             ax_wan.legend(fontsize=8)
         ax_wan.set(title=f"{p}: KV on the WAN", xlabel="s into the run", ylabel="Gbit/s")
         first = (ok.sent_offset_s + ok.ttft_s).to_numpy()

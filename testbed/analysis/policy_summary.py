@@ -8,6 +8,7 @@ from testbed.analysis.cost import cost_per_million_tokens, egress_price, hardwar
 from testbed.analysis.fault_impact import fault_impacts
 from testbed.analysis.metrics import Slo, itls, request_rows, summarize
 from testbed.analysis.results import PolicySummary
+from testbed.analysis.wan_line import line_of
 from testbed.deploy.emulation import EmulationPlan
 from testbed.deploy.run_record import PolicyRun
 from testbed.policies import make_policy
@@ -26,7 +27,9 @@ def measure(sc: Scenario, spec: PolicySpec, plan: EmulationPlan, run: PolicyRun,
     tokens = measured.output_tokens_emulated
     per_mtok = cost_per_million_tokens(cost, measured.duration_s, tokens) if cost else None
     with_egress = cost_per_million_tokens(cost, measured.duration_s, tokens, egress or 0.0) if cost else None
+    t0 = min((r.sent for r in run.recs.values() if r.sent), default=0.0)  # the rows' origin
+    lines = {name: line_of(b, t0, plan.dilation) for name, b in run.wan_line.items()}
     return df, PolicySummary(**dict(measured), policy_stats=run.policy, fidelity=run.verdict, cost=cost,
                              cost_per_mtok=per_mtok, wan_gb=wan_gb, egress=egress,
                              cost_per_mtok_with_egress=with_egress, impairment=run.impairment, faults=run.faults,
-                             fault_impact=fault_impacts(run, plan.dilation))
+                             fault_impact=fault_impacts(run, plan.dilation), wan_line=lines)

@@ -27,6 +27,7 @@ from testbed.analysis.fault_report import fault_table
 from testbed.analysis.metrics import Summary
 from testbed.analysis.results import REQUESTS_FILE, SUMMARY_FILE, RunSummary, load_run
 from testbed.analysis.tables import markdown_table, table_head, table_row
+from testbed.analysis.wan_line import byte_factor, line_section
 from testbed.deploy.fidelity import format_verdict
 from testbed.errors import InputError
 from testbed.faults.wan_trace import rate_history
@@ -194,6 +195,7 @@ def report_markdown(summary: RunSummary) -> str:
         "\n".join(format_verdict(name, s.fidelity) for name, s in summary.policies.items()),
         "```",
         "",
+        *line_section(summary),
         "## Plots",
         "",
         "![latency](latency.png)",
@@ -251,10 +253,10 @@ def render(out: Path, summary: RunSummary, df: pd.DataFrame) -> list[Path]:
     write_atomic(paths[0], report_markdown(summary))
     plots.plot(df, paths[1])
     plots.plot_ttft_by_hit(df, paths[2])
-    e = summary.emulation
-    # KV bytes in the rows are the real model's; the emulated model's are s_in x b_e / b_r more.
+    # KV bytes in the rows and the line's counters are the real model's (wan_line.byte_factor).
     rates = {name: rate_history(summary.scenario.wan_directions(), s.faults) for name, s in summary.policies.items()}
-    plots.plot_timeline(df, paths[3], e.s_in * e.b_e / e.b_r if e.emulating else 1.0, rates=rates)
+    plots.plot_timeline(df, paths[3], byte_factor(summary), rates=rates,
+                        lines={name: s.wan_line for name, s in summary.policies.items()})
     if plots.plot_hit_rates(summary.workers, out / "hit_rates.png"):
         paths.append(out / "hit_rates.png")
     return paths

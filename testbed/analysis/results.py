@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.worker_config import WorkerStats
 from testbed.analysis.cost import HardwareCost
@@ -77,6 +77,15 @@ class EmulationSummary(_Saved):
     lan: dict[str, LinkScale]  # per datacenter
 
 
+class WanLine(_Saved):
+    """KV bytes of one WAN direction as they crossed the line (``testbed.analysis.wan_line``):
+    wire bytes per ``bin_s`` emulated seconds from ``start_s`` into the run."""
+
+    start_s: float
+    bin_s: float = Field(gt=0)
+    wire_bytes: list[int]
+
+
 class PolicySummary(Summary):
     policy_stats: PolicyReport
     fidelity: Verdict
@@ -88,6 +97,7 @@ class PolicySummary(Summary):
     cost_per_mtok_with_egress: float | None = None  # hardware and egress per 1M emulated output tokens
     faults: list[AppliedFault] = []  # the fault timeline as it was applied
     fault_impact: list[FaultImpact] = []  # what each applied fault cost (testbed.analysis.fault_impact)
+    wan_line: dict[str, WanLine] = {}  # "a->b" -> KV as it crossed; none where nothing counted it (netem)
 
 
 class RunSummary(_Saved):

@@ -31,6 +31,7 @@ from protocol.router_config import (
     WorkerEndpoint,
 )
 from protocol.worker_config import (
+    KV_PORT,
     BrokerInfo,
     MemoryReport,
     RunAs,
@@ -51,7 +52,6 @@ from testbed.policies.spec import PolicySpec
 from testbed.scenario import Role, Scenario
 from workers.model_dir import kv_bytes_per_token
 
-KV_PORT = 7070
 # The router on the C library's allocator instead of Python's small-object arenas: a burst of
 # requests in flight (the backlog after a WAN outage: thousands of prompt tokens, each an int
 # object) fills arenas that long-lived objects (index entries) then pin, so its RSS stayed at

@@ -32,7 +32,7 @@ from testbed.deploy.cluster import Cluster
 from testbed.deploy.emulation import EmulationPlan
 from testbed.deploy.fidelity import host_steal_s, judge
 from testbed.deploy.process_sampling import RssSampler, cpu_by_name
-from testbed.deploy.run_record import ClientRecord, PolicyRun
+from testbed.deploy.run_record import ClientRecord, LineBins, PolicyRun
 from testbed.errors import InputError
 from testbed.faults.inject import FaultInjector, annotate_failures
 from testbed.faults.timeline import Fault
@@ -227,13 +227,20 @@ class Deployment:
         return PolicyRun(specs=specs, recs=recs, router=router, workers=workers, policy=policy_report,
                          verdict=verdict, impairment=f"{net.impairment} ({net.impairment_reason})",
                          faults=applied, wall_s=wall, memory=memory, rss=sampler.series if sampler else [],
-                         fault_t0_wall=injector.t0_wall, deaths=deaths)
+                         fault_t0_wall=injector.t0_wall, deaths=deaths, wan_line=_line_bins(final))
 
     def _print_log_tails(self) -> None:
         for name in ["router", *self.cluster.groups]:
             tail = self.cluster.log_tail(name, 1500)
             if tail:
                 print(f"--- {name} log ---\n{tail}", file=sys.stderr)
+
+
+def _line_bins(final: DelayLineReport | None) -> dict[str, LineBins]:
+    """The delay line's KV counters per direction (none from netem, or a line that died)."""
+    if final is None or not final.bin_s:
+        return {}
+    return {name: LineBins(final.bins_t0, final.bin_s, d.kv_bins) for name, d in final.directions.items()}
 
 
 def _started(part: T | None) -> T:

@@ -101,6 +101,17 @@ class ClientRecord:
         return len(self.tokens) - before
 
 
+@dataclass(frozen=True)
+class LineBins:
+    """KV bytes that crossed one WAN direction, counted where they cross (the delay line's tap
+    behind the rate limiter, the link model as its flows move): TCP payload bytes
+    per ``bin_s`` seconds from ``t0``, both on the client's clock (``ClientRecord.sent``)."""
+
+    t0: float
+    bin_s: float
+    bytes: list[int]
+
+
 @dataclass
 class PolicyRun:
     """Everything one policy's deployment gave back, read before its network went down."""
@@ -119,3 +130,4 @@ class PolicyRun:
     fault_t0_wall: float = 0.0  # emulated time 0 of the fault timeline, on the client's clock
     deaths: list[WorkerDeath] = field(default_factory=list)  # workers the router declared dead, in order
     engine: str = "emulation"  # what produced it: the emulation, or the simulator ("sim")
+    wan_line: dict[str, LineBins] = field(default_factory=dict)  # "a->b" -> KV bytes as they crossed

@@ -25,7 +25,11 @@ Guarantees:
   frame waited for this loop to be scheduled counts as lateness; a histogram
   (``late_hist`` over ``LATE_EDGES_US``, percentiles ``late_p50_us`` / ``late_p99_us``),
   ``late_max_us`` and ``late_over_1ms`` are part of the statistics it writes to
-  ``stats_path`` once a second and on exit.
+  ``stats_path`` once a second and on exit;
+* KV is counted where it crosses: a tap on each output port (``testbed.net.line_tap``) sees
+  frames as the rate limiter lets them onto the wire, and the TCP payload of KV connections
+  (``kv_ports``) is binned per 20 ms by the kernel's time stamp (``kv_bins`` in the final
+  statistics; ``kv_resent_bytes`` crossed again, ``kv_tap_drops`` frames went uncounted).
 
 Its contract with the orchestrator (``testbed.net.delayline_contract``): a
 ``DelayLineConfig`` (JSON, the only argument) in, a ``DelayLineReport`` (JSON file) out.
@@ -56,6 +60,7 @@ from testbed.net.delayline_contract import (
     DirectionOverride,
     late_percentile,
 )
+from testbed.net.line_tap import KV_BIN_S, KvTap, open_tap
 
 ETH_P_ALL = 0x0003
 ETH_P_ARP = b"\x08\x06"
@@ -78,6 +83,7 @@ STATS_QUIET_S = 0.005
 SPIN_S = 0.00005
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # kernel receive time (CLOCK_REALTIME) per frame
 ANC_SIZE = socket.CMSG_SPACE(16)
+TAP_WAIT_S = 0.02  # the taps are read when no frame is due soon, or after this long
 @dataclass
 class DirectionStats:
     frames_in: int = 0
@@ -94,6 +100,8 @@ class DirectionStats:
     late_over_1ms: int = 0
     delay_sum_ms: float = 0.0
     late_hist: list[int] = field(default_factory=lambda: [0] * (len(LATE_EDGES_US) + 1))
+    kv_tap_drops: int = 0  # frames that left the line uncounted (the tap's buffer was full)
+    kv_resent_bytes: int = 0  # KV payload that crossed again (retransmissions), not in the bins
 
 
 @dataclass
@@ -116,6 +124,7 @@ class Direction:
     last_due: float = 0.0
     blocked: bool = False
     stats: DirectionStats = field(default_factory=DirectionStats)
+    tap: KvTap | None = None  # KV as it crosses, behind ``dst``'s rate limiter
 
     def ingest(self, now: float, clock_offset: float) -> None:
         """Read what arrived; ``clock_offset`` = realtime - monotonic, to place the kernel's
@@ -210,14 +219,19 @@ def open_port(ifname: str) -> socket.socket:
     return s
 
 
-def write_stats(path: str, dirs: list[Direction], started: float, final: bool) -> None:
+def write_stats(path: str, dirs: list[Direction], started: float, final: bool, bins_t0: float = 0.0) -> None:
     # Plain json here (the forwarding loop waits while this runs); the reader validates it
-    # as a DelayLineReport.
+    # as a DelayLineReport. The KV bins (a number per 20 ms) only at the end.
+    for d in dirs:
+        if d.tap is not None:
+            d.stats.kv_tap_drops, d.stats.kv_resent_bytes = d.tap.take_drops(), d.tap.resent
     report = {
         "pid": os.getpid(), "uptime_s": time.monotonic() - started, "final": final,
         "directions": {d.name: {**asdict(d.stats), "backlog_bytes": d.backlog,
                                 "late_p50_us": late_percentile(d.stats.late_hist, 50),
-                                "late_p99_us": late_percentile(d.stats.late_hist, 99)} for d in dirs},
+                                "late_p99_us": late_percentile(d.stats.late_hist, 99),
+                                **({"kv_bins": d.tap.bins if d.tap else []} if final else {})} for d in dirs},
+        **({"bins_t0": bins_t0, "bin_s": KV_BIN_S} if final else {}),
     }  # fmt: skip
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -288,7 +302,11 @@ def run(cfg: DelayLineConfig) -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGUSR1, lambda *_: None)
     started = time.monotonic()
-    next_stats = started
+    bins_t0 = time.time()
+    for d, spec in zip(dirs, cfg.directions, strict=True):
+        if cfg.kv_ports:
+            d.tap = KvTap(open_tap(cfg.ports[spec.dst]), frozenset(cfg.kv_ports), bins_t0)
+    next_stats = tapped = started
     stats_path = cfg.stats_path
     ready_path = cfg.ready_path
     if ready_path:
@@ -306,6 +324,11 @@ def run(cfg: DelayLineConfig) -> None:
             write_stats(stats_path, dirs, started, final=False)
             next_stats = time.monotonic() + STATS_PERIOD_S
             clock_offset = time.time() - time.monotonic()  # follows clock adjustments
+        if quiet or now - tapped >= TAP_WAIT_S:
+            for d in dirs:
+                if d.tap is not None:
+                    d.tap.read()
+            tapped = now
         timeout = 0.2 if now >= next_stats else min(0.2, next_stats - now)
         for d in dirs:
             due = d.next_due()
@@ -326,7 +349,14 @@ def run(cfg: DelayLineConfig) -> None:
                 apply_control(cfg.control_path, dirs)
             else:
                 by_fd[fd].ingest(now, clock_offset)
-    write_stats(stats_path, dirs, started, final=True)
+    for d in dirs:  # what crossed since the last turn
+        if d.tap is not None:
+            d.tap.drain()
+    write_stats(stats_path, dirs, started, final=True, bins_t0=bins_t0)
+    for d in dirs:
+        if d.tap is not None:
+            print(f"delay line {d.name}: {sum(d.tap.bins)} bytes of KV crossed, {d.tap.resent} again, "
+                  f"{d.tap.drops} frames uncounted", file=sys.stderr, flush=True)
     if qos is not None:
         os.close(qos)
 

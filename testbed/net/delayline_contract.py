@@ -58,6 +58,7 @@ class DelayLineConfig(_Contract):
     seed: int = 0
     nice: int = -10
     rt_priority: int = Field(default=10, ge=1, le=99)
+    kv_ports: list[int] = []  # TCP ports of KV connections: their payload is counted per bin as it crosses
 
 
 class DirectionReport(_Contract):
@@ -78,6 +79,12 @@ class DirectionReport(_Contract):
     late_hist: list[int] = []
     late_p50_us: float = 0.0
     late_p99_us: float = 0.0
+    # TCP payload bytes of KV connections per ``bin_s`` from ``bins_t0`` as the rate limiter let
+    # them onto the wire (written in the final report only): when KV crossed, not when
+    # transfers began or their frames queued.
+    kv_bins: list[int] = []
+    kv_tap_drops: int = 0  # frames that left uncounted: the bins are short by them (0 in a sound run)
+    kv_resent_bytes: int = 0  # KV payload that crossed again (retransmissions), not in the bins
 
     def since(self, earlier: DirectionReport) -> DirectionReport:
         """What happened after ``earlier`` (a report of the same direction): counters and the
@@ -102,6 +109,8 @@ class DelayLineReport(_Contract):
     uptime_s: float
     final: bool
     directions: dict[str, DirectionReport]  # "a->b" -> statistics
+    bins_t0: float = 0.0  # the wall-clock time (time.time()) bin 0 of ``kv_bins`` starts at
+    bin_s: float = 0.0
 
     def since(self, earlier: DelayLineReport | None) -> DelayLineReport:
         """This report over the time after ``earlier`` (see ``DirectionReport.since``)."""
@@ -118,5 +127,6 @@ class DelayLineReport(_Contract):
             f"queue-full={d.drop_queue_full} overflow={d.drop_overflow} error={d.drop_error}, "
             f"lateness p50 <= {d.late_p50_us / 1000:g} ms, p99 <= {d.late_p99_us / 1000:g} ms, "
             f"max {d.late_max_us / 1000:.2f} ms, late>1ms={d.late_over_1ms}"
+            + (f", {d.kv_tap_drops} frames left uncounted" if d.kv_tap_drops else "")
             for name, d in self.directions.items()
         ]

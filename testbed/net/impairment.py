@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
+from protocol.worker_config import KV_PORT
 from testbed.errors import BuildError, CapabilityError
 from testbed.net import netns, runstate, shaping
 from testbed.net.delayline_contract import (
@@ -121,7 +122,7 @@ class DelayLine(WanImpairment):
                 for (src, dst), s in p.wan_shaping.items()
             ],
             stats_path=str(self.stats_path), ready_path=str(ready), seed=self.seed,
-            control_path=str(self.control_path),
+            control_path=str(self.control_path), kv_ports=[KV_PORT],
         )  # fmt: skip
         proc = self.proc = self.spawn(p.wan_ns, [sys.executable, "-m", "testbed.net.delayline",
                                                  cfg.model_dump_json()],

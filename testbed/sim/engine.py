@@ -44,7 +44,7 @@ from testbed.deploy.emulation import EmulationPlan
 from testbed.deploy.fidelity import judge
 from testbed.deploy.model_files import ensure_model
 from testbed.deploy.router import Router
-from testbed.deploy.run_record import PolicyRun
+from testbed.deploy.run_record import LineBins, PolicyRun
 from testbed.errors import InputError
 from testbed.faults.inject import FaultInjector, annotate_failures
 from testbed.faults.timeline import Fault
@@ -55,9 +55,10 @@ from testbed.scenario import Role, Scenario
 from testbed.sim.bus import SimBroker
 from testbed.sim.flows import host_congestion
 from testbed.sim.kv import SimNet
+from testbed.sim.links import KV_BIN_S
 from testbed.sim.network import LinkModel
 from testbed.sim.scope import check_simulable
-from testbed.sim.vloop import VirtualLoop
+from testbed.sim.vloop import EPOCH, VirtualLoop
 from workers.allocator import WATCH
 from workers.decode import DecodeWorker
 from workers.model_dir import kv_bytes_per_token
@@ -204,7 +205,9 @@ class SimDeployment:
         run = PolicyRun(specs=specs, recs=recs, router=self._records(), workers=stats, policy=self._policy_report,
                         verdict=verdict, impairment=f"{IMPAIRMENT}, TCP {self.congestion}", faults=applied,
                         wall_s=wall,
-                        fault_t0_wall=self.injector.t0_wall, deaths=self._deaths(), engine="sim")
+                        fault_t0_wall=self.injector.t0_wall, deaths=self._deaths(), engine="sim",
+                        wan_line={f"{a}->{b}": LineBins(EPOCH, KV_BIN_S, [round(x) for x in lk.kv_bins or []])
+                                  for (a, b), lk in self.links.wan.items()})
         self.close()
         return run
 

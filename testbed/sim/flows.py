@@ -51,6 +51,7 @@ from testbed.sim.links import (
     Flow,
     Link,
     Versioned,
+    spread,
 )
 
 CONGESTION_PATH = Path("/proc/sys/net/ipv4/tcp_congestion_control")
@@ -163,6 +164,8 @@ class Flows:
                 f.sent += moved
                 for lk in f.conn.path.links:
                     lk.busy_bytes += moved
+                    if f.conn.kv and lk.kv_bins is not None:
+                        spread(lk.kv_bins, now - dt, now - dt + moved / f.rate, moved)
 
     def _cap(self, f: Flow, now: float) -> float:
         """What a flow could carry alone: its window over the round trip, the loss limit."""

@@ -157,7 +157,7 @@ class SimTransport:
         links = self.net.links
         dst = links.host_of_ip[host]
         path = links.path(self.host, dst)
-        conn = self.net.conns.setdefault((self.host, host, port), Conn(path))
+        conn = self.net.conns.setdefault((self.host, host, port), Conn(path, kv=True))
         st = TransferStats(request_id, f"{host}:{port}", clock.time())
         layers, _, heads, n, head_dim = kv.shape
         per_token = layers * 2 * heads * head_dim * kv.element_size()

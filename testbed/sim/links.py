@@ -52,6 +52,25 @@ class Versioned(Protocol):
     version: int  # bumped whenever a fault changes a link
 
 
+KV_BIN_S = 0.02  # seconds of loop time per bin of KV bytes, as the delay line counts them
+
+
+def spread(bins: list[float], t_from: float, t_to: float, nbytes: float) -> None:
+    """Add ``nbytes``, moved at a constant rate over [``t_from``, ``t_to``), to ``bins`` (bin
+    ``i`` covers loop time [i, i + 1) x ``KV_BIN_S``)."""
+    if t_to <= t_from:
+        t_to = t_from + 1e-12
+    rate = nbytes / (t_to - t_from)
+    i = int(t_from / KV_BIN_S)
+    t = t_from
+    while t < t_to:
+        edge = min((i + 1) * KV_BIN_S, t_to)
+        if i >= len(bins):
+            bins.extend([0.0] * (i + 1 - len(bins)))
+        bins[i] += rate * (edge - t)
+        t, i = edge, i + 1
+
+
 @dataclass(eq=False)
 class Link:
     name: str
@@ -66,6 +85,7 @@ class Link:
     flows: dict[Flow, None] = field(default_factory=dict)  # on it now (an ordered set: runs repeat exactly)
     up_event: asyncio.Event | None = None  # set while the link is up (small messages wait on it)
     busy_bytes: float = 0.0  # payload bytes that crossed (what the link carried)
+    kv_bins: list[float] | None = None  # KV payload bytes per KV_BIN_S of loop time (the WAN's links)
 
     def saturated(self) -> bool:
         if self.capacity is None or not self.flows:
@@ -85,6 +105,7 @@ class Conn:
     last_active: float = -math.inf
     probe_due: float = math.inf  # BBR: when its minimum RTT expires and it probes for it again
     probing_until: float = -math.inf  # BBR: in PROBE_RTT until then (4 segments in flight)
+    kv: bool = False  # a KV connection: its bytes are counted per bin on the links that count them
 
     @property
     def rto_s(self) -> float:

@@ -53,6 +53,7 @@ class LinkModel:
             cap = None if s.rate_bps is None else self._goodput(s.rate_bps)
             self.wan[(src, dst)] = self._link(f"WAN {src}->{dst}", cap, s.delay_ms / 1000, s.jitter_ms / 1000,
                                               s.loss_pct / 100, s.queue_bytes)
+            self.wan[(src, dst)].kv_bins = []
         self._paths: dict[tuple[str, str], Path] = {}
         self.watchers: list[Callable[[], None]] = []  # told when a link goes down or comes back
         self.version = 0  # bumped whenever a fault changes a link (paths recompute what they cache)
