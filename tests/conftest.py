@@ -130,6 +130,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     tests kill each other's replays): each such test fails, saying why, rather than run wrong."""
     if getattr(config.option, "loadgroup", False):
         _ungrouped.update(i.nodeid for i in items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid)
+        # A group is one long unit of work (the Ray cluster's tests: minutes): handed out first,
+        # it runs beside the many short tests instead of after them (stable: order kept within).
+        items.sort(key=lambda i: i.get_closest_marker("xdist_group") is None)
     for item in items:
         needs = any(m.kwargs.get("reason") == ROOT_REASON for m in item.iter_markers("skipif"))
         if needs or item.get_closest_marker("slow") is not None:
