@@ -3,8 +3,7 @@ line allows.
 
 Both engines count KV bytes where they cross (``LineBins``: the delay line's tap on frames as
 the direction's rate limiter lets them onto the wire, the link model as its flows move), per
-20 ms. A run
-keeps them per direction in emulated seconds into the run (``WanLine``, at most
+20 ms. A run keeps them per direction in emulated seconds into the run (``WanLine``, at most
 ``MAX_BINS`` bins: neighbours summed), the timeline plots them against the line's rate, and
 ``overruns`` says where a bin carried more than the line's rate over the bin plus what its
 rate limiter's burst could have let through at once: a figure that contradicts the scenario

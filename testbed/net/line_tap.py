@@ -7,8 +7,8 @@ headers in the kernel; ``KvTap`` reads them with the kernel's time stamps (when 
 not matter, only that it reads before the socket's buffer fills) and bins, per ``KV_BIN_S``
 of the wall clock, the TCP payload of KV connections (``kv_ports``) the first time it crosses:
 a sequence range crossing again (a retransmission, a tail-loss probe) is counted apart, as
-``resent``, so the bins sum to what the receivers got (a small transfer's tail-loss probes
-made 1.5 % more bytes cross than were acknowledged).
+``resent``, so the bins sum to what the receivers got (counted whole, small runs' lines
+carried 1.3-1.5 % more than was acknowledged).
 """
 
 from __future__ import annotations
