@@ -13,8 +13,8 @@ import pytest
 from testbed.analysis.results import load_run
 from testbed.analysis.wan_line import byte_factor, disagreements, kv_total, line_of, overruns
 from testbed.deploy.run_record import LineBins
-from testbed.net.line_tap import KvTap, tcp_payload
-from testbed.sim.links import KV_BIN_S, spread
+from testbed.net.line_tap import KV_BIN_S, KvTap, tcp_payload
+from testbed.sim.links import spread
 
 from .conftest import ROOT, needs_root, run_cli
 

@@ -49,13 +49,13 @@ from testbed.errors import InputError
 from testbed.faults.inject import FaultInjector, annotate_failures
 from testbed.faults.timeline import Fault
 from testbed.net.delayline_contract import DirectionOverride
+from testbed.net.line_tap import KV_BIN_S
 from testbed.net.plan import NetworkPlan, make_plan
 from testbed.policies.spec import PolicySpec
 from testbed.scenario import Role, Scenario
 from testbed.sim.bus import SimBroker
 from testbed.sim.flows import host_congestion
 from testbed.sim.kv import SimNet
-from testbed.sim.links import KV_BIN_S
 from testbed.sim.network import LinkModel
 from testbed.sim.scope import check_simulable
 from testbed.sim.vloop import EPOCH, VirtualLoop

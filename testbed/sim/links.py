@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from testbed.net.line_tap import KV_BIN_S  # the delay line's bins: the two engines' counters line up
+
 TCP_IP_HEADERS = 52  # IPv4 20 + TCP 20 + timestamps 12: what a segment carries beyond its payload
 INITIAL_WINDOW = 10  # segments (RFC 6928, Linux's default)
 RTO_MIN_S = 0.2  # Linux's minimum retransmission timeout
@@ -50,9 +52,6 @@ BBR_MIN_RTT_S, BBR_PROBE_RTT_S, BBR_PROBE_SEGMENTS = 10.0, 0.2, 4
 
 class Versioned(Protocol):
     version: int  # bumped whenever a fault changes a link
-
-
-KV_BIN_S = 0.02  # seconds of loop time per bin of KV bytes, as the delay line counts them
 
 
 def spread(bins: list[float], t_from: float, t_to: float, nbytes: float) -> None:
