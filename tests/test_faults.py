@@ -84,21 +84,30 @@ def spread_prompts() -> tuple[list[RequestSpec], dict[str, list[int]]]:
 
 
 def _run(policy: str, faults: list[str], specs: list[RequestSpec], timeout_s: float = 90,
-         retry: RetryPolicy = NO_RETRY, workers: dict | None = None):
+         retry: RetryPolicy = NO_RETRY, workers: dict | None = None, logs_to: Path | None = None):
     sc = scenario_with({"workers": workers} if workers else None)
-    with Deployment(sc, parse_policy(policy), dtype="float64", timeline=[parse_fault(f) for f in faults]) as dep:
+    with Deployment(sc, parse_policy(policy), dtype="float64", timeline=[parse_fault(f) for f in faults],
+                    logs_to=logs_to) as dep:
         run = dep.run(TraceReplay(specs, timeout_s=timeout_s, retry=retry))
     return run.recs, run.router, run.faults, run
 
 
-def test_wan_outage_and_broker_restart_lose_nothing(spread_prompts) -> None:
+def _log_tails(folder: Path, lines: int = 15) -> str:
+    """The last lines of every process's log a run kept: what a failure's message shows."""
+    return "\n".join(f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-lines:])
+                     for p in sorted(folder.glob("*.log")))
+
+
+def test_wan_outage_and_broker_restart_lose_nothing(spread_prompts, tmp_path: Path) -> None:
     """A WAN outage shorter than the broker's keepalive stalls transfers and streams, which
     then resume; a broker restart is ridden out by every component (persistent sessions,
     paho's resends): every request completes with exactly the reference tokens."""
     specs, refs = spread_prompts
-    recs, router, log, _ = _run("pdd:relay_s=0", ["wan-down@0.8+1.5", "broker-restart@2.5+0.5"], specs)
+    recs, router, log, _ = _run("pdd:relay_s=0", ["wan-down@0.8+1.5", "broker-restart@2.5+0.5"], specs,
+                                logs_to=tmp_path)
     assert all(e.applied_s is not None and e.error is None for e in log), log
-    assert {rid: r.error for rid, r in recs.items() if r.error} == {}
+    failed = {rid: r.error for rid, r in recs.items() if r.error}
+    assert failed == {}, f"{failed}\n{_log_tails(tmp_path)}"
     assert compare(specs, refs, recs) == []  # no token missing, repeated or out of order
     assert all(r.token_times == sorted(r.token_times) for r in recs.values())
     assert {router[s.rid].pipeline for s in specs} == {"P-RLD-MD"}

@@ -116,8 +116,11 @@ async def replay(transport: Transport, broker: BrokerInfo, topics: Topics, specs
                     if router_gone is not None:  # back (a broker restart sent its will)
                         router_gone.cancel()
                         router_gone = None
+                        print("client: the router is ready again", file=sys.stderr, flush=True)
                 elif ready.is_set() and router_gone is None:
                     router_gone = asyncio.get_running_loop().call_later(opts.router_grace_s, router_lost, state)
+                    print(f"client: the router says {state}; open requests fail in {opts.router_grace_s:g} s "
+                          "unless it says ready again", file=sys.stderr, flush=True)
                 return
             chunks = token_stream.read(topics, topic, payload)
         except (ValidationError, TokenStreamError) as e:
