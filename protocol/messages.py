@@ -7,15 +7,19 @@ is put back in order by the receiver (``ClientRecord.accept``).
 
     client/requests            client  -> router   Request
     worker/<name>/cmd          router  -> worker   PrefillCmd | DecodeCmd | CancelCmd | HandoffCmd
-                               RLD     -> MD       ExtendCmd (eager token IDs)
+    worker/<name>/from/<peer>  RLD     -> MD       ExtendCmd (eager token IDs)
                                MD      -> RLD      HandoffAck (a catch-up batch is extended)
+                               (each decoder writes only its own ``from/<name>``, and only
+                               these two, for a request that names it as the partner)
     worker/<name>/status       worker  -> router   Status (retained; last will = dead)
-    events                     worker  -> router   Event: PrefillDone | KvSent | KvReceived |
+    worker/<name>/events       worker  -> router   Event: PrefillDone | KvSent | KvReceived |
                                                    HandoffSent | Extended | Done | Failed
     stream/<worker>            worker  -> client   a token batch: one binary message per step
                                                    carrying every request's new tokens
                                                    (``protocol/token_stream.py``)
-    tokens/<rid>               router  -> client   Tokens: a failure the router reports itself
+    tokens/<rid>               router  -> client   Tokens: which workers stream the request (sent
+                                                   before they are told), or a failure the
+                                                   router reports itself
     router/status              router  -> client   RouterStatus (retained)
 
 Commands and events are tagged unions (``op`` / ``kind``): each variant states exactly the
@@ -58,6 +62,12 @@ class Topics:
 
     def cmd(self, worker: str) -> str:
         return f"{self.root}/worker/{worker}/cmd"
+
+    def peer(self, worker: str, sender: str) -> str:  # only ``sender`` may write here (the ACL)
+        return f"{self.root}/worker/{worker}/from/{sender}"
+
+    def peers_of(self, worker: str) -> str:
+        return f"{self.root}/worker/{worker}/from/+"
 
     def status(self, worker: str) -> str:
         return f"{self.root}/worker/{worker}/status"
@@ -343,6 +353,10 @@ def parse_event(payload: bytes | bytearray | str) -> Event:
 
 # ------------------------------------------------------------------------- streams and status
 class Tokens(Message):
+    """The router's own message on a request's topic (``tokens/<rid>``, which only it may
+    write): a failure it reports itself, or, with ``streamers``, which workers will stream
+    the request's tokens (readers take its chunks from those alone: ``protocol.stream_gate``)."""
+
     rid: RequestId
     start: int = Field(ge=0)  # index of the first token in this message within the output
     tokens: list[int]
@@ -350,6 +364,7 @@ class Tokens(Message):
     t: float
     done: bool = False
     error: str | None = None
+    streamers: list[Annotated[str, Field(pattern=SAFE_NAME)]] | None = Field(default=None, min_length=1, max_length=2)
 
 
 class Status(Message):

@@ -17,7 +17,8 @@ Layout, little-endian::
 Flags: 1 = done (the request's last chunk), 2 = error (the request failed; implies done).
 Names follow the control plane's rule (``SAFE_NAME``). ``TokenChunk`` is the one type both
 this path and the router's JSON ``Tokens`` (a failure it reports itself) become at the
-receiver.
+receiver; ``protocol.stream_gate`` reads both kinds and keeps a request's chunks to the
+workers the router named for it.
 """
 
 from __future__ import annotations
@@ -26,9 +27,7 @@ import re
 import struct
 from dataclasses import dataclass
 
-from pydantic import ValidationError
-
-from protocol.messages import SAFE_NAME, Tokens, Topics, rid_of, why_invalid
+from protocol.messages import SAFE_NAME, Tokens
 
 MAGIC = b"PTS1"
 DONE, ERROR = 1, 2
@@ -138,19 +137,3 @@ def decode(payload: bytes | bytearray) -> tuple[str, float, list[TokenChunk]]:
         raise fail(f"{len(buf) - off} bytes after the last chunk")
     return worker, t, chunks
 
-
-def read(topics: Topics, topic: str, payload: bytes | bytearray) -> list[TokenChunk]:
-    """The chunks of one message on a token topic: a worker's binary batch on
-    ``stream/<worker>``, or the router's JSON ``Tokens`` on ``tokens/<rid>``. Raises
-    ``TokenStreamError`` (with the requests it names) for either kind that fails."""
-    if topic.startswith(topics.stream("")):
-        worker, _, chunks = decode(payload)
-        if topic != topics.stream(worker):
-            raise TokenStreamError(f"token batch: worker {worker} on another worker's topic {topic}",
-                                   [c.rid for c in chunks])
-        return chunks
-    try:
-        return [chunk_of(Tokens.model_validate_json(payload))]
-    except ValidationError as e:
-        rid = rid_of(payload)
-        raise TokenStreamError(why_invalid(e), [rid] if rid else []) from None

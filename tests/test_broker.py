@@ -77,7 +77,9 @@ def test_each_component_reads_and_writes_only_its_own_topics() -> None:
                 await client.subscribe(t.all_events, qos=QOS)  # not its topic
                 await prefill.publish(t.requests, b"request from prefill", qos=QOS)  # not its topic: dropped
                 await prefill.publish(t.cmd("decode-a"), b"prefill to decode-a", qos=QOS)  # dropped
-                await relay.publish(t.cmd("decode-b"), b"relay to decode-b", qos=QOS)  # the handoff: allowed
+                await relay.publish(t.cmd("decode-b"), b"relay commands decode-b", qos=QOS)  # the router's: dropped
+                await relay.publish(t.peer("decode-b", "relay"), b"relay to decode-b", qos=QOS)  # the handoff
+                await relay.publish(t.peer("decode-b", "decode-a"), b"relay as decode-a", qos=QOS)  # dropped
                 await relay.publish(t.stream("relay"), b"relay's tokens", qos=QOS)  # its own stream
                 await relay.publish(t.stream("prefill"), b"relay as prefill", qos=QOS)  # another's: dropped
                 await client.publish(t.requests, b"request from client", qos=QOS)

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from protocol import kv_format, token_stream
 from protocol.messages import SAFE_NAME, Request, RouterStatus, Status, Tokens, Topics, parse_command, parse_event
+from protocol.stream_gate import StreamGate
 from protocol.token_stream import TokenChunk
 from testbed.policies import RequestState
 from workers import kv_wire
@@ -281,19 +282,81 @@ def test_a_hostile_token_batch_is_refused_naming_the_requests_it_named(payload: 
     assert e.value.rids == rids
 
 
-def test_a_batch_on_another_workers_topic_fails_its_requests() -> None:
+def _gate(*rids: str, max_new: int = 8) -> tuple[Topics, StreamGate]:
     topics = Topics("t")
-    payload = token_stream.encode("decode-a", 1.0, BATCH[:1])
-    assert token_stream.read(topics, topics.stream("decode-a"), payload) == BATCH[:1]
+    gate = StreamGate(topics, "client")
+    for rid in rids:
+        gate.expect(rid, max_new)
+    return topics, gate
+
+
+def _named(topics: Topics, rid: str, *workers: str) -> bytes:
+    return Tokens(rid=rid, start=0, tokens=[], worker="router", t=1.0, streamers=list(workers)).dump()
+
+
+def test_a_reader_takes_a_requests_tokens_only_from_the_workers_the_router_named(capsys) -> None:  # noqa: ANN001
+    """decode-b streaming into r1 (named: decode-a) is refused and logged once; decode-a's
+    chunks pass; a request the reader does not wait for passes nothing."""
+    topics, gate = _gate("r1")
+    assert gate.read(topics.tokens("r1"), _named(topics, "r1", "decode-a")) == []
+    rogue = token_stream.encode("decode-b", 1.0, [TokenChunk("r1", 0, [9, 9], "decode-b")])
+    assert gate.read(topics.stream("decode-b"), rogue) == []
+    assert gate.read(topics.stream("decode-b"), rogue) == []
+    assert gate.read(topics.stream("decode-a"), token_stream.encode("decode-a", 1.0, BATCH[:1])) == BATCH[:1]
+    other = token_stream.encode("decode-a", 1.0, [TokenChunk("r7", 0, [1], "decode-a")])
+    assert gate.read(topics.stream("decode-a"), other) == []
+    assert gate.refused == 2
+    assert capsys.readouterr().err.count("client: refused tokens for r1 from decode-b: not a worker the router "
+                                         "named for it (decode-a)") == 1
+
+
+def test_chunks_before_their_announcement_wait_bounded_then_pass_or_are_refused() -> None:
+    topics, gate = _gate("r1", max_new=3)
+    a = [TokenChunk("r1", 0, [1], "decode-a"), TokenChunk("r1", 1, [2], "decode-a")]
+    assert gate.read(topics.stream("decode-a"), token_stream.encode("decode-a", 1.0, a)) == []
+    b = token_stream.encode("decode-b", 1.0, [TokenChunk("r1", 2, [3], "decode-b")])
+    assert gate.read(topics.stream("decode-b"), b) == []
+    flood = token_stream.encode("decode-b", 1.0, [TokenChunk("r1", 3, [4, 5], "decode-b")])
+    assert gate.read(topics.stream("decode-b"), flood) == []  # past max_new while waiting: refused
+    assert gate.refused == 1
+    assert gate.read(topics.tokens("r1"), _named(topics, "r1", "decode-a")) == a  # b's chunk refused now
+    assert gate.refused == 2
+
+
+def test_a_malformed_batch_fails_only_the_requests_its_sender_was_named_for() -> None:
+    """A batch on another worker's topic, or a broken one, names the requests its sender
+    (the topic's worker) may speak for: decode-b cannot fail decode-a's request."""
+    topics, gate = _gate("r1", "r2")
+    gate.read(topics.tokens("r1"), _named(topics, "r1", "decode-a"))
+    gate.read(topics.tokens("r2"), _named(topics, "r2", "decode-b"))
+    forged = token_stream.encode("decode-a", 1.0, [TokenChunk("r1", 0, [1], "decode-a"),
+                                                   TokenChunk("r2", 0, [1], "decode-a")])
     with pytest.raises(token_stream.TokenStreamError, match="another worker's topic") as e:
-        token_stream.read(topics, topics.stream("decode-b"), payload)
-    assert e.value.rids == ["r1"]
-    routers = Tokens(rid="r9", start=0, tokens=[], worker="router", t=1.0, error="no decoder")
-    assert token_stream.read(topics, topics.tokens("r9"), routers.dump()) == [
-        TokenChunk("r9", 0, [], "router", done=True, error="no decoder")]
+        gate.read(topics.stream("decode-b"), forged)
+    assert e.value.rids == ["r2"]
+    broken = token_stream.encode("decode-b", 1.0, [TokenChunk("r1", 0, [1], "decode-b")])[:-1]
+    with pytest.raises(token_stream.TokenStreamError, match="truncated") as e:
+        gate.read(topics.stream("decode-b"), broken)
+    assert e.value.rids == []
+    routers = Tokens(rid="r2", start=0, tokens=[], worker="router", t=1.0, error="no decoder")
+    assert gate.read(topics.tokens("r2"), routers.dump()) == [
+        TokenChunk("r2", 0, [], "router", done=True, error="no decoder")]
     with pytest.raises(token_stream.TokenStreamError) as e:
-        token_stream.read(topics, topics.tokens("r9"), b'{"rid": "r9", "start": -1}')
-    assert e.value.rids == ["r9"]
+        gate.read(topics.tokens("r2"), b'{"rid": "r2", "start": -1}')
+    assert e.value.rids == ["r2"]
+    gate.forget("r2")
+    with pytest.raises(token_stream.TokenStreamError) as e:
+        gate.read(topics.tokens("r2"), b'{"rid": "r2", "start": -1}')
+    assert e.value.rids == []
+
+
+def test_a_chunk_past_the_requests_length_is_dropped_and_counted() -> None:
+    from testbed.deploy.run_record import ClientRecord
+
+    rec = ClientRecord("r1", 10, 4)
+    assert rec.accept(TokenChunk("r1", 2**31, [1], "decode-a"), 0.0) == 0 and rec.early == {}
+    assert rec.accept(TokenChunk("r1", 2, [1, 2, 3], "decode-a"), 0.0) == 0 and rec.conflicts == 2
+    assert rec.accept(TokenChunk("r1", 0, [7, 8, 9, 10], "decode-a", done=True), 0.0) == 4 and rec.ok
 
 
 def test_fuzzed_token_batches_decode_or_fail_with_a_reason() -> None:

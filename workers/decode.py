@@ -64,6 +64,8 @@ BATCH_HEADROOM = 512
 
 
 class DecodeWorker(HandoffMixin, Worker):
+    PEERS = True  # relays and main decoders send each other the handoff's messages
+
     def __init__(self, cfg: WorkerConfig, transport: Transport = HOST) -> None:
         super().__init__(cfg, transport)
         self.cache: RadixCache = RadixCache(cfg.block_size, cfg.cache_tokens, keeps_kv=cfg.compute != "modeled")

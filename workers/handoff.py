@@ -38,6 +38,7 @@ import torch
 
 from protocol import clock
 from protocol.messages import (
+    Command,
     DecodeCmd,
     Done,
     Event,
@@ -102,6 +103,23 @@ class HandoffMixin:
             seq.relay = RelayState(cmd.relay.main, cmd.relay.eager_budget)
         elif cmd.main is not None:
             seq.main = MainState(cmd.main.relay)
+
+    def peer_refusal(self: DecodeSide, sender: str, cmd: Command) -> str | None:
+        """Why a command decoder ``sender`` sent (on its own topic to this one) is refused;
+        None: taken. A peer sends only the handoff's two messages, for a request whose command
+        named it as this decoder's partner: an extend from its relay, an ack from its main
+        decoder (one the request no longer has state for is ignored where it is handled)."""
+        if isinstance(cmd, ExtendCmd):
+            seq = self.held.get(cmd.rid) or self.waiting.get(cmd.rid) or self.running.get(cmd.rid)
+            partner = seq.main.relay if seq is not None and seq.main is not None else None
+        elif isinstance(cmd, HandoffAck):
+            seq = self.running.get(cmd.rid) or self.waiting.get(cmd.rid)
+            partner = seq.relay.main if seq is not None and seq.relay is not None else None
+        else:
+            return f"a peer decoder sends only extend and handoff_ack, not {cmd.op}"
+        if partner is not None and partner != sender:
+            return f"{sender} is not the partner of {cmd.rid} here ({partner} is)"
+        return None
 
     # ----------------------------------------------------------------- relay side
     async def on_handoff_ack(self: DecodeSide, cmd: HandoffAck) -> None:
@@ -170,7 +188,7 @@ class HandoffMixin:
         rs.batches.append(len(tokens))
         self.handoffs_sent += 1
         # After the tokens buffered before it (``send``), so the broker gets them in order.
-        self.send(self.topics.cmd(rs.main), cmd.dump())
+        self.send(self.topics.peer(rs.main, self.cfg.name), cmd.dump())
         self.emit(HandoffSent(**self.stamp(seq.rid), tokens=len(tokens), start=rs.handed - len(tokens),
                               final=final, to=rs.main))
 
@@ -213,7 +231,7 @@ class HandoffMixin:
                            since_kv_s=clock.time() - seq.kv_arrived))
         if not cmd.final:
             # Spawned, not awaited: the ack crosses the WAN and must not hold this worker up.
-            self.send(self.topics.cmd(ms.relay), HandoffAck(rid=cmd.rid, extended=ms.extended).dump())
+            self.send(self.topics.peer(ms.relay, self.cfg.name), HandoffAck(rid=cmd.rid, extended=ms.extended).dump())
             return
         ms.final = True
         del self.held[cmd.rid]

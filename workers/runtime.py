@@ -194,6 +194,12 @@ class Worker:
     async def handle(self, cmd: Command) -> None:
         raise NotImplementedError
 
+    PEERS = False  # whether other workers send this role commands (decoders: the handoff)
+
+    def peer_refusal(self, sender: str, cmd: Command) -> str | None:
+        """Why a command worker ``sender`` sent this one is refused (None: taken)."""
+        return f"{self.cfg.role} takes no command from another worker"
+
     @property
     def nbytes(self) -> int:
         """KV this worker holds outside its cache (roles that keep some say how much)."""
@@ -259,7 +265,10 @@ class Worker:
         with contextlib.suppress(aiomqtt.MqttError):  # no broker yet: the session below reports it
             await self.transport.discard_session(b, identifier)
         client = self.transport.mqtt_client(b, identifier, keepalive_for(self.cfg.scales.dilation), will)
-        self.session = Session(client, [self.topics.cmd(self.cfg.name)], self.cfg.name)
+        subscriptions = [self.topics.cmd(self.cfg.name)]
+        if self.PEERS:
+            subscriptions.append(self.topics.peers_of(self.cfg.name))
+        self.session = Session(client, subscriptions, self.cfg.name)
         self.session.on_error = self._on_bad_message
 
         async def on_connect(first: bool) -> None:
@@ -281,10 +290,21 @@ class Worker:
     async def _on_message(self, message: aiomqtt.Message) -> None:
         payload = message.payload
         assert isinstance(payload, (bytes, bytearray))
+        topic = str(message.topic)
+        peer = self.topics.peer(self.cfg.name, "")
+        sender = topic[len(peer):] if topic.startswith(peer) else None  # the topic says who (the ACL)
         try:
             cmd = parse_command(payload)
         except ValidationError as e:
-            self.reject(payload, why_invalid(e))
+            if sender is None:
+                self.reject(payload, why_invalid(e))
+            else:  # a peer cannot fail a request it may not be part of: logged only
+                print(f"{self.cfg.name}: refused a message from {sender}: {why_invalid(e)}", file=sys.stderr,
+                      flush=True)
+            return
+        if sender is not None and (why := self.peer_refusal(sender, cmd)) is not None:
+            print(f"{self.cfg.name}: refused a {cmd.op} for {cmd.rid} from {sender}: {why}", file=sys.stderr,
+                  flush=True)
             return
         if self.first_delivery(cmd):
             self.spawn(self._handle(str(message.topic), cmd))

@@ -60,8 +60,10 @@ def acl_rules(topics: Topics, workers: dict[str, str]) -> dict[str, list[tuple[s
     for name, role in sorted(workers.items()):
         mine = [("read", t.cmd(name)), ("readwrite", t.status(name)), ("write", t.events(name)),
                 ("write", t.stream(name))]
-        if role in DECODERS:
-            mine += [("write", t.cmd(peer)) for peer, r in sorted(workers.items()) if r in DECODERS and peer != name]
+        if role in DECODERS:  # the handoff: each writes to the others under its own name
+            mine += [("read", t.peers_of(name))]
+            mine += [("write", t.peer(peer, name)) for peer, r in sorted(workers.items())
+                     if r in DECODERS and peer != name]
         rules[f"w-{name}"] = mine
     return rules
 

@@ -236,6 +236,11 @@ class Router:
         for w in plan.workers:
             self.view.workers[w].assigned += 1
             self.view.remember(w, req.prompt)  # the prompt as an array: hashed without a copy
+        # Who will stream it, said before any worker is told (the client takes the request's
+        # tokens from those alone: ``protocol.stream_gate``).
+        streamers = sorted(w for w in {plan.relay, plan.decode} if w)
+        await self.publish(self.topics.tokens(r.rid), Tokens(rid=r.rid, start=0, tokens=[], worker="router",
+                                                             t=clock.time(), streamers=streamers).dump())
         # Decoders first: they must know the request before its KV arrives.
         targets = []
         for w in filter(None, (plan.relay, plan.decode)):

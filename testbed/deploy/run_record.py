@@ -71,11 +71,17 @@ class ClientRecord:
         tail is taken; a chunk past a gap is held until the gap fills (two publishers, relay
         and main decoder, resending after a broker restart may arrive out of order; a gap
         that never fills ends with the caller's timeout). A chunk that disagrees with tokens
-        already received is dropped and counted in ``conflicts`` (``verify`` reports it)."""
+        already received, or runs past ``max_new``, is dropped and counted in ``conflicts``
+        (``verify`` reports it): ``early`` holds at most ``max_new`` tokens."""
         if self.done:
             return 0
         if t.error is not None:
             self.error, self.done = t.error, True
+            return 0
+        if t.start + len(t.tokens) > self.max_new:
+            # Past the request's own length: no worker sends it (held in ``early``, a chunk so
+            # far out would be kept for ever); a bug or a lie, counted like a disagreement.
+            self.conflicts += 1
             return 0
         if t.start < len(self.tokens):  # a repeat, or one that runs past what we have
             had = self.tokens[t.start : t.start + len(t.tokens)]

@@ -22,9 +22,10 @@ from typing import Any
 import aiomqtt
 from pydantic import ValidationError
 
-from protocol import clock, token_stream
+from protocol import clock
 from protocol.messages import Request, RouterStatus, Topics, why_invalid
 from protocol.mqtt_session import Session
+from protocol.stream_gate import StreamGate
 from protocol.token_stream import TokenStreamError
 from protocol.worker_config import BrokerInfo
 from testbed.deploy.run_record import ClientRecord
@@ -91,6 +92,7 @@ async def replay(transport: Transport, broker: BrokerInfo, topics: Topics, specs
     pending: set[asyncio.Task[None]] = set()
     client = transport.mqtt_client(broker, f"{topics.root}-client-{secrets.token_hex(4)}", 10)
     session = Session(client, [topics.all_streams, topics.all_tokens, topics.router_status], "client")
+    gate = StreamGate(topics, "client")
     ready = asyncio.Event()
 
     router_gone: asyncio.TimerHandle | None = None
@@ -122,7 +124,7 @@ async def replay(transport: Transport, broker: BrokerInfo, topics: Topics, specs
                     print(f"client: the router says {state}; open requests fail in {opts.router_grace_s:g} s "
                           "unless it says ready again", file=sys.stderr, flush=True)
                 return
-            chunks = token_stream.read(topics, topic, payload)
+            chunks = gate.read(topic, payload)
         except (ValidationError, TokenStreamError) as e:
             # A malformed message ends the requests it names (those of ours), never the
             # reader: the other requests go on.
@@ -151,6 +153,7 @@ async def replay(transport: Transport, broker: BrokerInfo, topics: Topics, specs
             return
         nxt = attempt_rid(rec.rid, tries + 1)
         del live[rec.last_rid]  # what still comes for the failed attempt is dropped
+        gate.forget(rec.last_rid)
         rec.retry(nxt, clock.time())
         live[nxt] = rec
         later(send(by_rid[rec.rid], opts.retry.backoff_s(rec.rid, tries) * opts.backoff_scale))
@@ -164,6 +167,7 @@ async def replay(transport: Transport, broker: BrokerInfo, topics: Topics, specs
         nonlocal n_done
         n_done += 1
         rec.ended = clock.time()
+        gate.forget(rec.last_rid)
         if n_done == len(recs):
             finished.set()
         for nxt in followers.get(rec.rid, []):
@@ -181,6 +185,7 @@ async def replay(transport: Transport, broker: BrokerInfo, topics: Topics, specs
         rec = recs[spec.rid]
         rec.attempt_sent = clock.time()
         rec.sent = rec.sent or rec.attempt_sent
+        gate.expect(rec.last_rid, spec.max_new)
         req = Request(rid=rec.last_rid, prompt=list(spec.prompt), max_new=spec.max_new, hints=spec.hints)
         await session.publish(topics.requests, req.dump())
 

@@ -29,9 +29,9 @@ from typing import IO
 import aiomqtt
 from pydantic import ValidationError
 
-from protocol import token_stream
 from protocol.messages import CancelRequest, Request, RequestHints, RouterStatus, Topics, why_invalid
 from protocol.mqtt_session import Session
+from protocol.stream_gate import StreamGate
 from protocol.token_stream import TokenStreamError
 from protocol.worker_config import BrokerInfo
 from testbed.deploy.run_record import ClientRecord
@@ -68,6 +68,7 @@ class Gateway:
         client = Session.client_for(broker.host, broker.port, broker.username, broker.password,
                                     f"{topics.root}-serve-{secrets.token_hex(4)}", keepalive=10)
         self._session = Session(client, [topics.all_streams, topics.all_tokens, topics.router_status], "serve")
+        self._gate = StreamGate(topics, "serve")
         self._task: asyncio.Task[None] | None = None
         self._cancels: set[asyncio.Task[None]] = set()
 
@@ -116,7 +117,7 @@ class Gateway:
                 else:
                     self._ready.clear()
                 return
-            chunks = token_stream.read(self.topics, topic, payload)
+            chunks = self._gate.read(topic, payload)
         except (ValidationError, TokenStreamError) as e:
             why = why_invalid(e) if isinstance(e, ValidationError) else str(e)
             print(f"serve: rejected a message on {topic}: {why}", file=sys.stderr, flush=True)
@@ -142,6 +143,7 @@ class Gateway:
         rec = ClientRecord(rid, len(prompt), max_new)
         p = self._pending[rid] = _Pending(rec)
         self.records[rid] = rec
+        self._gate.expect(rid, max_new)
         rec.sent = time.time()
         self.specs[rid] = RequestSpec(rid=rid, prompt=[], max_new=max_new, at=rec.sent - self.t0,
                                       hints=RequestHints(tag="http"))
@@ -169,6 +171,7 @@ class Gateway:
                     self._cancel(rid, rec.error)
         finally:
             self._pending.pop(rid, None)
+            self._gate.forget(rid)
             if not rec.done:  # the HTTP client went away: the emulation stops working on it
                 rec.error, rec.done, rec.ended = "the HTTP client disconnected", True, time.time()
                 self._cancel(rid, rec.error)
