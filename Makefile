@@ -27,7 +27,7 @@ REGIME_LOAD ?= 0.7925
 REGIME_PREFILL_COST ?= 32
 REGIME_LIMIT ?= 1000
 
-.PHONY: reproduce sensitivity outage tune soak bench-cache bench-client bench-scale bench-sim setup debs test test-fast test-cluster lint run-trace run-cluster bench-net bench-handoff clean distclean
+.PHONY: reproduce sensitivity outage tune soak bench-cache bench-client bench-scale bench-sim setup debs test test-fast test-hostile test-cluster lint run-trace run-cluster bench-net bench-handoff clean distclean
 
 MININET_LINK := $(VENV)/.mininet-linked
 # CLUSTER=1: also Ray, for --executor ray (docs/scale-out.md); the default install leaves it out.
@@ -87,6 +87,12 @@ test: setup
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m unit
+
+# The hostile-component suite (part of make test): a worker's account, a KV peer, an HTTP
+# client and the broker's account that were taken over, and input that lies (docs/workers.md,
+# "Trust boundaries").
+test-hostile: setup
+	$(PY) -m pytest -q -m hostile
 
 # --executor ray's tests on a local two-node cluster; make test skips them where Ray is not
 # installed (the default install), this target installs it first.

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
-from protocol.messages import Tokens, Topics, rid_of, why_invalid
+from protocol.messages import Tokens, rid_of, why_invalid
 from protocol.token_stream import TokenChunk, TokenStreamError, chunk_of, decode
+from protocol.topics import Topics
 
 
 @dataclass

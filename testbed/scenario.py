@@ -130,9 +130,11 @@ class WorkerSettings(_Strict):
         "probe: a worker's last will is confirmed by probing its host and a dead worker's requests end at once "
         "(unreachable ones wait unreachable_grace_s); none: the router ignores wills, as one without health "
         "checks, and requests end only by their own timeouts (the PD-outage baseline, docs/faults.md)"))
-    run_as: str = Field(default="nobody", pattern=r"^[a-z_][a-z0-9_-]{0,31}$", description=(
-        "the account workers and the router become once set up (they parse what arrives from the network); "
-        "root: they keep root's privileges (docs/design.md, least privilege)"))
+    run_as: str = Field(default="per-component", pattern=r"^[a-z_][a-z0-9_-]{0,31}$", description=(
+        "who the router, the workers and serve's front end become once set up (they parse what arrives from "
+        "the network): per-component, a uid of its own each (router, each worker role, front end; "
+        "docs/workers.md, trust boundaries); an account's name, that account for all; root, they keep "
+        "root's privileges"))
     cache_outputs: bool = Field(default=False, description=(
         "after a request completes, the prefill instance that served it computes the KV of its answer when "
         "no prefill waits, so the session's next turn finds the whole conversation cached (docs/scenarios.md)"))
@@ -146,6 +148,8 @@ class WorkerSettings(_Strict):
     @field_validator("run_as")
     @classmethod
     def _account(cls, v: str) -> str:
+        if v == "per-component":
+            return v
         try:
             pwd.getpwnam(v)
         except KeyError:

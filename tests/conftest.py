@@ -64,9 +64,9 @@ def status_of(pid: int) -> dict[str, str]:
     return out
 
 
-def assert_unprivileged(pid: int) -> None:
+def assert_unprivileged(pid: int, who: Identity = UNPRIVILEGED) -> None:
     st = status_of(pid)
-    uid, gid = UNPRIVILEGED
+    uid, gid = who
     assert st["Uid"].split() == [str(uid)] * 4 and st["Gid"].split() == [str(gid)] * 4, (pid, st["Name"], st["Uid"])
     assert int(st["CapEff"], 16) == 0 and int(st["CapPrm"], 16) == 0
     assert st["NoNewPrivs"] == "1"

@@ -15,7 +15,8 @@ from typing import Any
 import aiomqtt
 import pytest
 
-from protocol.messages import QOS, Topics
+from protocol.messages import QOS
+from protocol.topics import Topics
 from protocol.worker_config import BrokerInfo
 from testbed.deploy.broker import MOSQUITTO_USER, launch_broker, start_broker
 from testbed.deploy.deployment import network_session
@@ -25,7 +26,7 @@ from workers.privilege import OutDir, open_regular
 
 from .conftest import needs_root, scenario_with, status_of
 
-pytestmark = needs_root
+pytestmark = [needs_root, pytest.mark.hostile]
 
 WORKERS = {"prefill": "prefill", "relay": "relay-decode", "decode-a": "decode", "decode-b": "decode"}
 

@@ -41,7 +41,6 @@ from protocol.messages import (
     RouterStatus,
     Status,
     Tokens,
-    Topics,
     WarmCmd,
     parse_command,
     parse_event,
@@ -53,6 +52,7 @@ from protocol.messages import (
 from protocol.mqtt_session import Session
 from protocol.router_config import PlanInfo, PolicyContext, PolicyReport, RequestRecord, RouterConfig, WorkerEndpoint
 from protocol.token_stream import TokenChunk
+from protocol.topics import Topics
 from protocol.worker_config import (
     BrokerInfo,
     CacheReport,
@@ -184,6 +184,7 @@ def test_malformed_events_and_requests_are_rejected() -> None:
     assert rid_of(b"\xff not json") is None and rid_of(b"[1, 2]") is None and rid_of(b'{"rid": 3}') is None
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize("rid", ["a#b", "a+b", "a/b", "a b", "", "x" * 129, "\u00e9t\u00e9"])
 def test_an_id_that_cannot_be_a_topic_or_a_file_name_is_refused_everywhere(rid: str) -> None:
     """A request id becomes a topic (tokens/<rid>), a file name and a CSV cell: every
@@ -292,6 +293,7 @@ HOSTILE_PAYLOADS = [
 ]
 
 
+@pytest.mark.hostile
 @pytest.mark.parametrize("payload", HOSTILE_PAYLOADS, ids=["deep", "deep-field", "inf", "huge-int", "bad-utf8",
                                                             "bad-utf8-field", "oversize"])
 def test_the_request_id_of_a_hostile_payload_is_read_without_raising(payload: bytes) -> None:
@@ -302,6 +304,7 @@ def test_the_request_id_of_a_hostile_payload_is_read_without_raising(payload: by
             parse(payload)
 
 
+@pytest.mark.hostile
 def test_a_handler_that_raises_fails_its_message_and_the_session_reads_on() -> None:
     """``Session`` guards every reader: a handler's exception and an oversized message are
     handed to ``on_error`` with the topic, and the next message is read."""
@@ -338,6 +341,7 @@ def test_a_handler_that_raises_fails_its_message_and_the_session_reads_on() -> N
     assert session.refused == 2
 
 
+@pytest.mark.hostile
 @needs_root
 def test_a_malformed_message_fails_only_the_request_it_names() -> None:
     victim = "victim"

@@ -19,12 +19,15 @@ import torch
 from pydantic import ValidationError
 
 from protocol import kv_format, token_stream
-from protocol.messages import SAFE_NAME, Request, RouterStatus, Status, Tokens, Topics, parse_command, parse_event
+from protocol.messages import SAFE_NAME, Request, RouterStatus, Status, Tokens, parse_command, parse_event
 from protocol.stream_gate import StreamGate
 from protocol.token_stream import TokenChunk
+from protocol.topics import Topics
 from testbed.policies import RequestState
 from workers import kv_wire
 from workers.kv_wire import BLOCK, END, HDR, HELLO, MAGIC, VERSION, ModelShape
+
+pytestmark = pytest.mark.hostile
 
 SHAPE = ModelShape(layers=2, kv_heads=2, head_dim=4, dtype=torch.float32)
 FUZZ_INPUTS = 10_000

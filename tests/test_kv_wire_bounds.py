@@ -17,6 +17,8 @@ from workers import kv_wire
 from workers.expected import Expected
 from workers.kv_wire import HDR, HELLO, MAGIC, VERSION
 
+pytestmark = pytest.mark.hostile
+
 T = 0.3  # the wire's timeout in these tests (seconds)
 
 

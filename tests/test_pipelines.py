@@ -16,6 +16,7 @@ from testbed.load.verify import compare, verification_prompts
 from testbed.policies import parse_policy
 from testbed.traces.workload import RequestSpec, synth_tokens
 from workers.model import ModelRunner, ensure_default_model
+from workers.privilege import Identity
 
 from .conftest import assert_unprivileged, needs_root, scenario_with
 
@@ -31,15 +32,26 @@ def prompts_and_refs() -> tuple[list[RequestSpec], dict[str, list[int]]]:
 
 class UnprivilegedCheck(TraceReplay):
     """A replay that checks, once the router is ready and before the first request, that
-    everything parsing network input runs without root (``workers.run_as``)."""
+    everything parsing network input runs without root, each component as its own account
+    (``workers.run_as``: per-component)."""
 
     def drive(self, dep: Deployment, begin: Callable[[float], None]) -> tuple[list[RequestSpec],
                                                                             dict[str, ClientRecord]]:
         def checked(t0: float) -> None:
-            parsers = {name: pid for name, pid in dep.processes() if name == "router" or name.startswith("worker")}
-            assert len(parsers) == 1 + len(dep.cluster.groups) and "router" in parsers
-            for pid in parsers.values():
-                assert_unprivileged(pid)
+            cl = dep.cluster
+            parsers = {name: pid for name, pid in dep.processes()
+                       if name in ("router", "client") or name.startswith("worker")}
+            assert len(parsers) == 2 + len(cl.groups) and "router" in parsers and "client" in parsers
+            # Each component its own account: the router's, the replay client's (a process of
+            # its own), and one per worker role.
+            who = {"router": cl.accounts.of("router"), "client": cl.accounts.of("client")} | {
+                name: cl.workers[hosts[0]].run_as for name, hosts in cl.groups.items()}
+            for name, pid in parsers.items():
+                ident = who[name]
+                assert ident is not None
+                assert_unprivileged(pid, Identity(ident.uid, ident.gid))
+            roles = {cl.workers[hosts[0]].role: cl.workers[hosts[0]].run_as for hosts in cl.groups.values()}
+            assert len({w.uid for w in [*roles.values(), who["router"], who["client"]] if w}) == len(roles) + 2, who
             begin(t0)
 
         return super().drive(dep, checked)

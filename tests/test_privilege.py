@@ -26,7 +26,7 @@ from workers.privilege import NamespaceSockets, OutDir, drop_privileges, no_new_
 from .conftest import UNPRIVILEGED as WHO
 from .conftest import assert_unprivileged, needs_root, status_of
 
-pytestmark = needs_root
+pytestmark = [needs_root, pytest.mark.hostile]
 
 SIOCGSKNS = 0x894C
 

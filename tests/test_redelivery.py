@@ -185,6 +185,7 @@ def test_a_finished_or_cancelled_request_leaves_nothing_on_the_decoder(decoder: 
     assert not w.waiting and not w.running
 
 
+@pytest.mark.hostile
 def test_kv_offered_under_tokens_that_are_not_the_requests_prompt_is_refused(decoder: DecodeWorker) -> None:
     """The decoder caches KV under the HELLO's tokens: a sender naming a waiting request but
     other tokens (a poisoned prefix cache) is refused with the reason; the request's own

@@ -11,6 +11,8 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from protocol.messages import Request
 from protocol.router_config import RequestRecord, RouterConfig, WorkerEndpoint
 from protocol.worker_config import BrokerInfo
@@ -226,6 +228,7 @@ def test_a_repeated_event_is_acted_on_and_counted_once(tmp_path: Path) -> None:
     assert router.repeated_events == 3
 
 
+@pytest.mark.hostile
 def test_a_worker_speaks_only_for_itself_and_for_requests_it_was_given(tmp_path: Path, capsys) -> None:  # noqa: ANN001
     """Who sent a status or an event is its topic's worker: relay's status naming decode-b,
     prefill's event signed decode-b, and an event for a request by a worker outside its plan

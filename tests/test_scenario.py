@@ -125,7 +125,8 @@ def test_the_pd_outage_scenario_is_the_papers_with_a_kill_and_long_timeouts() ->
 
 
 def test_run_as_names_an_account_of_this_machine(tmp_path: Path) -> None:
-    assert load_scenario(TOPOLOGIES / "two-dc.yaml").workers.run_as == "nobody"
+    assert load_scenario(TOPOLOGIES / "two-dc.yaml").workers.run_as == "per-component"
+    assert load_scenario(TOPOLOGIES / "two-dc.yaml", {"workers": {"run_as": "nobody"}}).workers.run_as == "nobody"
     assert load_scenario(TOPOLOGIES / "two-dc.yaml", {"workers": {"run_as": "root"}}).workers.run_as == "root"
     bad = tmp_path / "bad.yaml"
     bad.write_text("extends: " + str(TOPOLOGIES / "two-dc.yaml") + "\nworkers:\n  run_as: no-such-user\n")

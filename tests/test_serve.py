@@ -24,9 +24,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from testbed.deploy.accounts import COMPONENTS
 from testbed.net import netns, runstate
 from testbed.traces.workload import synth_tokens
 from workers.model import ModelRunner, ensure_default_model
+from workers.privilege import Identity
 
 from .conftest import ROOT, assert_unprivileged
 
@@ -201,9 +203,12 @@ def test_models_health_and_metrics(server: Server, client) -> None:
 
 
 def test_the_front_end_is_unprivileged_in_the_client_namespace(server: Server, client) -> None:
-    """The process that parses HTTP is ``workers.run_as`` (nobody), with no capabilities, in
-    the client host's namespace, and still serves once it has dropped root."""
-    assert_unprivileged(server.front_pid)
+    """The process that parses HTTP is the front end's own account (``workers.run_as``:
+    per-component), with no capabilities, in the client host's namespace, and still serves
+    once it has dropped root."""
+    first = runstate.Run.load(runstate.STATE_ROOT / server.run_id / "manifest.json").info["uids"]
+    front = first + COMPONENTS.index("front")
+    assert_unprivileged(server.front_pid, Identity(front, front))
     client_ns = f"/run/netns/pdd{server.run_id}-client"
     assert os.stat(f"/proc/{server.front_pid}/ns/net").st_ino == os.stat(client_ns).st_ino
     assert os.stat(f"/proc/{server.front_pid}/ns/net").st_ino != os.stat("/proc/self/ns/net").st_ino

@@ -11,9 +11,12 @@ import random
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from testbed.serve.app import MAX_CHARS_PER_TOKEN, OpenAiFront, Served
+
+pytestmark = pytest.mark.hostile
 
 MODEL = "m"
 

@@ -47,8 +47,8 @@ from protocol.messages import (
     HandoffAck,
     HandoffCmd,
     HandoffSent,
-    Topics,
 )
+from protocol.topics import Topics
 from protocol.worker_config import WorkerConfig
 from workers.device import Pacer
 from workers.expected import Expected

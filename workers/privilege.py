@@ -128,10 +128,11 @@ class OutDir:
         flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if mode == "a" else os.O_TRUNC)
         return open_regular(name, flags, dir_fd=self.fd)
 
-    def write_atomic(self, name: str, text: str) -> None:
+    def write_atomic(self, name: str, text: str, mode: int = 0o600) -> None:
         tmp = f".{name}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self.fd)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=self.fd)
         try:
+            os.fchmod(fd, mode)  # whatever the umask
             with os.fdopen(fd, "w") as f:
                 f.write(text)
             os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)

@@ -35,13 +35,13 @@ from protocol.messages import (
     Failed,
     PrefillCmd,
     Status,
-    Topics,
     parse_command,
     rid_of,
     why_invalid,
 )
 from protocol.mqtt_session import Session, keepalive_for
 from protocol.token_stream import TokenChunk
+from protocol.topics import Topics
 from protocol.worker_config import CacheReport, ModelCost, WorkerConfig, WorkerStats
 from workers.allocator import WATCH
 from workers.device import Pacer, make_pacer
@@ -377,4 +377,5 @@ class Worker:
 
     def write_stats(self) -> None:
         if self.out is not None:
-            self.out.write_atomic(Path(self.cfg.stats_path).name, self.stats().model_dump_json())
+            # 0640: the folder's group is the serve front end's, whose /metrics reads it.
+            self.out.write_atomic(Path(self.cfg.stats_path).name, self.stats().model_dump_json(), 0o640)

@@ -26,7 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocol.messages import MAX_MESSAGE_BYTES, Topics
+from protocol.messages import MAX_MESSAGE_BYTES
+from protocol.topics import Topics
 from protocol.worker_config import BrokerInfo
 from testbed.errors import BuildError
 from testbed.net import netns, runstate

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pwd
 import secrets
 import subprocess
 import sys
@@ -21,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from protocol.messages import Topics
 from protocol.router_config import (
     PolicyContext,
     PolicyReport,
@@ -30,6 +28,7 @@ from protocol.router_config import (
     WorkerDeath,
     WorkerEndpoint,
 )
+from protocol.topics import Topics
 from protocol.worker_config import (
     KV_PORT,
     BrokerInfo,
@@ -41,6 +40,7 @@ from protocol.worker_config import (
     WorkerRole,
     WorkerStats,
 )
+from testbed.deploy.accounts import Accounts, accounts_for
 from testbed.deploy.broker import BrokerAccess, BrokerFiles, launch_broker, start_broker
 from testbed.deploy.emulation import EmulationPlan
 from testbed.deploy.forkserver import launch_worker
@@ -58,15 +58,8 @@ from workers.model_dir import kv_bytes_per_token
 # the burst's high-water mark (+29 MB after 150 requests at once, measured); glibc's heap
 # gives those pages back when the router trims (+2 MB), for ~20 % more of the router's CPU.
 ROUTER_ENV = {"PYTHONMALLOC": "malloc"}
-OUT_DIR = "out"  # the run's folder that workers and the router write in (their account owns it)
 WORKER_ROLES: dict[Role, WorkerRole] = {Role.PREFILL: "prefill", Role.DECODE: "decode",
                                         Role.RELAY_DECODE: "relay-decode"}
-
-
-def account(name: str) -> RunAs | None:
-    """The unprivileged identity ``workers.run_as`` names (None for root: nothing to drop)."""
-    pw = pwd.getpwnam(name)
-    return None if pw.pw_uid == 0 else RunAs(uid=pw.pw_uid, gid=pw.pw_gid)
 
 
 def _written(path: Path) -> str:
@@ -86,12 +79,13 @@ def worker_roles(sc: Scenario) -> dict[str, str]:
 
 def worker_configs(sc: Scenario, run_id: str, ip_of: Callable[[str], str], broker: BrokerInfo | dict[str, BrokerInfo],
                    model: str, dtype: str | None = None, faults: dict[str, WorkerFaults] | None = None,
-                   emulation: EmulationPlan | None = None, kv_token: str = "", out_dir: Path | None = None,
-                   run_as: RunAs | None = None) -> dict[str, WorkerConfig]:
+                   emulation: EmulationPlan | None = None, kv_token: str = "",
+                   accounts: Accounts | None = None) -> dict[str, WorkerConfig]:
     """Every worker's configuration, from the scenario: the one place a WorkerConfig is built
     (the emulation's and the simulator's). ``ip_of``: a host's address on the emulated
-    network; ``broker``: each worker's own credential (by name), or one for all; ``out_dir``:
-    where workers write their statistics ("": none), as ``run_as``."""
+    network; ``broker``: each worker's own credential (by name), or one for all; ``accounts``:
+    the account each role becomes and the folder it writes its statistics in (None: no
+    statistics, no drop)."""
     ws = sc.workers
     d = emulation.dilation if emulation else 1.0
     s_in = emulation.scales.s_in if emulation else 1  # emulated tokens per replayed one
@@ -115,7 +109,8 @@ def worker_configs(sc: Scenario, run_id: str, ip_of: Callable[[str], str], broke
                 device=device,
                 cost=emulation.cost() if emulation else None,
                 scales=emulation.scales if emulation else Scales(),
-                stats_path=str(out_dir / f"worker-{host}.json") if out_dir else "", run_as=run_as,
+                stats_path=str(accounts.folder(role) / f"worker-{host}.json") if accounts else "",
+                run_as=accounts.of(role) if accounts else None,
                 faults=(faults or {}).get(host, WorkerFaults()),
             )  # fmt: skip
     return out
@@ -179,19 +174,16 @@ class Cluster:
     workers: dict[str, WorkerConfig] = field(default_factory=dict)
     groups: dict[str, list[str]] = field(default_factory=dict)  # process name -> hosts it runs
     router: subprocess.Popen[bytes] = field(init=False)
+    accounts: Accounts = field(init=False)  # each component's identity and folder
 
     @property
     def topics(self) -> Topics:
         return Topics(self.net.run.run_id)
 
     @property
-    def out_dir(self) -> Path:
-        """What workers and the router write, in a folder their unprivileged account owns."""
-        return self.net.run.dir / OUT_DIR
-
-    @property
     def records_path(self) -> Path:
-        return self.out_dir / "router-records.jsonl"
+        """The router's records, in the folder its account owns (with its other files beside)."""
+        return self.accounts.folder("router") / "router-records.jsonl"
 
     @classmethod
     def start(cls, net: Network, policy: PolicySpec, faults: dict[str, WorkerFaults] | None = None,
@@ -209,10 +201,9 @@ class Cluster:
         ws = sc.workers
         model = ensure_model(sc.model_dir())
         # Only the run's workers may hand a KV receiver a transfer: a per-run token in HELLO.
-        run_as = account(ws.run_as)
-        net.run.folder_for(OUT_DIR, run_as.uid if run_as else 0, run_as.gid if run_as else 0)
+        cl.accounts = accounts_for(net.run, ws.run_as)
         cl.workers = worker_configs(sc, net.run.run_id, net.ip_of, access.workers, model, dtype, faults, emulation,
-                                    kv_token=secrets.token_urlsafe(16), out_dir=cl.out_dir, run_as=run_as)
+                                    kv_token=secrets.token_urlsafe(16), accounts=cl.accounts)
         cl.groups = process_groups(sc, cl.workers, set(alone))
         for name, hosts in cl.groups.items():
             if len(hosts) > 1:  # each instance opens its sockets in its own host's namespace
@@ -224,7 +215,7 @@ class Cluster:
             runstate.write_private(net.run.dir / f"{name}.cfg.json", text)  # holds broker credentials
             cl._start_process(name)
         rcfg = router_config(sc, net.run.run_id, policy, cl.workers, access.router, cl.records_path, model, dtype,
-                             emulation, run_as)
+                             emulation, cl.accounts.of("router"))
         rpath = net.run.dir / "router.cfg.json"
         runstate.write_private(rpath, rcfg.model_dump_json())
         cl.router = net.spawn(routers[0], [sys.executable, "-m", "testbed.deploy.router", str(rpath)], name="router",

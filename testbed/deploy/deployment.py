@@ -25,7 +25,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
-from protocol.messages import Topics
+from protocol.topics import Topics
 from protocol.worker_config import BrokerInfo, WorkerFaults
 from testbed.deploy import forkserver
 from testbed.deploy.cluster import Cluster
@@ -36,13 +36,13 @@ from testbed.deploy.run_record import ClientRecord, LineBins, PolicyRun
 from testbed.errors import InputError
 from testbed.faults.inject import FaultInjector, annotate_failures
 from testbed.faults.timeline import Fault
-from testbed.net import netns, runstate
+from testbed.net import runstate
 from testbed.net.build import Network
 from testbed.net.delayline_contract import DelayLineReport
 from testbed.policies.spec import PolicySpec
 from testbed.scenario import Role, Scenario
 from testbed.traces.workload import RequestSpec
-from workers.transport import HOST, Transport
+from workers.transport import Transport
 
 T = TypeVar("T")
 
@@ -64,8 +64,10 @@ def network_session(scenario: Scenario, impairment: str) -> Iterator[Network]:
 
 
 class LoadTarget(Protocol):
-    """What a load driver drives: an emulated ``Deployment`` or a simulated one
-    (``testbed.sim.engine.SimDeployment``), alike to the driver."""
+    """What a load driver drives in this process: a simulated deployment
+    (``testbed.sim.engine.SimDeployment``), whose client is a coroutine of its virtual-time
+    loop. An emulated ``Deployment`` has the same properties; its client is a process of
+    its own (``testbed.load.client_process``), started by the driver."""
 
     @property
     def dilation(self) -> float: ...
@@ -174,11 +176,6 @@ class Deployment:
     @property
     def client_ns(self) -> str:
         return self.net.ns_of(self.client_host)
-
-    def run_client(self, client: Callable[[Transport], Coroutine[Any, Any, T]]) -> T:
-        """Run a load driver's client on a thread inside the client host's namespace (its
-        connections cross the emulated network from there) and wait for it."""
-        return netns.run_async_in(self.client_ns, lambda: client(HOST))
 
     def processes(self) -> list[tuple[str, int]]:
         return [(p.name, p.pid) for p in self.net.run.processes]

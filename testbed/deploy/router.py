@@ -16,7 +16,6 @@ import gc
 import os
 import signal
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 from typing import TextIO
 
@@ -38,7 +37,6 @@ from protocol.messages import (
     RouterStatus,
     Status,
     Tokens,
-    Topics,
     WarmCmd,
     parse_event,
     rid_of,
@@ -46,6 +44,7 @@ from protocol.messages import (
 )
 from protocol.mqtt_session import Session
 from protocol.router_config import RequestRecord, RouterConfig
+from protocol.topics import Topics
 from testbed.deploy.liveness import Liveness
 from testbed.deploy.router_checks import in_plan, repeated, speaks_for
 from testbed.policies import ClusterView, Policy, RequestState, make_policy
@@ -141,11 +140,11 @@ class Router:
                 await self._fail(cancel.rid, f"cancelled by the client: {cancel.reason}")
             elif topic.endswith("/events"):
                 ev = parse_event(payload)
-                if self._speaks_for(topic, ev.worker, ev.rid):
+                if speaks_for(self.topics, topic, ev.worker, ev.rid):
                     await self._on_event(ev)
             elif topic.endswith("/status"):
                 st = Status.model_validate_json(payload)
-                if self._speaks_for(topic, st.worker, None):
+                if speaks_for(self.topics, topic, st.worker, None):
                     await self._on_status(st)
         except ValidationError as e:
             await self._reject(topic, bytes(payload), why_invalid(e))
@@ -255,13 +254,13 @@ class Router:
         if req is None:
             if ev.rid in self.finished:  # e.g. the sender's kv_sent after the decoder's done
                 rec = self.finished[ev.rid]
-                if not self._in_plan(ev, (rec.prefill, rec.relay, rec.decode)) or self._repeated(rec.events, ev):
+                if not in_plan(ev, (rec.prefill, rec.relay, rec.decode)) or self._repeated(rec.events, ev):
                     return
                 rec.events.append(ev)
                 if ev.rid in self.ended:
                     self.policy.on_event(self.ended[ev.rid], ev)
             return
-        if (req.plan is not None and not self._in_plan(ev, req.plan.workers)) or self._repeated(req.events, ev):
+        if (req.plan is not None and not in_plan(ev, req.plan.workers)) or self._repeated(req.events, ev):
             return
         req.events.append(ev)
         self.policy.on_event(req, ev)
@@ -296,12 +295,6 @@ class Router:
         elif isinstance(ev, Done):
             self._finish(req, None)
             await self._cache_answer(req)
-
-    def _speaks_for(self, topic: str, claimed: str, rid: str | None) -> bool:
-        return speaks_for(self.topics, topic, claimed, rid)
-
-    def _in_plan(self, ev: Event, workers: Iterable[str | None]) -> bool:
-        return in_plan(ev, workers)
 
     def _repeated(self, events: list[Event], ev: Event) -> bool:
         if not repeated(events, ev):

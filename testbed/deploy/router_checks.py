@@ -6,7 +6,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable
 
-from protocol.messages import Event, Topics
+from protocol.messages import Event
+from protocol.topics import Topics
 
 
 def worker_of(topics: Topics, topic: str) -> str | None:

@@ -23,10 +23,11 @@ import aiomqtt
 from pydantic import ValidationError
 
 from protocol import clock
-from protocol.messages import Request, RouterStatus, Topics, why_invalid
+from protocol.messages import Request, RouterStatus, why_invalid
 from protocol.mqtt_session import Session
 from protocol.stream_gate import StreamGate
 from protocol.token_stream import TokenStreamError
+from protocol.topics import Topics
 from protocol.worker_config import BrokerInfo
 from testbed.deploy.run_record import ClientRecord
 from testbed.load.retry import NO_RETRY, RetryPolicy, attempt_rid, retryable
@@ -75,9 +76,11 @@ class ClientOptions:
 
 async def replay(transport: Transport, broker: BrokerInfo, topics: Topics, specs: list[RequestSpec],
                  opts: ClientOptions, progress: Callable[[int, int, int], None] | None,
-                 on_start: Callable[[float], None] | None = None) -> dict[str, ClientRecord]:
+                 on_start: Callable[[float], None] | None = None,
+                 on_end: Callable[[ClientRecord], None] | None = None) -> dict[str, ClientRecord]:
     """Send ``specs`` at their times (and sessions' turns after their previous one) through
-    ``transport``'s broker; every request's record once each has ended or the timeout passed."""
+    ``transport``'s broker; every request's record once each has ended or the timeout passed
+    (``on_end`` is handed each as it ends, before the timeout)."""
     recs = {s.rid: ClientRecord(s.rid, len(s.prompt), s.max_new) for s in specs}
     live = dict(recs)  # by the id of each request's current attempt
     by_rid = {s.rid: s for s in specs}
@@ -168,6 +171,8 @@ async def replay(transport: Transport, broker: BrokerInfo, topics: Topics, specs
         n_done += 1
         rec.ended = clock.time()
         gate.forget(rec.last_rid)
+        if on_end is not None:
+            on_end(rec)
         if n_done == len(recs):
             finished.set()
         for nxt in followers.get(rec.rid, []):

@@ -1,8 +1,9 @@
 """The trace replayer as a load driver: requests at their times from the client host.
 
 ``TraceReplay`` sends a list of ``RequestSpec`` (times already in real seconds) through
-the replay client inside the deployment's client host, with progress on stderr, and
-returns the client's record of each request. A failed request is retried as the
+the replay client inside the deployment's client host (in an emulation a process of its
+own, without root: ``testbed.load.client_process``), with progress on stderr, and returns
+the client's record of each request. A failed request is retried as the
 ``RetryPolicy`` says (none unless given: the commands pass the OpenAI SDK's default), its
 backoff stretched by the deployment's dilation.
 """
@@ -11,8 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from testbed.deploy.deployment import LoadTarget
+from testbed.deploy.deployment import Deployment, LoadTarget
 from testbed.deploy.run_record import ClientRecord
+from testbed.load.client_process import run_client_process
 from testbed.load.progress import Progress
 from testbed.load.replay_client import ROUTER_GRACE_S, ClientOptions, replay
 from testbed.load.retry import NO_RETRY, RetryPolicy
@@ -31,13 +33,16 @@ class TraceReplay:
         self.router_grace_s = router_grace_s  # emulated s after the router's "down" to wait for its "ready"
         self.retry = retry
 
-    def drive(self, dep: LoadTarget, begin: Callable[[float], None]) -> tuple[list[RequestSpec],
+    def drive(self, dep: LoadTarget | Deployment, begin: Callable[[float], None]) -> tuple[list[RequestSpec],
                                                                             dict[str, ClientRecord]]:
         progress = Progress(self.label) if self.show_progress else None
         try:
             opts = ClientOptions(self.timeout_s, self.router_grace_s * dep.dilation, self.retry, dep.dilation)
-            recs = dep.run_client(lambda transport: replay(transport, dep.client_broker, dep.topics, self.specs, opts,
-                                                           progress, begin))
+            if isinstance(dep, Deployment):  # an emulation: the client is a process of its own, without root
+                recs = run_client_process(dep, self.specs, opts, progress, begin)
+            else:  # the simulator: a coroutine of its virtual-time loop
+                recs = dep.run_client(lambda transport: replay(transport, dep.client_broker, dep.topics, self.specs,
+                                                               opts, progress, begin))
         finally:
             if progress is not None:
                 progress.close()

@@ -10,19 +10,17 @@ the namespaces themselves, which ``testbed clean`` removes.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
-import gc
 import os
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from pyroute2 import IPRoute
 
@@ -238,35 +236,6 @@ def _exists(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
-
-
-def run_async_in(ns: str, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    """Run the coroutine ``make()`` on a thread of this process that has entered namespace
-    ``ns`` (and whose executor threads have too: aiomqtt connects from one), and wait for it."""
-    result: list[T] = []
-    error: list[BaseException] = []
-
-    async def main() -> T:
-        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(2, initializer=join, initargs=(ns,)))
-        return await make()
-
-    def body() -> None:
-        try:
-            with entered(ns):
-                result.append(asyncio.run(main()))
-        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
-            error.append(e)
-
-    # A load's client measures with its clock: keep the collector's full passes off everything
-    # this process built before (pandas, torch, the trace).
-    gc.collect()
-    gc.freeze()
-    th = threading.Thread(target=body, name="client", daemon=True)
-    th.start()
-    th.join()
-    if error:
-        raise error[0]
-    return result[0]
 
 
 def spawn(

@@ -103,11 +103,16 @@ def read_nofollow(path: Path) -> str:
 def write_private(path: Path, text: str) -> None:
     """Replace ``path`` atomically with ``text`` (mode 0600): a fresh temporary file, created
     exclusively and without following links, renamed over it."""
+    write_private_bytes(path, text.encode())
+
+
+def write_private_bytes(path: Path, data: bytes) -> None:
+    """``write_private`` for bytes."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -31,7 +31,7 @@ from typing import IO, Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from protocol.messages import Topics
+from protocol.topics import Topics
 from protocol.worker_config import BrokerInfo, Contract, RunAs, Scales, WorkerStats
 from testbed.net.delayline_contract import DelayLineReport
 from testbed.net.runstate import read_nofollow
@@ -57,8 +57,8 @@ class FrontConfig(Contract):
     served: Served
     scales: Scales
     pipelines: Pipelines
-    stats_paths: dict[str, str]  # worker -> its statistics file (in out/)
-    out_dir: str  # the run's out/ folder, owned by ``run_as``
+    stats_paths: dict[str, str]  # worker -> its statistics file (out/<role>/, readable by this one's group)
+    out_dir: str  # its own folder (out/front/), owned by ``run_as``
     run_as: RunAs | None
 
 

@@ -29,10 +29,11 @@ from typing import IO
 import aiomqtt
 from pydantic import ValidationError
 
-from protocol.messages import CancelRequest, Request, RequestHints, RouterStatus, Topics, why_invalid
+from protocol.messages import CancelRequest, Request, RequestHints, RouterStatus, why_invalid
 from protocol.mqtt_session import Session
 from protocol.stream_gate import StreamGate
 from protocol.token_stream import TokenStreamError
+from protocol.topics import Topics
 from protocol.worker_config import BrokerInfo
 from testbed.deploy.run_record import ClientRecord
 from testbed.load.replay_client import connect_when_ready

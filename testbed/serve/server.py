@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from testbed.deploy.cluster import account, worker_roles
+from testbed.deploy.cluster import worker_roles
 from testbed.deploy.deployment import Deployment
 from testbed.deploy.dilation import emulation_plan
 from testbed.deploy.emulation import EmulationPlan
@@ -102,8 +102,8 @@ class HttpFrontDoor:
             served=self.served, scales=self.plan.scales,
             pipelines=Pipelines(worker_roles(sc), {w: sc.datacenter_of(w) for w in cl.workers},
                                 isinstance(self.opts.policy, PddSpec)),
-            stats_paths={h: c.stats_path for h, c in cl.workers.items() if c.stats_path}, out_dir=str(cl.out_dir),
-            run_as=account(sc.workers.run_as),
+            stats_paths={h: c.stats_path for h, c in cl.workers.items() if c.stats_path},
+            out_dir=str(cl.accounts.folder("front")), run_as=cl.accounts.of("front"),
         )  # fmt: skip
 
     def drive(self, dep: Deployment, begin: Callable[[float], None]) -> tuple[list[RequestSpec],
@@ -137,7 +137,7 @@ class HttpFrontDoor:
         finally:
             _stop(front)
             desk.close()
-        path = dep.cluster.out_dir / SERVED_FILE
+        path = dep.cluster.accounts.folder("front") / SERVED_FILE
         try:
             text = runstate.read_nofollow(path)
         except FileNotFoundError:

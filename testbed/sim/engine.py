@@ -35,8 +35,8 @@ from typing import Any, TypeVar
 import aiomqtt
 
 from protocol import clock
-from protocol.messages import Topics
 from protocol.router_config import PolicyReport, RequestRecord, WorkerDeath
+from protocol.topics import Topics
 from protocol.worker_config import BrokerInfo, WorkerConfig, WorkerFaults, WorkerStats
 from testbed.deploy.cluster import router_config, worker_configs
 from testbed.deploy.deployment import LoadDriver
