@@ -17,9 +17,11 @@ pytestmark = needs_root
 
 
 def test_a_full_decoder_queues_requests_and_their_first_token_waits() -> None:
-    # Room for two requests of 100 + 40 tokens at a time (capacity), never more than 3 (batch).
+    # Room for two requests of 60 + 80 tokens at a time (capacity), never more than 3 (batch).
+    # Short prompts, long answers: the first two still decode when the fifth's KV arrives,
+    # however slowly a loaded host prefills the five one after another.
     sc = scenario_with({"workers": {"max_batch": 3, "decode_kv_tokens": 300}})
-    specs = [RequestSpec(f"q{i}", synth_tokens(f"adm-{i}", 100), 40, at=0.01 * i) for i in range(5)]
+    specs = [RequestSpec(f"q{i}", synth_tokens(f"adm-{i}", 60), 80, at=0.01 * i) for i in range(5)]
     big = RequestSpec("big", synth_tokens("adm-big", 280), 40, at=0.0)
     runner = ModelRunner(ensure_default_model(), "float32")
     refs = {s.rid: runner.reference(s.prompt, s.max_new) for s in specs}
