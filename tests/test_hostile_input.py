@@ -375,3 +375,27 @@ def test_fuzzed_token_batches_decode_or_fail_with_a_reason() -> None:
         decoded += 1
         assert all(re.match(SAFE_NAME, c.rid) and c.start >= 0 and (c.error is None or c.done) for c in chunks)
     assert decoded < FUZZ_INPUTS // 2
+
+
+def test_the_replay_clients_records_are_read_as_input_naming_file_line_and_field() -> None:
+    """The client process runs without root; what it hands back is validated line by line
+    against what was sent before the orchestrator uses any of it."""
+    from testbed.deploy.run_record import ClientRecord
+    from testbed.errors import TestbedError
+    from testbed.load.client_process import ReplayedRequest, read_records
+
+    rec = ClientRecord("r1", 10, 3, sent=1.0, ended=2.0, token_times=[1.5, 1.6], tokens=[4, 5], done=True,
+                       workers=["decode-a"], by_worker={"decode-a": 2})
+    good = ReplayedRequest.of(rec).model_dump_json()
+    assert read_records(good, "records.jsonl", {"r1": 3})["r1"] == rec
+    for text, why in [
+        (good + "\n" + good, "records.jsonl:2: rid: r1 was already read"),
+        (good, "records.jsonl:1: rid: r1 was not sent"),
+        (good.replace('"tokens":[4,5]', '"tokens":[4,5,6,7]').replace('"token_times":[1.5,1.6]',
+                                                                    '"token_times":[1,2,3,4]'),
+         "records.jsonl:1: tokens: 4 tokens at 4 times for a request of 3"),
+        (good.replace('"sent":1.0', '"sent":"soon"'), "records.jsonl:1: sent"),
+        ('{"rid": ' + "[" * 5000 + "]" * 5000 + "}", "records.jsonl:1:"),
+    ]:
+        with pytest.raises(TestbedError, match=re.escape(why)):
+            read_records(text, "records.jsonl", {"r1": 3} if "not sent" not in why else {"r2": 3})

@@ -130,6 +130,13 @@ def read_records(text: str, source: str, specs: dict[str, int]) -> dict[str, Cli
     return recs
 
 
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
+
+
 def run_client_process(dep: Deployment, specs: list[RequestSpec], opts: ClientOptions,
                        progress: Callable[[int, int, int], None] | None,
                        begin: Callable[[float], None]) -> dict[str, ClientRecord]:
@@ -154,15 +161,16 @@ def run_client_process(dep: Deployment, specs: list[RequestSpec], opts: ClientOp
     try:
         # What an unprivileged process says is read in bounded lines and checked.
         while line := proc.stdout.readline(256):
-            word, *rest = line.decode(errors="replace").split()
-            if word == "start" and not started and len(rest) == 1:
-                t0 = float(rest[0])
+            words = line.decode(errors="replace").split()
+            if words[:1] == ["start"] and not started and len(words) == 2:
+                t0 = _float(words[1])
                 if not (math.isfinite(t0) and abs(t0 - time.monotonic()) < 60):
-                    raise TestbedError(f"the replay client said it started at {t0}, not a time of this host")
+                    raise TestbedError(f"the replay client said it started at {words[1]!r}, not a time of this host")
                 started = True
                 begin(t0)
-            elif word == "progress" and progress is not None and len(rest) == 3 and all(x.isdigit() for x in rest):
-                progress(int(rest[0]), int(rest[1]), int(rest[2]))
+            elif words[:1] == ["progress"] and progress is not None and len(words) == 4 \
+                    and all(w.isdigit() and len(w) < 10 for w in words[1:]):
+                progress(int(words[1]), int(words[2]), int(words[3]))
         rc = proc.wait()
     except BaseException:
         netns.stop_child(proc, 5)
