@@ -50,10 +50,6 @@ class StreamGate:
     def forget(self, rid: str) -> None:
         self._expected.pop(rid, None)
 
-    def streamers(self, rid: str) -> frozenset[str] | None:
-        exp = self._expected.get(rid)
-        return None if exp is None else exp.streamers
-
     def read(self, topic: str, payload: bytes | bytearray) -> list[TokenChunk]:
         """The chunks of one message that the reader may take, in order (and any that waited
         for the announcement this message is). Raises ``TokenStreamError`` naming only the

@@ -230,7 +230,7 @@ def write_stats(path: str, dirs: list[Direction], started: float, final: bool, b
         "directions": {d.name: {**asdict(d.stats), "backlog_bytes": d.backlog,
                                 "late_p50_us": late_percentile(d.stats.late_hist, 50),
                                 "late_p99_us": late_percentile(d.stats.late_hist, 99),
-                                **({"kv_bins": d.tap.bins if d.tap else []} if final else {})} for d in dirs},
+                                **({"kv_bins": d.tap.bins.tolist() if d.tap else []} if final else {})} for d in dirs},
         **({"bins_t0": bins_t0, "bin_s": KV_BIN_S} if final else {}),
     }  # fmt: skip
     tmp = path + ".tmp"
