@@ -6,6 +6,7 @@ it these are skipped and ``--executor ray`` is a clear error (exit 4), tested ei
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ import pytest
 from testbed.errors import EXIT_INTERRUPTED
 from testbed.experiments.ray_executor import FAILED_FILE, HOST_RESOURCE, PLACEMENT_FILE, TASK_LOG, placement
 from testbed.experiments.trace_run import RunOptions
+from testbed.traces.generate import generate
 
 from .conftest import ROOT, run_cli
 
@@ -246,3 +248,28 @@ def test_a_nodes_files_are_written_inside_the_folder_or_refused(tmp_path: Path) 
         with pytest.raises(ValueError, match="not a file of its folder"):
             write_files(tmp_path / "run", {bad: b"x"})
     assert not (tmp_path / "escape").exists()
+
+
+def test_bench_scale_climbs_its_sizes_side_by_side_on_the_cluster(cluster: str, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench scale --executor ray``: each round's replays (one per size still climbing) are
+    tasks, emulations one per node; the table names every size, each from its own replay."""
+    from testbed.bench import scale
+
+    # Short answers and turns close together: the recipe's would make each replay minutes long.
+    short = {"turns_max": 3, "think_mean_s": 0.1, "open_tpot_s": 0.001, "first_output_median": 48, "output_median": 32}
+    monkeypatch.setattr(scale, "generate", lambda cfg: generate(dataclasses.replace(cfg, **short)))
+    out = tmp_path / "scale"
+    code, err = run_cli(["bench", "scale", "--sizes", "3,4", "--window", "2", "--per-device-rps", "0.5",
+                         "--start-dilation", "2", "--executor", "ray", "--ray-address", cluster,
+                         "--out", str(out)], capsys)
+    assert code in (0, 1), err  # 1: a size whose ladder found no dilation that passed (named in the table)
+    points = json.loads((out / "scale.json").read_text())["points"]
+    assert [p["size"] for p in points] == [3, 4] and all(p["requests"] > 0 for p in points), points
+    runs = [json.loads((Path(p["run_dir"]) / PLACEMENT_FILE).read_text()) for p in points]
+    for a in runs:
+        for b in runs:
+            if a is not b and a["node"] == b["node"]:
+                assert a["ended"] <= b["started"] or b["ended"] <= a["started"], runs
+    assert all(len(p["attempts"]) == 1 for p in points), points

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from testbed.analysis.results import load_run
-from testbed.analysis.wan_line import byte_factor, disagreements, kv_total, line_of, overruns
+from testbed.analysis.wan_line import byte_factor, disagreements, in_flight_max, kv_total, line_of, overruns
 from testbed.deploy.run_record import LineBins
 from testbed.net.line_tap import KV_BIN_S, KvTap, tcp_payload
 from testbed.sim.links import spread
@@ -86,6 +86,18 @@ def test_a_simulated_run_counts_kv_as_it_crosses_and_never_above_the_line(
                                                   int(2 * rate * line.bin_s / byte_factor(summary)) + 10**6]})
     bad = summary.model_copy(update={"policies": {"cross-dc": s.model_copy(update={"wan_line": {"a->b": fast}})}})
     assert any("cross-dc a->b" in p and "above the line" in p for p in overruns(bad))
+    # The sum: a transfer cut off (PDD's handoff) crossed what it had in flight beyond what the
+    # table counts (the acknowledged), at most in_flight_max each; more than that is named.
+    p = summary.policies["pdd"]
+    room = in_flight_max(summary)
+    assert 0 < room < 0.2 * p.wan_kv_bytes
+    for cut, extra, named in ((0, 0.5, True), (2, 1.5, False), (2, 2.5, True)):
+        line = p.wan_line["a->b"]
+        added = int(0.01 * p.wan_kv_bytes + extra * room)  # past the 1 % every run may differ by
+        more = line.model_copy(update={"wire_bytes": [*line.wire_bytes, added]})
+        q = p.model_copy(update={"wan_cut_offs": cut, "wan_line": {**p.wan_line, "a->b": more}})
+        wrong = disagreements(summary.model_copy(update={"policies": {"pdd": q}}))
+        assert any("the line counted" in w for w in wrong) == named, (cut, extra, wrong)
 
 
 @needs_root

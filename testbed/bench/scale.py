@@ -10,8 +10,10 @@ carries the same load per device), and replays it under ``pdd``: first at ``STAR
 passes is what a run of this load holds). Per size it reports the lowest dilation of that ladder that passed,
 emulated seconds per wall second over the replay, host CPU seconds per request (every
 process of the run: workers, router, broker, delay line) and the delay line's share of
-that CPU. Every replay is a run folder ``testbed report`` rebuilds; the table is saved as
-``scale.json`` and ``scale.md``, and plotted in ``scale.png``.
+that CPU. The sizes climb their ladders in rounds (every size still climbing replays once a
+round): one replay after another here, side by side with ``--executor ray``, one emulation
+per node. Every replay is a run folder ``testbed report`` rebuilds; the table is saved as
+``scale.json`` and ``scale.md``, and plotted in ``scale.png``, after every round.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import matplotlib
 
@@ -31,12 +33,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 from testbed.analysis.results import load_run
 from testbed.deploy.emulation import round_up
 from testbed.errors import InputError
-from testbed.experiments.trace_run import RunOptions, run_trace
+from testbed.experiments.parallel import Replay, run_all, saved
+from testbed.experiments.trace_run import RunOptions
 from testbed.outputs import atomic_path, write_atomic
 from testbed.policies.spec import parse_policy
 from testbed.scenario import Role, Scenario, load_scenario
 from testbed.traces import load_trace
 from testbed.traces.generate import GenConfig, generate, write_jsonl
+from testbed.traces.workload import Workload
 
 SIZES = (4, 16, 32, 75, 150)
 SHAPE = {Role.PREFILL: 40, Role.RELAY_DECODE: 3, Role.DECODE: 32}  # PDD's 75 devices in paper.yaml
@@ -102,37 +106,63 @@ def devices_of(sc: Scenario) -> tuple[int, int]:
     return sum(h.devices for h in hosts), len(hosts)
 
 
-def measure(sc: Scenario, size: int, out: Path, per_device_rps: float, window_s: float, seed: int,
-            start_dilation: float = START_DILATION) -> ScalePoint:
-    devices, instances = devices_of(sc)
+@dataclass
+class Ladder:
+    """One size's climb: its deployment and trace, the dilation to try next, what each try gave."""
+
+    size: int
+    sc: Scenario
+    wl: Workload
+    out: Path
+    d: float
+    attempts: list[str] = field(default_factory=list)
+    point: ScalePoint | None = None  # set once the ladder ends
+
+    @property
+    def run_dir(self) -> Path:
+        return self.out / f"devices-{self.size}" / f"D-{self.d:g}"
+
+
+def ladder(sc: Scenario, size: int, out: Path, per_device_rps: float, window_s: float, seed: int,
+           start_dilation: float) -> Ladder:
+    """``size``'s deployment and its open-loop trace (saved beside its replays)."""
+    devices, _ = devices_of(sc)
     trace = out / f"devices-{size}" / "trace.jsonl"
     sessions, header = generate(GenConfig(arrivals="open", rps=per_device_rps * devices, duration_s=window_s,
                                           turns_max=4, seed=seed, calibrate_scale=TOKEN_SCALE))
     write_jsonl(trace, sessions, header)
-    wl = load_trace(trace, "sessions", TOKEN_SCALE)
-    d = start_dilation
-    attempts: list[str] = []
-    while True:
-        run_dir = out / f"devices-{size}" / f"D-{d:g}"
-        run_trace(sc, wl, [parse_policy("pdd")], RunOptions(dilation=d, out=run_dir, allow_infidelity=True))
-        summary, _ = load_run(run_dir)
-        s = summary.policies["pdd"]
-        v = s.fidelity
-        ok = v.passed and s.failed == 0
-        attempts.append(f"D {d:g}: " + ("passed" if ok else "failed (" + (v.reasons[0] if v.reasons
-                                                                           else f"{s.failed} requests failed") + ")"))
-        if ok or len(attempts) == MAX_ATTEMPTS:
-            break
-        d = round_up(d * RETRY_FACTOR)
+    return Ladder(size, sc, load_trace(trace, "sessions", TOKEN_SCALE), out, start_dilation)
+
+
+def judge(lad: Ladder) -> None:
+    """What the replay at ``lad.d`` gave: the size's point when it passed, lost its replay or
+    tried ``MAX_ATTEMPTS`` times; else the next dilation up."""
+    devices, instances = devices_of(lad.sc)
+    run_dir = lad.run_dir
+    if not saved([run_dir]):  # a cluster's replay that failed on every node it was sent to (named there)
+        lad.attempts.append(f"D {lad.d:g}: no results (the replay was lost)")
+        lad.point = ScalePoint(size=lad.size, devices=devices, instances=instances, requests=0, completed=0,
+                               dilation=lad.d, passed=False, attempts=lad.attempts, emulated_per_wall=0.0, cpu_s=0.0,
+                               cpu_per_request=0.0, delayline_share=0.0, wall_s=0.0, run_dir=str(run_dir))
+        return
+    summary, _ = load_run(run_dir)
+    s = summary.policies["pdd"]
+    v = s.fidelity
+    ok = v.passed and s.failed == 0
+    why = v.reasons[0] if v.reasons else f"{s.failed} requests failed"
+    lad.attempts.append(f"D {lad.d:g}: " + ("passed" if ok else f"failed ({why})"))
+    if not ok and len(lad.attempts) < MAX_ATTEMPTS:
+        lad.d = round_up(lad.d * RETRY_FACTOR)
+        return
     cpu = sum(c.cpu_s for c in v.cpu.values())
     wall = max((c.cpu_s / c.share for c in v.cpu.values() if c.share > 0), default=0.0)
     line = v.cpu.get("delayline")
-    return ScalePoint(size=size, devices=devices, instances=instances, requests=s.requests, completed=s.completed,
-                      dilation=d, passed=ok, attempts=attempts,
-                      emulated_per_wall=round((s.duration_s or 0.0) / wall, 3) if wall else 0.0,
-                      cpu_s=round(cpu, 1), cpu_per_request=round(cpu / max(1, s.requests), 3),
-                      delayline_share=round(line.cpu_s / cpu, 3) if line and cpu else 0.0,
-                      wall_s=round(wall, 1), run_dir=str(run_dir))
+    lad.point = ScalePoint(size=lad.size, devices=devices, instances=instances, requests=s.requests,
+                           completed=s.completed, dilation=lad.d, passed=ok, attempts=lad.attempts,
+                           emulated_per_wall=round((s.duration_s or 0.0) / wall, 3) if wall else 0.0,
+                           cpu_s=round(cpu, 1), cpu_per_request=round(cpu / max(1, s.requests), 3),
+                           delayline_share=round(line.cpu_s / cpu, 3) if line and cpu else 0.0,
+                           wall_s=round(wall, 1), run_dir=str(run_dir))
 
 
 def table(points: list[ScalePoint]) -> str:
@@ -171,7 +201,11 @@ def plot(points: list[ScalePoint], path: Path, rps: float, start_dilation: float
 
 
 def run_bench(scenario: Path, sizes: list[int], out: Path, per_device_rps: float = PER_DEVICE_RPS,
-              window_s: float = WINDOW_S, seed: int = 1, start_dilation: float = START_DILATION) -> int:
+              window_s: float = WINDOW_S, seed: int = 1, start_dilation: float = START_DILATION,
+              executor: Literal["local", "ray"] = "local", ray_address: str | None = None, ray_retries: int = 2) -> int:
+    """Every size's ladder, climbed in rounds: each round replays every size still climbing at
+    its next dilation, one after another here, side by side with ``--executor ray`` (one
+    emulation per node, ``experiments/ray_executor.py``); the table is saved after each round."""
     if not sizes or min(sizes) < 3:
         raise InputError("--sizes: at least 3 devices each (one prefill, one relay, one main decoder)")
     if per_device_rps <= 0 or window_s <= 0 or start_dilation <= 0:
@@ -179,22 +213,32 @@ def run_bench(scenario: Path, sizes: list[int], out: Path, per_device_rps: float
     base = load_scenario(scenario)
     if not all(base.hosts_with_role(r) for r in SHAPE):
         raise InputError(f"{scenario}: bench scale needs a PDD scenario (prefill, relay-decode and decode hosts)")
-    points: list[ScalePoint] = []
+    ladders = [ladder(scaled_scenario(base, size), size, out, per_device_rps, window_s, seed, start_dilation)
+               for size in sizes]
     t0 = time.monotonic()
-    for i, size in enumerate(sizes, 1):
-        sc = scaled_scenario(base, size)
-        print(f"\n=== bench scale {i}/{len(sizes)}: {size} devices ({devices_of(sc)[1]} instances) "
-              f"[{time.monotonic() - t0:.0f} s]", flush=True)
-        points.append(measure(sc, size, out, per_device_rps, window_s, seed, start_dilation))
+    md = ""
+    for round_no in range(1, MAX_ATTEMPTS + 1):
+        climbing = [lad for lad in ladders if lad.point is None]
+        if not climbing:
+            break
+        print(f"\n=== bench scale, round {round_no}: " + ", ".join(
+            f"{lad.size} devices ({devices_of(lad.sc)[1]} instances) at D {lad.d:g}" for lad in climbing)
+              + f" [{time.monotonic() - t0:.0f} s]", flush=True)
+        opts = RunOptions(allow_infidelity=True, executor=executor, ray_address=ray_address, ray_retries=ray_retries)
+        run_all([Replay(lad.sc, lad.wl, [parse_policy("pdd")], replace(opts, dilation=lad.d, out=lad.run_dir))
+                 for lad in climbing])
+        for lad in climbing:
+            judge(lad)
+        points = [lad.point for lad in ladders if lad.point is not None]
         write_atomic(out / "scale.json", _json(points, scenario, per_device_rps, window_s))
         md = table(points)
         write_atomic(out / "scale.md", md + "\n")
         plot(points, out / "scale.png", per_device_rps, start_dilation)
     print(f"\nbench scale ({scenario}, pdd, {per_device_rps:g} req/s per device, sessions starting over "
-          f"{window_s:g} emulated s, token scale {TOKEN_SCALE}) [{time.monotonic() - t0:.0f} s]")
+          f"{window_s:g} emulated s, token scale {TOKEN_SCALE}, executor {executor}) [{time.monotonic() - t0:.0f} s]")
     print(md)
     print(f"\nsaved: {out / 'scale.md'}, {out / 'scale.json'}, {out / 'scale.png'}")
-    return 0 if all(p.passed for p in points) else 1
+    return 0 if all(lad.point is not None and lad.point.passed for lad in ladders) else 1
 
 
 def _json(points: list[ScalePoint], scenario: Path, rps: float, window_s: float) -> str:

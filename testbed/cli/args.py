@@ -74,6 +74,17 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         p.add_argument("--token-scale", type=int, default=1, metavar="N",
                        help="divide every length (and the prefix block size) by N")
 
+    def executor_opts(p: argparse.ArgumentParser) -> None:
+        """Where an experiment's replays run: here, or each a task on a Ray cluster."""
+        p.add_argument("--executor", choices=["local", "ray"], default="local",
+                       help="local: replays on this host (default); ray: each replay a task on a Ray cluster, "
+                            "emulations one per node (pip install -e '.[cluster]'; docs/scale-out.md)")
+        p.add_argument("--ray-address", metavar="HOST:PORT",
+                       help="with --executor ray: the cluster's head (default: RAY_ADDRESS)")
+        p.add_argument("--ray-retries", type=int, default=2, metavar="N",
+                       help="with --executor ray: a replay whose worker or node died is sent again up to N times, "
+                            "then recorded as failed (default 2)")
+
     def replay_opts(p: argparse.ArgumentParser, policies: str) -> None:
         """What a replay of a trace needs (run, sweep, calibrate)."""
         scenario_opts(p)
@@ -107,14 +118,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         p.add_argument("--resume", action="store_true",
                        help="with --out naming an earlier run's folder: keep every replay it saved that matches this "
                             "one (trace, load, scenario, emulation) and run only what is missing")
-        p.add_argument("--executor", choices=["local", "ray"], default="local",
-                       help="local: replays on this host (default); ray: each replay a task on a Ray cluster, "
-                            "emulations one per node (pip install -e '.[cluster]'; docs/scale-out.md)")
-        p.add_argument("--ray-address", metavar="HOST:PORT",
-                       help="with --executor ray: the cluster's head (default: RAY_ADDRESS)")
-        p.add_argument("--ray-retries", type=int, default=2, metavar="N",
-                       help="with --executor ray: a replay whose worker or node died is sent again up to N times, "
-                            "then recorded as failed (default 2)")
+        executor_opts(p)
         retry_opts(p)
 
     p = sub.add_parser("run", help="replay a trace under one or more policies; save, plot and compare")
@@ -376,6 +380,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--start-dilation", type=float, default=0.5, metavar="D",
                    help="the first dilation tried; x1.5 while the verdict fails (default 0.5)")
     p.add_argument("--seed", type=int, default=1)
+    executor_opts(p)
     p.add_argument("--out", type=Path, help="results folder (default runs/bench-scale-<timestamp>)")
     p.set_defaults(command="bench scale")
     return ap

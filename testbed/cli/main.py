@@ -22,7 +22,7 @@ from testbed.cli import net_commands, profile_commands, replay_commands, serve_c
 from testbed.cli.arg_values import retry_policy, scenario_from_args
 from testbed.cli.args import build_parser
 from testbed.cli.net_commands import require_root, wire_scenario
-from testbed.cli.replay_commands import policies_for, replay_inputs
+from testbed.cli.replay_commands import check_executor, policies_for, replay_inputs
 from testbed.deploy import forkserver
 from testbed.deploy.deployment import network_session
 from testbed.errors import EXIT_INTERRUPTED, InputError, Terminated, TestbedError
@@ -83,9 +83,10 @@ def cmd_bench_scale(args: argparse.Namespace) -> int:
         sizes = [int(x) for x in args.sizes.split(",")]
     except ValueError:
         raise InputError(f"--sizes: expected comma-separated device counts, got {args.sizes!r}") from None
+    check_executor(args)
     out = args.out or new_run_dir("bench-scale")
     return run_scale_bench(args.scenario, sizes, out, args.per_device_rps, args.window, args.seed,
-                           args.start_dilation)
+                           args.start_dilation, args.executor, args.ray_address, args.ray_retries)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

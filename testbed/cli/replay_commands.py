@@ -78,15 +78,20 @@ def replay_inputs(args: argparse.Namespace) -> tuple[Scenario, list[PolicySpec],
                       Slo(args.slo_ttft, args.slo_tpot), args.timeout, retry=retry_policy(args), resume=args.resume,
                       engine=args.engine, jobs=_jobs(args), executor=args.executor, ray_address=args.ray_address,
                       ray_retries=args.ray_retries)
+    check_executor(args)
+    if args.resume and args.out is None:
+        raise InputError("--resume: needs --out, the folder of the run to resume")
+    return sc, policies, wl, opts
+
+
+def check_executor(args: argparse.Namespace) -> None:
+    """``--executor``'s options, refused before anything starts."""
     if args.ray_retries < 0:
         raise InputError(f"--ray-retries: must be at least 0, got {args.ray_retries}")
     if args.executor == "ray":
         from testbed.experiments.ray_executor import ray_address  # pandas, torch
 
         ray_address(args.ray_address)  # named, or an error before anything starts
-    if args.resume and args.out is None:
-        raise InputError("--resume: needs --out, the folder of the run to resume")
-    return sc, policies, wl, opts
 
 
 def _jobs(args: argparse.Namespace) -> int:
