@@ -45,6 +45,8 @@ def test_random_faults_cover_every_kind_and_fit_the_scenario() -> None:
         sc.check_fault(f)  # names the scenario's datacenters, workers, shaped directions
         assert f.duration_s is not None  # a killed worker comes back: the cluster lives on
     assert random_faults(sc, 3600, 60, seed=4) == faults  # seeded
+    downs = {f.duration_s for f in faults if f.kind == "wan-down"}
+    assert max(downs) == 30 and downs <= {4, 8, 15, 30}, downs  # the line's outages last up to 30 s
 
 
 def test_a_soak_fails_when_nothing_completes_after_the_faults() -> None:

@@ -46,6 +46,7 @@ from testbed.scenario import Role, Scenario
 from testbed.traces.workload import RequestSpec, Workload
 
 FAULT_KINDS = ("wan-down", "loss", "delay", "rate", "partition", "kill", "broker-restart")
+WAN_DOWN_S = (4.0, 8.0, 15.0, 30.0)  # emulated seconds a wan-down lasts; other faults 2, 4 or 8
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,7 @@ def soak_specs(wl: Workload, wall_s: float, load: float, dilation: float) -> lis
 
 def random_faults(sc: Scenario, emulated_s: float, every_s: float, seed: int) -> list[Fault]:
     """One fault of a random kind every ``every_s`` emulated seconds (the first after one
-    period), lasting a few emulated seconds."""
+    period), lasting a few emulated seconds (a wan-down up to 30)."""
     rng = random.Random(seed)
     a, b = sc.wan.between
     workers = sorted(h for dc in sc.datacenters.values() for h, spec in dc.hosts.items()
@@ -153,6 +154,8 @@ def random_faults(sc: Scenario, emulated_s: float, every_s: float, seed: int) ->
         fields: dict[str, object] = {"kind": kind, "at_s": at, "duration_s": rng.choice([2.0, 4.0, 8.0])}
         if kind in ("wan-down", "loss", "delay"):
             fields["dir"] = rng.choice(["both", f"{a}->{b}", f"{b}->{a}"])
+        if kind == "wan-down":  # a line's outage lasts up to 30 s (the PD outage's transfers outlive it)
+            fields["duration_s"] = rng.choice(WAN_DOWN_S)
         if kind == "loss":
             fields["pct"] = rng.choice([1.0, 5.0, 20.0])
         elif kind == "delay":
