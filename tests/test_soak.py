@@ -9,9 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from testbed.load.soak import random_faults, soak_specs
+from testbed.deploy.run_record import ClientRecord
+from testbed.faults.timeline import AppliedFault
+from testbed.load.retry import SOAK_RETRY
+from testbed.load.soak import NO_FAULT, costly_faults, random_faults, soak_specs
 from testbed.scenario import load_scenario
 from testbed.traces import load_trace
+from testbed.traces.workload import RequestSpec
 
 from .conftest import ROOT, TOPOLOGIES, host_state, left_behind, needs_root
 
@@ -144,3 +148,24 @@ def _ours_alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state != "Z" and any(k in cmdline for k in (b"workers", b"mosquitto", b"testbed"))
+
+
+def test_the_soaks_retries_outwait_a_killed_worker_and_each_failure_names_its_fault() -> None:
+    """A request whose only worker of a role was killed is sent again after the worker is back
+    (down up to 8 s, then started): the soak's waits add up to more, at their shortest; and each
+    request that failed anyway is charged to the fault in effect while it lived, a later turn of
+    its session to the same fault."""
+    shortest = sum(min(SOAK_RETRY.initial_s * 2**k, SOAK_RETRY.max_s) * (1 - SOAK_RETRY.jitter)
+                   for k in range(SOAK_RETRY.retries))
+    kills = [f for f in random_faults(load_scenario(TOPOLOGIES / "two-dc.yaml"), 3600, 60, seed=4) if f.kind == "kill"]
+    assert kills and shortest >= max(f.duration_s or 0 for f in kills) + 3, shortest  # + a worker's start
+    kill = AppliedFault(fault="kill@10+8:host=prefill", kind="kill", at_s=10, applied_s=10.0, cleared_s=18.0)
+    t0, d = 100.0, 2.0  # the fault clock's zero on the client's clock; the dilation
+    recs = {rid: ClientRecord(rid, 10, 4, sent=t0 + d * sent, ended=t0 + d * end, error=why, done=True)
+            for rid, sent, end, why in [("a.0", 9, 12, "prefill down"), ("a.1", 0, 0, "previous turn failed"),
+                                        ("b.0", 30, 31, "bad luck"), ("c.0", 11, 14, None)]}
+    recs["a.1"].sent = 0.0  # never sent: its session ended with a.0
+    specs = [RequestSpec("a.0", [1], 4), RequestSpec("a.1", [1], 4, after="a.0"), RequestSpec("b.0", [1], 4),
+             RequestSpec("c.0", [1], 4)]
+    cost = costly_faults(recs, specs, [kill], t0, d)
+    assert cost == {"a.0": "kill@10+8:host=prefill", "a.1": "kill@10+8:host=prefill", "b.0": NO_FAULT}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from testbed.load.retry import SOAK_RETRY
 from testbed.traces.formats import FORMATS
 
 
@@ -61,13 +62,14 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="also tear down runs that are still alive")
     p.set_defaults(command="clean")
 
-    def retry_opts(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--retries", type=int, default=2, metavar="N",
-                       help="send a failed request again up to N times, as an agent's client would (default 2, "
-                            "the OpenAI SDK's); its session goes on once a retry succeeds")
-        p.add_argument("--retry-backoff", type=float, default=0.5, metavar="S",
+    def retry_opts(p: argparse.ArgumentParser, retries: int = 2, backoff: float = 0.5, why: str = "the OpenAI SDK's"
+                   ) -> None:
+        p.add_argument("--retries", type=int, default=retries, metavar="N",
+                       help=f"send a failed request again up to N times, as an agent's client would (default "
+                            f"{retries}, {why}); its session goes on once a retry succeeds")
+        p.add_argument("--retry-backoff", type=float, default=backoff, metavar="S",
                        help="emulated seconds before the first retry, doubling for each next one up to 8 s, "
-                            "less up to a quarter at random (default 0.5)")
+                            f"less up to a quarter at random (default {backoff:g})")
 
     def trace_opts(p: argparse.ArgumentParser) -> None:
         p.add_argument("--format", default="auto", help=f"auto | {' | '.join(FORMATS)} (default: auto)")
@@ -278,7 +280,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    help="a fault of a random kind every S emulated seconds (default 60)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--dilation", metavar="D|auto", help="default: the scenario's")
-    retry_opts(p)
+    retry_opts(p, SOAK_RETRY.retries, SOAK_RETRY.initial_s, "waits of 1, 2, 4 and 8 s: a killed worker's restart "
+               "fits in them")
     p.add_argument("--out", type=Path, help="results folder (default runs/soak-<timestamp>)")
     p.set_defaults(command="soak")
 

@@ -48,6 +48,11 @@ class RetryPolicy:
 
 
 NO_RETRY = RetryPolicy(retries=0)
+# The client's retries, as an agent's SDK retries, but waiting long enough that a request whose
+# only worker of a role was killed (down up to 8 s, then started again) is sent to it once it is
+# back: 1 + 2 + 4 + 8 s, at least 11 s with the jitter (two retries from 0.5 s spanned 1.5 s, and
+# the default scenario's soak lost 5 % of its requests to its single prefill's restarts).
+SOAK_RETRY = RetryPolicy(retries=4, initial_s=1.0)
 
 
 def attempt_rid(rid: str, attempt: int) -> str:

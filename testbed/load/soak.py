@@ -36,9 +36,10 @@ from testbed.analysis.results import write_csv
 from testbed.deploy.deployment import Deployment
 from testbed.deploy.dilation import emulation_plan
 from testbed.deploy.process_sampling import ProcessMemory, with_floor
+from testbed.deploy.run_record import ClientRecord
 from testbed.errors import InputError
 from testbed.faults.timeline import AppliedFault, Fault
-from testbed.load.retry import RetryPolicy
+from testbed.load.retry import SOAK_RETRY, RetryPolicy
 from testbed.load.trace_replay import TraceReplay
 from testbed.outputs import new_run_dir, write_atomic
 from testbed.policies import parse_policy
@@ -64,7 +65,7 @@ class SoakOptions:
     seed: int = 1
     dilation: float | str | None = None  # None: the scenario's
     out: Path | None = None
-    retry: RetryPolicy = RetryPolicy()  # the client's, as an agent's SDK retries
+    retry: RetryPolicy = SOAK_RETRY
 
 
 class SoakReport(BaseModel):
@@ -83,6 +84,9 @@ class SoakReport(BaseModel):
     retry_share: float = 0.0
     rescued_by_retry: int = 0
     failures_by_reason: dict[str, int]
+    # The fault that cost each failed request: the faults in effect while it (or the earlier
+    # turn whose failure ended its session) lived, or "no fault".
+    failures_by_fault: dict[str, int] = {}
     retried_by_reason: dict[str, int] = {}
     faults: list[AppliedFault]
     faults_by_kind: dict[str, int]  # applied without error
@@ -193,6 +197,33 @@ def _reason_kind(why: str) -> str:
     return re.sub(r"\d+(\.\d+)?", "N", why)[:120]
 
 
+NO_FAULT = "no fault"
+
+
+def costly_faults(recs: dict[str, ClientRecord], specs: list[RequestSpec], applied: list[AppliedFault],
+                  t0_wall: float, dilation: float) -> dict[str, str]:
+    """Each failed request's fault: those in effect between its sending and its end (emulated
+    seconds of the fault clock), or, for a turn never sent because an earlier one of its
+    session failed, that turn's; ``NO_FAULT`` when none was."""
+    after = {s.rid: s.after for s in specs}
+    own: dict[str, str] = {}
+    for rid, r in recs.items():
+        if r.ok or not r.sent:
+            continue
+        start, end = (r.sent - t0_wall) / dilation, ((r.ended or r.sent) - t0_wall) / dilation
+        own[rid] = ", ".join(f.fault for f in applied if f.active_between(start, end)) or NO_FAULT
+    out = {}
+    for rid, r in recs.items():
+        if r.ok:
+            continue
+        cause, seen = rid, set()
+        while cause not in own and after.get(cause) is not None and cause not in seen:
+            seen.add(cause)
+            cause = after[cause]  # type: ignore[assignment]
+        out[rid] = own.get(cause, NO_FAULT)
+    return out
+
+
 def run_soak(sc: Scenario, wl: Workload, opts: SoakOptions) -> int:
     """The soak (see the module docstring). Exit code 0 when nothing hung and nothing was lost."""
     for name, value in (("--minutes", opts.minutes), ("--load", opts.load), ("--fault-every", opts.fault_every_s)):
@@ -223,6 +254,7 @@ def run_soak(sc: Scenario, wl: Workload, opts: SoakOptions) -> int:
     retried = [a for r in recs.values() for a in r.retried]
     last_clear = max((f.cleared_s or f.applied_s or 0.0 for f in applied), default=0.0)
     after = [r for r in recs.values() if r.sent and (r.sent - run.fault_t0_wall) / d > last_clear]
+    cost = costly_faults(recs, load.specs, applied, run.fault_t0_wall, d)
     report = SoakReport(
         minutes=opts.minutes, load=opts.load, policy=spec.label, dilation=d, requests=len(recs),
         completed=sum(r.ok for r in recs.values()), failed=sum(not r.ok for r in recs.values()),
@@ -230,6 +262,7 @@ def run_soak(sc: Scenario, wl: Workload, opts: SoakOptions) -> int:
         retry_share=len(retried) / max(1, len(retried) + sum(1 for r in recs.values() if r.sent)),
         rescued_by_retry=sum(1 for r in recs.values() if r.ok and r.retried),
         failures_by_reason=dict(Counter(_reason_kind(r.error) for r in recs.values() if r.error).most_common()),
+        failures_by_fault=dict(Counter(cost.values()).most_common()),
         retried_by_reason=dict(Counter(_reason_kind(a.error) for a in retried).most_common()),
         faults=applied,
         faults_by_kind=dict(Counter(f.kind for f in applied if f.applied_s is not None and not f.error)),
@@ -239,6 +272,7 @@ def run_soak(sc: Scenario, wl: Workload, opts: SoakOptions) -> int:
     write_atomic(out / "soak.json", report.model_dump_json(indent=2))
     write_csv(pd.DataFrame([{"rid": r.rid, "ok": r.ok, "error": r.error, "sent": r.sent, "ended": r.ended,
                              "tokens": len(r.tokens), "max_new": r.max_new, "attempts": 1 + len(r.retried),
+                             "fault": cost.get(r.rid),
                              "retried_errors": " | ".join(a.error for a in r.retried)} for r in recs.values()]),
               out / "requests.csv")
     rss = pd.DataFrame(run.rss, columns=["t_s", "process", "pid", "rss_mb"])
@@ -266,6 +300,7 @@ def format_soak(r: SoakReport) -> str:
              f"retries: {r.failed_attempts} failed attempts sent again ({100 * r.retry_share:.1f} % of attempts), "
              f"{r.rescued_by_retry} requests completed thanks to one"]
     lines += [f"  failed {n:5d}  {why}" for why, n in list(r.failures_by_reason.items())[:12]]
+    lines += [f"  failed {n:5d}  cost by {fault}" for fault, n in r.failures_by_fault.items()]
     lines += [f"  retried {n:5d}  {why}" for why, n in list(r.retried_by_reason.items())[:8]]
     lines.append(f"{'process':28s} {'pid':>7s} {'peak MB':>8s} {'first MB':>9s} {'last MB':>8s} {'growth':>7s} "
                  f"{'2nd half':>8s}")
