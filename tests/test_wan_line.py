@@ -138,3 +138,15 @@ def test_a_taps_bins_cost_eight_bytes_each_for_the_whole_run() -> None:
         tracemalloc.stop()
         tap.sock.close()
     assert len(tap.bins) >= 99_990 and grown <= 9 * len(tap.bins), grown
+
+
+def test_a_tap_forgets_connections_idle_for_two_minutes() -> None:
+    """A soak opens KV connections after every fault; the tap's state for each was kept for the
+    whole run. An idle one is forgotten, and counted afresh (no byte twice) if it speaks again."""
+    tap = KvTap(socket.socket(), frozenset({7070}), t0=0.0)
+    for k in range(500):  # one connection a second, one segment each
+        tap.count(_frame(20000 + k, 7070, 1000, seq=1000), float(k))
+    assert len(tap._seen) <= 1 + KvTap.IDLE_FORGET_S * 1.25
+    tap.count(_frame(20000, 7070, 1000, seq=2000), 600.0)  # the first connection, after its idle time
+    tap.count(_frame(20499, 7070, 1000, seq=1000), 600.0)  # the last one's segment again: a retransmission
+    assert sum(tap.bins) == 501 * 1000 and tap.resent == 1000

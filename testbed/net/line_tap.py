@@ -87,9 +87,10 @@ class _Seen:
 
     MAX_RANGES = 64
 
-    def __init__(self, end32: int) -> None:
+    def __init__(self, end32: int, when: float = 0.0) -> None:
         self.furthest = end32
         self.ranges: list[list[int]] = []  # [start, end), sorted, disjoint
+        self.last = when  # when a segment of it last crossed
 
     def add(self, end32: int, payload: int) -> int:
         """Record a segment ending at ``end32``; how many of its bytes crossed for the first time."""
@@ -126,7 +127,13 @@ class KvTap:
         self.bins = array("q")
         self.resent = 0  # payload bytes that crossed again
         self.drops = 0  # frames the socket's buffer could not hold: they crossed uncounted
+        # Connections by their addresses and ports, forgotten once idle for ``IDLE_FORGET_S``:
+        # a soak opens new ones after every fault, and kept for the run they only grew. One
+        # that speaks again is counted afresh from its next segment.
         self._seen: dict[tuple[bytes, int], _Seen] = {}
+        self._swept = t0
+
+    IDLE_FORGET_S = 120.0
 
     def count(self, frame: bytes, when: float) -> None:
         seg = kv_segment(frame, self.ports)
@@ -135,7 +142,11 @@ class KvTap:
         conn, end32, payload = seg
         seen = self._seen.get(conn)
         if seen is None:
-            seen = self._seen[conn] = _Seen(end32)
+            seen = self._seen[conn] = _Seen(end32, when)
+        seen.last = when
+        if when - self._swept > self.IDLE_FORGET_S / 4:
+            self._seen = {c: x for c, x in self._seen.items() if when - x.last <= self.IDLE_FORGET_S}
+            self._swept = when
         new = seen.add(end32, payload)
         self.resent += payload - new
         if new:
