@@ -49,10 +49,12 @@ def test_an_interrupted_run_keeps_the_policies_it_finished_and_their_logs(tmp_pa
     scenario = tmp_path / "small.yaml"
     scenario.write_text(yaml.safe_dump(raw))
     trace = tmp_path / "t.jsonl"
-    # The last session starts 6 emulated s in: each policy's replay lasts that long, so the
-    # interrupt lands inside the second policy (its 3 requests alone ended before it once).
+    # The last session starts 16 emulated s in: each policy's replay lasts that long, so the
+    # interrupt lands inside the second policy (its 3 requests alone ended before it once, and
+    # at 6 s in, a clean clone's make test, its host busy with the parallel part, saw the whole
+    # second policy end before the interrupt came).
     trace.write_text("".join(json.dumps({"session": f"s{i}", "start_s": start, "turns": [
-        {"new_tokens": 2000, "output_tokens": 200}]}) + "\n" for i, start in enumerate((0.0, 0.2, 6.0))))
+        {"new_tokens": 2000, "output_tokens": 200}]}) + "\n" for i, start in enumerate((0.0, 0.2, 16.0))))
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "testbed", "run", "--scenario", str(scenario), "--trace", str(trace),
                              "--token-scale", "16", "--policies", "same-dc,cross-dc", "--dilation", "0.5",
