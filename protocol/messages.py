@@ -215,6 +215,7 @@ class KvSent(_Event):
     end: float
     queued_s: float = Field(default=0.0, ge=0)  # waited in that queue (real seconds)
     cancelled: bool = False
+    in_flight: int = Field(default=0, ge=0)  # cut off: sent onto the network, not acknowledged
 
 
 class KvReceived(_Event):

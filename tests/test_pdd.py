@@ -304,6 +304,9 @@ def test_relay_finishing_first_cuts_the_wan_transfer_off() -> None:
     row = df.loc["c0"]
     assert row.pipeline == "P-RLD-MD" and row.eager_tokens == 3 and row.handoffs == 0
     assert row.wan_cut_off and 0 < row.wan_kv_bytes < 0.5 * row.wan_kv_cancelled_bytes
+    # What the sender's kernel had put out unacknowledged when cut: crossing while the reset
+    # came, beyond the acknowledged bytes the table counts.
+    assert 0 < row.wan_kv_in_flight_bytes < row.wan_kv_cancelled_bytes
     assert c2 - c1 < 100_000, f"{c2 - c1} bytes left the prefill host after the cut-off"
 
 

@@ -87,17 +87,20 @@ def test_a_simulated_run_counts_kv_as_it_crosses_and_never_above_the_line(
     bad = summary.model_copy(update={"policies": {"cross-dc": s.model_copy(update={"wan_line": {"a->b": fast}})}})
     assert any("cross-dc a->b" in p and "above the line" in p for p in overruns(bad))
     # The sum: a transfer cut off (PDD's handoff) crossed what it had in flight beyond what the
-    # table counts (the acknowledged), at most in_flight_max each; more than that is named.
+    # table counts (the acknowledged), at most what it wrote unacknowledged; more is named.
+    # A summary written before senders kept that allows in_flight_max a cut-off.
     p = summary.policies["pdd"]
     room = in_flight_max(summary)
     assert 0 < room < 0.2 * p.wan_kv_bytes
-    for cut, extra, named in ((0, 0.5, True), (2, 1.5, False), (2, 2.5, True)):
+    for cut, in_flight, extra, named in ((0, 0, 0.5, True), (2, None, 1.5, False), (2, None, 2.5, True),
+                                       (2, int(3 * room), 2.5, False), (2, int(room), 1.5, True)):
         line = p.wan_line["a->b"]
         added = int(0.01 * p.wan_kv_bytes + extra * room)  # past the 1 % every run may differ by
         more = line.model_copy(update={"wire_bytes": [*line.wire_bytes, added]})
-        q = p.model_copy(update={"wan_cut_offs": cut, "wan_line": {**p.wan_line, "a->b": more}})
+        q = p.model_copy(update={"wan_cut_offs": cut, "wan_kv_in_flight_bytes": in_flight,
+                                 "wan_line": {**p.wan_line, "a->b": more}})
         wrong = disagreements(summary.model_copy(update={"policies": {"pdd": q}}))
-        assert any("the line counted" in w for w in wrong) == named, (cut, extra, wrong)
+        assert any("the line counted" in w for w in wrong) == named, (cut, in_flight, extra, wrong)
 
 
 @needs_root

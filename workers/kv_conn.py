@@ -125,6 +125,20 @@ def bytes_acked(sock: socket.socket) -> int:
     return int(struct.unpack_from("Q", info, 120)[0])
 
 
+def bytes_put_out(sock: socket.socket) -> int | None:
+    """Bytes sent onto the network over the connection's life, each once (tcp_info's
+    tcpi_bytes_sent less tcpi_bytes_retrans: Linux >= 4.19); None where the kernel does not
+    say."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    except OSError:
+        return None
+    if len(info) < 216:
+        return None
+    sent, resent = (struct.unpack_from("Q", info, o)[0] for o in (200, 208))
+    return int(sent - resent)
+
+
 async def serve_liveness(host: str, port: int, netns: str | None) -> asyncio.Server:
     """A listener that only says this process is alive (a worker without a KV server of its
     own: a prefill): the router's probe connects, a dead process's host refuses."""

@@ -94,6 +94,7 @@ from workers.kv_conn import (  # noqa: F401 - Connections and the limits are par
     PeerSilent,
     authenticate,
     bytes_acked,
+    bytes_put_out,
     connect,
     listen,
     read_frame,
@@ -114,6 +115,7 @@ class TransferStats:
     receiver_had: int = 0
     cancelled: bool = False
     bytes_acked: int = 0  # what the receiver's TCP acknowledged (all of bytes_sent unless cut off)
+    bytes_in_flight: int = 0  # cut off: put out and not acknowledged at the cut, up to the reset (may still cross)
     planned_payload: int = 0  # payload bytes the receiver lacked (what a full transfer sends)
     error: str | None = None
 
@@ -182,7 +184,16 @@ async def _send(
         assert cancel is not None
         await cancel.wait()
         st.cancelled = True
-        st.bytes_acked = min(st.bytes_sent, max(0, bytes_acked(sock) - acked_before))
+        acked = bytes_acked(sock)
+        st.bytes_acked = min(st.bytes_sent, max(0, acked - acked_before))
+
+        def flown() -> None:  # the last look before the socket closes (abort closes it a turn later)
+            out = bytes_put_out(sock)
+            st.bytes_in_flight = st.bytes_sent - st.bytes_acked if out is None else max(0, out - acked)
+
+        # Until the reset, the kernel keeps sending as acknowledgements come: everything it put
+        # out and the receiver had not acknowledged at the cut may still cross the line.
+        asyncio.get_running_loop().call_soon(flown)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         writer.transport.abort()  # RST: queued bytes are dropped, not sent
 
@@ -191,7 +202,7 @@ async def _send(
         hello = Hello(rid=request_id, tokens=tokens, dtype=str(kv.dtype), layers=layers,  # type: ignore[arg-type]
                       kv_heads=heads, head_dim=head_dim, block_size=block_size, token=token)
         try:
-            st.bytes_sent += await write_frame(writer, HELLO, hello.model_dump_json().encode(), timeout_s)
+            await _write(st, writer, HELLO, hello.model_dump_json().encode(), timeout_s)
             ftype, payload = await read_frame(reader, timeout_s=timeout_s)
         except (OSError, asyncio.IncompleteReadError) as e:
             if reused and not st.cancelled:
@@ -214,7 +225,7 @@ async def _send(
             # Fault injection names a block; its frame is the one corrupted.
             hit = corrupt_block is not None and start <= corrupt_block * block_size < start + per_frame
             frame, nbytes = (encode_zero_block if zeros else encode_block)(idx, start, part, corrupt=hit)
-            st.bytes_sent += await write_frame(writer, BLOCK, frame, timeout_s)
+            await _write(st, writer, BLOCK, frame, timeout_s)
             st.payload_bytes += nbytes
             st.tokens_sent += part.shape[3]
             if on_progress:
@@ -222,7 +233,7 @@ async def _send(
             await asyncio.sleep(0)  # drain() returns at once below the buffer's mark: yield (see the receiver)
         if not st.cancelled:
             end = End(first_token=first_token, n=n).model_dump_json().encode()
-            st.bytes_sent += await write_frame(writer, END, end, timeout_s)
+            await _write(st, writer, END, end, timeout_s)
             ftype, payload = await read_frame(reader, timeout_s=timeout_s)
             ack = parse_frame(Ack, payload, "ACK")
             if ftype != ACK or not ack.ok:
@@ -243,6 +254,15 @@ async def _send(
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
     return st
+
+
+async def _write(st: TransferStats, writer: asyncio.StreamWriter, ftype: int, payload: bytes,
+                 timeout_s: float | None) -> None:
+    """One frame, counted as sent when handed over: a cut-off while it drains may find the
+    kernel's acknowledgements well into it (counted only after the drain, a cut-off mid-frame
+    would clip what was acknowledged to the frames before it)."""
+    st.bytes_sent += HDR.size + len(payload)
+    await write_frame(writer, ftype, payload, timeout_s)
 
 
 @dataclass

@@ -211,7 +211,8 @@ class PrefillWorker(Worker):
         self._count_transfer(st.bytes_acked, st.cancelled)
         self.emit(KvSent(**self.stamp(cmd.rid), to=target.worker, bytes=st.bytes_acked, written=st.bytes_sent,
                          payload=st.payload_bytes, planned_payload=st.planned_payload, tokens=st.tokens_sent,
-                         had=st.receiver_had, start=st.start, end=st.end, queued_s=waited, cancelled=st.cancelled))
+                         had=st.receiver_had, start=st.start, end=st.end, queued_s=waited, cancelled=st.cancelled,
+                         in_flight=st.bytes_in_flight))
 
     def _count_transfer(self, nbytes: int, cancelled: bool) -> None:
         t = self.transfers

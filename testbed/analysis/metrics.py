@@ -78,6 +78,7 @@ class RequestRow:
     kv_tokens_sent: int
     wan_kv_bytes: int
     wan_kv_cancelled_bytes: int
+    wan_kv_in_flight_bytes: int  # cut-off WAN transfers' bytes on the network, unacknowledged
     wan_cut_off: bool
     kv_transfer_s: float
     wan_transfer_s: float
@@ -134,6 +135,7 @@ def request_row(r: ClientRecord, rr: RequestRecord, h: RequestHints, sc: Scales,
         kv_bytes=sum(e.bytes for e in kv_sent), kv_tokens_sent=sum(e.tokens for e in kv_sent),
         wan_kv_bytes=sum(e.bytes for e in wan),
         wan_kv_cancelled_bytes=sum(_kept_off(e, rr.plan_info.delta_bytes) for e in wan if e.cancelled),
+        wan_kv_in_flight_bytes=sum(e.in_flight for e in wan if e.cancelled),
         wan_cut_off=any(e.cancelled for e in wan),
         kv_transfer_s=max(e.end - e.start for e in kv_sent) / d if kv_sent else NAN,
         wan_transfer_s=max(e.end - e.start for e in wan) / d if wan else NAN,
@@ -210,6 +212,9 @@ class Summary(BaseModel):
     wan_kv_bytes: int
     kv_bytes: int
     wan_kv_cancelled_bytes: int
+    # What cut-off transfers had sent onto the network unacknowledged when cut: the most their
+    # line can have carried beyond ``wan_kv_bytes`` (None in summaries written before it was kept).
+    wan_kv_in_flight_bytes: int | None = None
     wan_cut_offs: int
     wan_transfers: int
     wan_transfer_min_s: float | None
@@ -259,6 +264,7 @@ def summarize(df: pd.DataFrame, itl: list[float], slo: Slo | None = None,
         e2e_p50_s=_pct(ok.e2e_s, 50), e2e_p99_s=_pct(ok.e2e_s, 99),
         wan_kv_bytes=int(df.wan_kv_bytes.sum()), kv_bytes=int(df.kv_bytes.sum()),
         wan_kv_cancelled_bytes=int(df.wan_kv_cancelled_bytes.sum()), wan_cut_offs=int(df.wan_cut_off.sum()),
+        wan_kv_in_flight_bytes=int(df.wan_kv_in_flight_bytes.sum()),
         wan_transfers=len(wan_t), wan_transfer_min_s=float(wan_t.min()) if len(wan_t) else None,
         wan_transfer_p50_s=_pct(wan_t, 50), wan_transfer_max_s=float(wan_t.max()) if len(wan_t) else None,
         output_tokens=int(ok.output_tokens.sum()), output_tokens_emulated=int(ok.output_tokens_emulated.sum()),

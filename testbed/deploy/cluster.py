@@ -45,6 +45,7 @@ from testbed.deploy.broker import BrokerAccess, BrokerFiles, launch_broker, star
 from testbed.deploy.emulation import EmulationPlan
 from testbed.deploy.forkserver import launch_worker
 from testbed.deploy.model_files import ensure_model
+from testbed.deploy.router import SETTLE_S
 from testbed.errors import InputError
 from testbed.net import netns, runstate
 from testbed.net.build import Network
@@ -174,6 +175,7 @@ class Cluster:
     workers: dict[str, WorkerConfig] = field(default_factory=dict)
     groups: dict[str, list[str]] = field(default_factory=dict)  # process name -> hosts it runs
     router: subprocess.Popen[bytes] = field(init=False)
+    router_grace_s: float = 10.0  # how long the router may take to stop
     accounts: Accounts = field(init=False)  # each component's identity and folder
 
     @property
@@ -218,6 +220,7 @@ class Cluster:
                              emulation, cl.accounts.of("router"))
         rpath = net.run.dir / "router.cfg.json"
         runstate.write_private(rpath, rcfg.model_dump_json())
+        cl.router_grace_s = 10 + SETTLE_S * rcfg.dilation  # it may wait for KV on its way (SETTLE_S)
         cl.router = net.spawn(routers[0], [sys.executable, "-m", "testbed.deploy.router", str(rpath)], name="router",
                               log=net.run.dir / "router.log",
                               env={**os.environ, **ROUTER_ENV})
@@ -259,7 +262,7 @@ class Cluster:
         """Stop the router (it writes its records on exit) and read them."""
         if self.router.poll() is None:
             time.sleep(0.3)  # let the last events (e.g. kv_sent after done) reach it
-            netns.stop_child(self.router, 10)
+            netns.stop_child(self.router, self.router_grace_s)
         out: dict[str, RequestRecord] = {}
         for line in _written(self.records_path).splitlines():
             rec = RequestRecord.model_validate_json(line)

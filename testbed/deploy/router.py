@@ -31,8 +31,10 @@ from protocol.messages import (
     Failed,
     HandoffCmd,
     KvReceived,
+    KvSent,
     KVTarget,
     PrefillCmd,
+    PrefillDone,
     Request,
     RouterStatus,
     Status,
@@ -62,6 +64,12 @@ MEMORY_REPORT_S = 30  # seconds between writes of the router's memory report
 # count alone let a 30-minute soak's router grow from 41 to 229 MB: every prompt kept).
 ENDED_KEEP_S = 30.0
 ENDED_KEPT = 4096
+# Emulated seconds a stopping router keeps listening while finished requests' KV is still on
+# its way to their main decoders (PDD's transfers that outlive the request: kept for the
+# decoder's cache, or cut off and not yet reported). Stopped at once, a run's last ones were
+# missing from the table while the WAN's counters had them (a short PDD run: 5 % of its KV).
+SETTLE_S = 20.0
+SETTLE_POLL_S = 0.05
 
 
 class Router:
@@ -119,11 +127,22 @@ class Router:
                 await self._fail(rid, "router stopped")
             await self._publish_state("stopped")
 
+        settled = asyncio.Event()
+
+        async def settle() -> None:
+            await stop.wait()
+            deadline = clock.monotonic() + SETTLE_S * self.cfg.dilation
+            while self._kv_on_its_way() and clock.monotonic() < deadline:
+                await asyncio.sleep(SETTLE_POLL_S * self.cfg.dilation)
+            settled.set()
+
         name = Path(self.cfg.records_path).name
         with os.fdopen(self.out.open(name), "w") as self.records:
             sweeper = asyncio.create_task(self._sweep())
-            await self.session.run(self._on_message, on_connect, stop, on_stop)
+            settler = asyncio.create_task(settle())
+            await self.session.run(self._on_message, on_connect, settled, on_stop)
             sweeper.cancel()
+            settler.cancel()
             while self.finished:
                 self._write_record()
         self.out.write_atomic(name + ".policy.json", self.policy.stats().model_dump_json())
@@ -295,6 +314,19 @@ class Router:
         elif isinstance(ev, Done):
             self._finish(req, None)
             await self._cache_answer(req)
+
+    def _kv_on_its_way(self) -> bool:
+        """A finished request with a main decoder apart from its relay, whose prefill (alive)
+        computed it and has not yet reported its KV transfer to that decoder."""
+        w = self.view.workers
+        for rec in self.finished.values():
+            if not rec.relay or not rec.decode or rec.decode == rec.relay or rec.prefill not in w:
+                continue
+            if not w[rec.prefill].up or not any(isinstance(e, PrefillDone) for e in rec.events):
+                continue
+            if not any(isinstance(e, KvSent) and e.to == rec.decode for e in rec.events):
+                return True
+        return False
 
     def _repeated(self, events: list[Event], ev: Event) -> bool:
         if not repeated(events, ev):

@@ -254,6 +254,7 @@ class SimTransport:
         st.cancelled = True
         bottleneck = conn.path.bottleneck or 0.0
         st.bytes_acked = max(0, st.bytes_sent - round(bottleneck * conn.path.rtt_s))
+        st.bytes_in_flight = st.bytes_sent - st.bytes_acked
         if receiving and lst.fail is not None:
             fail = lst.fail
             links.loop.call_later(links.latency(conn.path.links), self.net.spawn, fail, rid,
