@@ -13,13 +13,14 @@ from typing import Any
 
 import pytest
 
-from protocol.messages import Request
+from protocol.messages import KvSent, PrefillDone, Request
 from protocol.router_config import RequestRecord, RouterConfig, WorkerEndpoint
 from protocol.worker_config import BrokerInfo
 from testbed.deploy.cluster import ROUTER_ENV
-from testbed.deploy.router import ENDED_KEPT, Router
+from testbed.deploy.router import Router
+from testbed.deploy.router_ended import ENDED_KEEP_S, ENDED_KEPT, Ended
 from testbed.policies import RequestState
-from testbed.policies.base import PolicyContext
+from testbed.policies.base import PolicyContext, WorkerView
 from testbed.policies.prefix_index import PrefixIndex
 from testbed.policies.spec import parse_policy
 
@@ -33,14 +34,13 @@ def test_finished_records_stream_to_disk_and_memory_stays_bounded(tmp_path: Path
                        workers={"decode-a": WorkerEndpoint(role="decode", dc="a", host="10.0.0.2", kv_port=7070)})
     router = Router(cfg)
     n = ENDED_KEPT + 904
-    with path.open("w") as router.records:
+    with path.open("w") as router.ended.file:
         for i in range(n):
             router._finish(RequestState(f"r{i}", [1, 2, 3], 4, 0.0), None if i % 7 else "worker decode-a died")
-            assert len(router.finished) <= ENDED_KEPT and len(router.ended) <= ENDED_KEPT
+            assert len(router.ended.records) <= ENDED_KEPT and len(router.ended.states) <= ENDED_KEPT
         on_disk = path.read_text().splitlines()
         assert len(on_disk) == n - ENDED_KEPT  # written as they left memory, not at the end
-        while router.finished:
-            router._write_record()
+        router.ended.write_all()
     recs = [RequestRecord.model_validate_json(line) for line in path.read_text().splitlines()]
     assert [r.rid for r in recs] == [f"r{i}" for i in range(n)]  # each once, in order
     assert recs[7].error == "worker decode-a died" and recs[8].error is None
@@ -50,7 +50,6 @@ def test_finished_requests_leave_memory_once_older_than_the_late_event_window(tm
                                                                              monkeypatch) -> None:  # noqa: ANN001
     """Late events come within seconds: what ended more than ENDED_KEEP_S (emulated) ago is on
     disk only, however few requests that is, so a long run's router stays flat."""
-    import testbed.deploy.router as router_mod
     from protocol import clock as clocks
 
     path = tmp_path / "records.jsonl"
@@ -60,15 +59,15 @@ def test_finished_requests_leave_memory_once_older_than_the_late_event_window(tm
     router = Router(cfg)
     clock = [100.0]
     monkeypatch.setattr(clocks, "monotonic", lambda: clock[0])
-    with path.open("w") as router.records:
+    with path.open("w") as router.ended.file:
         for i in range(10):
             router._finish(RequestState(f"r{i}", list(range(1000)), 4, 0.0), None)
-        clock[0] += router_mod.ENDED_KEEP_S * 2.0 - 1  # inside the window (x D)
+        clock[0] += ENDED_KEEP_S * 2.0 - 1  # inside the window (x D)
         router._finish(RequestState("r10", [1], 4, 0.0), None)
-        assert len(router.ended) == 11 and path.read_text() == ""
+        assert len(router.ended.states) == 11 and path.read_text() == ""
         clock[0] += 2
         router._finish(RequestState("r11", [1], 4, 0.0), None)
-        assert set(router.ended) == set(router.finished) == set(router.ended_at) == {"r10", "r11"}
+        assert set(router.ended.states) == set(router.ended.records) == set(router.ended.at) == {"r10", "r11"}
         assert [RequestRecord.model_validate_json(x).rid for x in path.read_text().splitlines()] == [
             f"r{i}" for i in range(10)]
 
@@ -121,7 +120,7 @@ def _drive_a_burst(folder: str) -> None:
             await requests(2, i)
         print(json.dumps({"before": before, "after": floor()}))
 
-    with open(cfg.records_path, "w") as router.records:
+    with open(cfg.records_path, "w") as router.ended.file:
         asyncio.run(main())
 
 
@@ -192,7 +191,7 @@ def test_a_repeated_event_is_acted_on_and_counted_once(tmp_path: Path) -> None:
     once, records one transfer (its WAN bytes once) and drops the repeat, also after the end."""
     import asyncio
 
-    from protocol.messages import Done, KvReceived, KvSent
+    from protocol.messages import Done, KvReceived
 
     cfg = RouterConfig(run_id="t4", broker=BrokerInfo(host="10.0.0.1", port=1883, username="r", password="p"),
                        policy=parse_policy("pdd:relay_s=0"), records_path=str(tmp_path / "records.jsonl"),
@@ -218,12 +217,12 @@ def test_a_repeated_event_is_acted_on_and_counted_once(tmp_path: Path) -> None:
         done = Done(rid="r1", worker="decode-b", t=2.0, output_tokens=50)
         await router._on_event(done)
         await router._on_event(Done.model_validate_json(done.model_dump_json()))  # after the end
-        assert [e.kind for e in router.finished["r1"].events] == ["kv_sent", "kv_received", "done"]
+        assert [e.kind for e in router.ended.records["r1"].events] == ["kv_sent", "kv_received", "done"]
         # A later event of the same kind from the same worker is not a repeat.
         await router._on_event(kv.model_copy(update={"t": 3.0}))
-        assert [e.kind for e in router.finished["r1"].events].count("kv_sent") == 2
+        assert [e.kind for e in router.ended.records["r1"].events].count("kv_sent") == 2
 
-    with open(cfg.records_path, "w") as router.records:
+    with open(cfg.records_path, "w") as router.ended.file:
         asyncio.run(main())
     assert router.repeated_events == 3
 
@@ -264,9 +263,36 @@ def test_a_worker_speaks_only_for_itself_and_for_requests_it_was_given(tmp_path:
                                                                  output_tokens=5)))
         assert "r1" not in router.inflight  # its own worker is heard
 
-    with open(cfg.records_path, "w") as router.records:
+    with open(cfg.records_path, "w") as router.ended.file:
         asyncio.run(main())
     log = capsys.readouterr().err
     assert f"refused a message on {t.status('decode-a')} claiming to be 'decode-b'" in log
     assert f"refused a message on {t.events('prefill')} claiming to be 'decode-b' (for r1)" in log
     assert "refused a failed of r1 from decode-a, not a worker of its plan" in log
+
+
+def test_a_stopping_router_waits_for_kv_still_on_its_way_to_a_main_decoder(tmp_path: Path) -> None:
+    """PDD's transfer to the main decoder may outlive its request (kept for the decoder's
+    cache, or cut off): until its sender reports it, its WAN bytes are missing from the
+    record, so the router's stop waits for it (while its prefill is up)."""
+    ended = Ended(dilation=1.0)
+    workers = {n: WorkerView(n, r, dc, "10.0.0.9", 7070, up=True)
+               for n, r, dc in (("prefill", "prefill", "a"), ("relay", "decode", "a"), ("decode-b", "decode", "b"))}
+    done = PrefillDone(rid="r1", worker="prefill", t=1.0, hit_tokens=0, computed=100, first_token=5, start=0.5,
+                       end=1.0, real_s=0.5)
+    rec = RequestRecord(rid="r1", pipeline="P-RLD-MD", prefill="prefill", decode="decode-b", relay="relay",
+                        events=[done])
+    ended.add(RequestState("r1", [1, 2, 3], 4, 0.0), rec)
+    assert ended.kv_on_its_way(workers)
+    plain = Ended(dilation=1.0)
+    plain.add(RequestState("r2", [1, 2, 3], 4, 0.0), rec.model_copy(update={"rid": "r2", "relay": None}))
+    assert not plain.kv_on_its_way(workers)  # no relay: its decoder had the KV before it decoded
+    workers["prefill"].up = False  # its sender is gone: nothing will come
+    assert not ended.kv_on_its_way(workers)
+    workers["prefill"].up = True
+    rec.events.append(KvSent(rid="r1", worker="prefill", t=3.0, to="relay", bytes=10, written=10, payload=8,
+                             planned_payload=8, tokens=1, had=0, start=1.0, end=1.1))
+    assert ended.kv_on_its_way(workers)  # the relay's KV is not the main decoder's
+    rec.events.append(KvSent(rid="r1", worker="prefill", t=4.0, to="decode-b", bytes=10, written=20, payload=8,
+                             planned_payload=16, tokens=1, had=0, start=1.0, end=4.0, cancelled=True, in_flight=10))
+    assert not ended.kv_on_its_way(workers)

@@ -8,10 +8,9 @@ most the KV still missing), HELLO is a validated ``Hello`` (request id alphabet,
 layout must equal the receiver's own model (``ModelShape``), and every block is verified
 (checksum, shape, dtype, length, contiguity) before it is used. Anything else ends that
 transfer with a reason on both sides (``fail``); the server serves on. ``cancel`` cuts a
-transfer off at once, even mid-block: the connection is reset (SO_LINGER 0), so bytes
-still queued in the sender's socket buffer are discarded instead of crossing the link;
-``bytes_acked`` (from the kernel's ``tcp_info``) says how much the receiver really got.
-PDD cuts off useless WAN transfers this way.
+transfer off at once, even mid-block (a reset, SO_LINGER 0: bytes still queued in the
+sender's socket buffer are discarded, not sent); the kernel's ``tcp_info`` says what the
+receiver got and what was still in flight. PDD cuts off useless WAN transfers this way.
 
 A connection opens with AUTH, the run's KV token alone (``MAX_AUTH`` bytes at most, within
 ``AUTH_TIMEOUT_S``): ``serve_kv`` refuses and closes anything else before it reads a HELLO
@@ -187,12 +186,12 @@ async def _send(
         acked = bytes_acked(sock)
         st.bytes_acked = min(st.bytes_sent, max(0, acked - acked_before))
 
-        def flown() -> None:  # the last look before the socket closes (abort closes it a turn later)
+        # Until the reset (abort closes the socket a turn later), the kernel keeps sending as
+        # acknowledgements come: all it put out unacknowledged at the cut may still cross.
+        def flown() -> None:
             out = bytes_put_out(sock)
             st.bytes_in_flight = st.bytes_sent - st.bytes_acked if out is None else max(0, out - acked)
 
-        # Until the reset, the kernel keeps sending as acknowledgements come: everything it put
-        # out and the receiver had not acknowledged at the cut may still cross the line.
         asyncio.get_running_loop().call_soon(flown)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         writer.transport.abort()  # RST: queued bytes are dropped, not sent
@@ -258,9 +257,7 @@ async def _send(
 
 async def _write(st: TransferStats, writer: asyncio.StreamWriter, ftype: int, payload: bytes,
                  timeout_s: float | None) -> None:
-    """One frame, counted as sent when handed over: a cut-off while it drains may find the
-    kernel's acknowledgements well into it (counted only after the drain, a cut-off mid-frame
-    would clip what was acknowledged to the frames before it)."""
+    """One frame, counted when handed over: a cut-off mid-frame then clips none of what was acknowledged."""
     st.bytes_sent += HDR.size + len(payload)
     await write_frame(writer, ftype, payload, timeout_s)
 

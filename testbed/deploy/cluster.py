@@ -45,7 +45,7 @@ from testbed.deploy.broker import BrokerAccess, BrokerFiles, launch_broker, star
 from testbed.deploy.emulation import EmulationPlan
 from testbed.deploy.forkserver import launch_worker
 from testbed.deploy.model_files import ensure_model
-from testbed.deploy.router import SETTLE_S
+from testbed.deploy.router_ended import SETTLE_S
 from testbed.errors import InputError
 from testbed.net import netns, runstate
 from testbed.net.build import Network

@@ -17,7 +17,6 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import TextIO
 
 import aiomqtt
 from pydantic import ValidationError
@@ -31,10 +30,8 @@ from protocol.messages import (
     Failed,
     HandoffCmd,
     KvReceived,
-    KvSent,
     KVTarget,
     PrefillCmd,
-    PrefillDone,
     Request,
     RouterStatus,
     Status,
@@ -49,6 +46,7 @@ from protocol.router_config import RequestRecord, RouterConfig
 from protocol.topics import Topics
 from testbed.deploy.liveness import Liveness
 from testbed.deploy.router_checks import in_plan, repeated, speaks_for
+from testbed.deploy.router_ended import Ended
 from testbed.policies import ClusterView, Policy, RequestState, make_policy
 from testbed.policies.base import WorkerView
 from workers.allocator import WATCH
@@ -56,21 +54,6 @@ from workers.privilege import Identity, OutDir, drop_privileges, no_new_privileg
 from workers.transport import HOST, Transport
 
 MEMORY_REPORT_S = 30  # seconds between writes of the router's memory report
-
-# Finished requests kept in memory, for their late events (cut-off transfers, cache-only KV,
-# within seconds) and to drop a repeated request (a broker restart's resends, within seconds):
-# those that ended in the last ENDED_KEEP_S emulated seconds, at most ENDED_KEPT. Older ones
-# are on disk, in the records file, so the router's memory does not grow with the run (a
-# count alone let a 30-minute soak's router grow from 41 to 229 MB: every prompt kept).
-ENDED_KEEP_S = 30.0
-ENDED_KEPT = 4096
-# Emulated seconds a stopping router keeps listening while finished requests' KV is still on
-# its way to their main decoders (PDD's transfers that outlive the request: kept for the
-# decoder's cache, or cut off and not yet reported). Stopped at once, a run's last ones were
-# missing from the table while the WAN's counters had them (a short PDD run: 5 % of its KV).
-SETTLE_S = 20.0
-SETTLE_POLL_S = 0.05
-
 
 class Router:
     def __init__(self, cfg: RouterConfig, transport: Transport = HOST) -> None:
@@ -83,10 +66,7 @@ class Router:
                                 block_size=cfg.context.block_size,
                                 cache_tokens=cfg.context.decode_cache_tokens or 262144)
         self.inflight: dict[str, RequestState] = {}
-        self.finished: dict[str, RequestRecord] = {}  # the latest ENDED_KEPT: rid -> record (late events land)
-        self.records: TextIO | None = None  # one JSON line per finished request, as it leaves memory
-        self.ended: dict[str, RequestState] = {}  # finished requests, for the policy's late events
-        self.ended_at: dict[str, float] = {}  # rid -> clock.monotonic() it ended, oldest first
+        self.ended = Ended(cfg.dilation)  # finished: kept for their late events, then on disk
         self.session: Session | None = None
         self.ready = False
         # Opened while privileged: the router writes only here once it has dropped root.
@@ -131,20 +111,17 @@ class Router:
 
         async def settle() -> None:
             await stop.wait()
-            deadline = clock.monotonic() + SETTLE_S * self.cfg.dilation
-            while self._kv_on_its_way() and clock.monotonic() < deadline:
-                await asyncio.sleep(SETTLE_POLL_S * self.cfg.dilation)
+            await self.ended.settle(self.view.workers)
             settled.set()
 
         name = Path(self.cfg.records_path).name
-        with os.fdopen(self.out.open(name), "w") as self.records:
+        with os.fdopen(self.out.open(name), "w") as self.ended.file:
             sweeper = asyncio.create_task(self._sweep())
             settler = asyncio.create_task(settle())
             await self.session.run(self._on_message, on_connect, settled, on_stop)
             sweeper.cancel()
             settler.cancel()
-            while self.finished:
-                self._write_record()
+            self.ended.write_all()
         self.out.write_atomic(name + ".policy.json", self.policy.stats().model_dump_json())
 
     async def _on_message(self, msg: aiomqtt.Message) -> None:
@@ -237,7 +214,7 @@ class Router:
         await self.publish(self.topics.cmd(req.plan.decode), CancelCmd(rid=req.rid).dump())
 
     async def _admit(self, r: Request) -> None:
-        if r.rid in self.inflight or r.rid in self.finished:
+        if r.rid in self.inflight or r.rid in self.ended:
             # QoS 1 delivers at least once: a client's repeat after a broker restart must not
             # replace a request in flight nor turn a finished one into a failure.
             self.repeated_requests += 1
@@ -271,13 +248,12 @@ class Router:
     async def _on_event(self, ev: Event) -> None:
         req = self.inflight.get(ev.rid)
         if req is None:
-            if ev.rid in self.finished:  # e.g. the sender's kv_sent after the decoder's done
-                rec = self.finished[ev.rid]
+            if ev.rid in self.ended:  # e.g. the sender's kv_sent after the decoder's done
+                rec = self.ended.records[ev.rid]
                 if not in_plan(ev, (rec.prefill, rec.relay, rec.decode)) or self._repeated(rec.events, ev):
                     return
                 rec.events.append(ev)
-                if ev.rid in self.ended:
-                    self.policy.on_event(self.ended[ev.rid], ev)
+                self.policy.on_event(self.ended.states[ev.rid], ev)
             return
         if (req.plan is not None and not in_plan(ev, req.plan.workers)) or self._repeated(req.events, ev):
             return
@@ -314,19 +290,6 @@ class Router:
         elif isinstance(ev, Done):
             self._finish(req, None)
             await self._cache_answer(req)
-
-    def _kv_on_its_way(self) -> bool:
-        """A finished request with a main decoder apart from its relay, whose prefill (alive)
-        computed it and has not yet reported its KV transfer to that decoder."""
-        w = self.view.workers
-        for rec in self.finished.values():
-            if not rec.relay or not rec.decode or rec.decode == rec.relay or rec.prefill not in w:
-                continue
-            if not w[rec.prefill].up or not any(isinstance(e, PrefillDone) for e in rec.events):
-                continue
-            if not any(isinstance(e, KvSent) and e.to == rec.decode for e in rec.events):
-                return True
-        return False
 
     def _repeated(self, events: list[Event], ev: Event) -> bool:
         if not repeated(events, ev):
@@ -366,23 +329,7 @@ class Router:
             rec = rec.model_copy(update={
                 "pipeline": plan.pipeline, "prefill": plan.prefill, "decode": plan.decode, "relay": plan.relay,
                 "decode_dc": w[plan.decode].dc, "prefill_dc": w[plan.prefill].dc, "plan_info": plan.info})
-        self.finished[req.rid] = rec
-        self.ended[req.rid] = req
-        now = clock.monotonic()
-        self.ended_at[req.rid] = now
-        horizon = now - ENDED_KEEP_S * self.cfg.dilation
-        while self.ended_at and (len(self.ended_at) > ENDED_KEPT or next(iter(self.ended_at.values())) < horizon):
-            self._write_record()
-
-    def _write_record(self) -> None:
-        """The oldest finished request's record to disk (and it out of memory)."""
-        rid = next(iter(self.finished))
-        rec = self.finished.pop(rid)
-        self.ended.pop(rid, None)
-        self.ended_at.pop(rid, None)
-        assert self.records is not None
-        self.records.write(rec.model_dump_json() + "\n")
-        self.records.flush()
+        self.ended.add(req, rec)
 
     async def _sweep(self) -> None:
         n = 0
@@ -414,7 +361,7 @@ class _Held:
     @property
     def nbytes(self) -> int:
         r = self.router
-        requests = sum(q.nbytes for q in r.inflight.values()) + sum(q.nbytes for q in r.ended.values())
+        requests = sum(q.nbytes for q in r.inflight.values()) + r.ended.nbytes
         return sum(i.nbytes for i in r.view.held.values()) + r.policy.nbytes + requests
 
 
