@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from protocol.messages import KvSent, PrefillDone, Request
+from protocol.messages import Failed, KvSent, PrefillDone, Request
 from protocol.router_config import RequestRecord, RouterConfig, WorkerEndpoint
 from protocol.worker_config import BrokerInfo
 from testbed.deploy.cluster import ROUTER_ENV
@@ -235,7 +235,7 @@ def test_a_worker_speaks_only_for_itself_and_for_requests_it_was_given(tmp_path:
     import asyncio
     from types import SimpleNamespace
 
-    from protocol.messages import Done, Failed, Status
+    from protocol.messages import Done, Status
 
     cfg = RouterConfig(run_id="t5", broker=BrokerInfo(host="10.0.0.1", port=1883, username="r", password="p"),
                        policy=parse_policy("cross-dc"), records_path=str(tmp_path / "records.jsonl"),
@@ -287,9 +287,15 @@ def test_a_stopping_router_waits_for_kv_still_on_its_way_to_a_main_decoder(tmp_p
     plain = Ended(dilation=1.0)
     plain.add(RequestState("r2", [1, 2, 3], 4, 0.0), rec.model_copy(update={"rid": "r2", "relay": None}))
     assert not plain.kv_on_its_way(workers)  # no relay: its decoder had the KV before it decoded
-    workers["prefill"].up = False  # its sender is gone: nothing will come
-    assert not ended.kv_on_its_way(workers)
-    workers["prefill"].up = True
+    for gone in ("prefill", "decode-b"):  # a dead end: the transfer is lost, not on its way
+        workers[gone].up = False
+        assert not ended.kv_on_its_way(workers)
+        workers[gone].up = True
+    failed = rec.model_copy(update={"events": [done, Failed(rid="r1", worker="prefill", t=2.0, reason="reset",
+                                                           target="decode-b")]})
+    broken = Ended(dilation=1.0)
+    broken.add(RequestState("r3", [1, 2, 3], 4, 0.0), failed.model_copy(update={"rid": "r3"}))
+    assert not broken.kv_on_its_way(workers)  # its transfer failed: the prefill said so
     rec.events.append(KvSent(rid="r1", worker="prefill", t=3.0, to="relay", bytes=10, written=10, payload=8,
                              planned_payload=8, tokens=1, had=0, start=1.0, end=1.1))
     assert ended.kv_on_its_way(workers)  # the relay's KV is not the main decoder's

@@ -14,7 +14,7 @@ import asyncio
 from typing import TextIO
 
 from protocol import clock
-from protocol.messages import KvSent, PrefillDone
+from protocol.messages import Event, Failed, KvSent, PrefillDone
 from protocol.router_config import RequestRecord
 from testbed.policies import RequestState
 from testbed.policies.base import WorkerView
@@ -65,14 +65,17 @@ class Ended:
             self.write_oldest()
 
     def kv_on_its_way(self, workers: dict[str, WorkerView]) -> bool:
-        """A finished request with a main decoder apart from its relay, whose prefill (alive)
-        computed it and has not yet reported its KV transfer to that decoder."""
+        """A finished request with a main decoder apart from its relay, whose prefill computed
+        it and has not yet reported its KV transfer to that decoder (sent, cut off or failed),
+        both of them up."""
         for rec in self.records.values():
-            if not rec.relay or not rec.decode or rec.decode == rec.relay or rec.prefill not in workers:
+            if not rec.relay or not rec.decode or rec.decode == rec.relay:
                 continue
-            if not workers[rec.prefill].up or not any(isinstance(e, PrefillDone) for e in rec.events):
+            if not all(w in workers and workers[w].up for w in (rec.prefill, rec.decode)):
+                continue  # a dead end's transfer is lost with it, not on its way
+            if not any(isinstance(e, PrefillDone) for e in rec.events):
                 continue
-            if not any(isinstance(e, KvSent) and e.to == rec.decode for e in rec.events):
+            if not any(_reports_kv_to(e, rec.decode) for e in rec.events):
                 return True
         return False
 
@@ -85,3 +88,8 @@ class Ended:
     @property
     def nbytes(self) -> int:
         return sum(q.nbytes for q in self.states.values())
+
+
+def _reports_kv_to(ev: Event, decoder: str) -> bool:
+    """``ev`` is a prefill's last word on its KV transfer to ``decoder``."""
+    return (isinstance(ev, KvSent) and ev.to == decoder) or (isinstance(ev, Failed) and ev.target == decoder)
