@@ -3,9 +3,11 @@ check that no bin exceeds the line, and the sum that matches the table."""
 
 from __future__ import annotations
 
+import gc
 import json
 import socket
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ import pytest
 from testbed.analysis.results import load_run
 from testbed.analysis.wan_line import byte_factor, disagreements, in_flight_max, kv_total, line_of, overruns
 from testbed.deploy.run_record import LineBins
+from testbed.net.delayline import write_stats
 from testbed.net.line_tap import KV_BIN_S, KvTap, tcp_payload
 from testbed.sim.links import spread
 
@@ -153,3 +156,20 @@ def test_a_tap_forgets_connections_idle_for_two_minutes() -> None:
     tap.count(_frame(20000, 7070, 1000, seq=2000), 600.0)  # the first connection, after its idle time
     tap.count(_frame(20499, 7070, 1000, seq=1000), 600.0)  # the last one's segment again: a retransmission
     assert sum(tap.bins) == 501 * 1000 and tap.resent == 1000
+
+
+def test_the_delay_lines_statistics_writes_leave_no_garbage_for_a_collector_it_has_off(tmp_path: Path) -> None:
+    """The delay line runs with the garbage collector off (no pauses in its forwarding loop),
+    so anything it does every second must free itself by reference counting: written with
+    json.dump, each statistics file left a cycle of the encoder's nested functions behind
+    (the line's RSS crept 0.24 MB a minute over a 45-minute soak)."""
+    path = str(tmp_path / "stats.json")
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(50):
+            write_stats(path, [], time.monotonic(), final=False)
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+    assert json.loads(Path(path).read_text())["final"] is False

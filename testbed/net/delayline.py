@@ -233,9 +233,13 @@ def write_stats(path: str, dirs: list[Direction], started: float, final: bool, b
                                 **({"kv_bins": d.tap.bins.tolist() if d.tap else []} if final else {})} for d in dirs},
         **({"bins_t0": bins_t0, "bin_s": KV_BIN_S} if final else {}),
     }  # fmt: skip
+    # json.dumps, not json.dump: dump streams through the pure-Python encoder, whose nested
+    # functions refer to each other, a reference cycle per call; with the collector off (see
+    # ``run``) every write leaked one (the line's RSS crept 0.24 MB a minute over a soak).
+    text = json.dumps(report)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(report, f)
+        f.write(text)
     os.replace(tmp, path)
 
 
