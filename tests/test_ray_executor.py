@@ -227,8 +227,8 @@ def test_emulations_never_share_a_host(cluster: str, tmp_path: Path, capsys: pyt
     (node, start and end), no two ever ran on one node at once."""
     out = tmp_path / "sweep"
     code, err = run_cli(["sweep", "--scenario", str(ROOT / "topologies" / "two-dc-modeled.yaml"), "--trace", str(TRACE),
-                         "--token-scale", "16", "--load", "1:3:1", "--limit", "4", "--policies", "same-dc",
-                         "--dilation", "2", "--executor", "ray", "--ray-address", cluster, "--out", str(out)], capsys)
+                         "--token-scale", "16", "--load", "1:3:1", "--limit", "2", "--policies", "same-dc",
+                         "--dilation", "1", "--executor", "ray", "--ray-address", cluster, "--out", str(out)], capsys)
     assert code == 0, err
     runs = [json.loads((out / f"load-{x}" / PLACEMENT_FILE).read_text()) for x in (1, 2, 3)]
     assert all(r["exit"] in (0, 1, 3) for r in runs) and len({r["node"] for r in runs}) <= 2
