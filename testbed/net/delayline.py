@@ -52,6 +52,7 @@ import struct
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from testbed.net.delayline_contract import (
     LATE_EDGES_US,
@@ -61,6 +62,7 @@ from testbed.net.delayline_contract import (
     late_percentile,
 )
 from testbed.net.line_tap import KV_BIN_S, KvTap, open_tap
+from testbed.outputs import write_atomic
 
 ETH_P_ALL = 0x0003
 ETH_P_ARP = b"\x08\x06"
@@ -236,11 +238,7 @@ def write_stats(path: str, dirs: list[Direction], started: float, final: bool, b
     # json.dumps, not json.dump: dump streams through the pure-Python encoder, whose nested
     # functions refer to each other, a reference cycle per call; with the collector off (see
     # ``run``) every write leaked one (the line's RSS crept 0.24 MB a minute over a soak).
-    text = json.dumps(report)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    write_atomic(Path(path), json.dumps(report))
 
 
 def apply_control(path: str | None, dirs: list[Direction]) -> None:
