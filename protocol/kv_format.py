@@ -34,7 +34,7 @@ from typing import Annotated, Literal, TypeVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from protocol.messages import RequestId
+from protocol.messages import RequestId, Ticket
 from protocol.validation import first_error
 
 MAGIC = b"PDKV"
@@ -61,6 +61,12 @@ AUTH_TIMEOUT_S = 5.0  # real seconds: a legitimate AUTH follows the connect at o
 
 class KVTransferError(Exception):
     pass
+
+
+class KVRefused(KVTransferError):
+    """The receiver will not take this transfer from this sender (its HELLO lacks the
+    request's ticket), and the request is not failed for it: the request's own sender may
+    still come. A stranger's or a rogue's offer costs the request nothing."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,9 @@ class Hello(_Frame):
     head_dim: int = Field(ge=1, le=65536)
     block_size: int = Field(ge=1, le=1 << 20)
     token: str = Field(default="", max_length=256)  # the run's KV token (only the run's workers know it)
+    # The request's ticket for this receiver: the router gave it to this transfer's sender and
+    # receiver alone (their commands), so another worker of the run cannot offer this KV.
+    ticket: Ticket = ""
 
     def shape(self) -> ModelShape:
         return ModelShape(self.layers, self.kv_heads, self.head_dim, DTYPE_NAMES[self.dtype])

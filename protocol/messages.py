@@ -38,6 +38,9 @@ class Message(Contract):
 SAFE_NAME = r"^[A-Za-z0-9_.:=@-]{1,128}$"
 RequestId = Annotated[str, Field(pattern=SAFE_NAME)]
 _SAFE = re.compile(SAFE_NAME)
+# A request's KV ticket for one receiver (``KVTarget.ticket``, ``DecodeCmd.ticket``): random hex
+# from the router, empty where nobody set one (a hand-made command); see ``Hello.ticket``.
+Ticket = Annotated[str, Field(max_length=64, pattern=r"^[0-9a-f]*$")]
 # A token id as a client may send it: 4 bytes, as the router holds prompts (policies/token_ids.py).
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
@@ -77,6 +80,7 @@ class KVTarget(Message):
     worker: str
     host: str
     port: int = Field(ge=1, le=65535)
+    ticket: Ticket = ""  # the receiver takes this request's KV only with it (its DecodeCmd has the same)
 
 
 class PrefillCmd(Message):
@@ -113,6 +117,7 @@ class DecodeCmd(Message):
     drc: bool = True  # use and fill this decoder's radix cache
     relay: RelayPart | None = None
     main: MainPart | None = None
+    ticket: Ticket = ""  # set by the router: the KV of this request is taken only from a HELLO carrying it
 
     @model_validator(mode="after")
     def _one_part(self) -> DecodeCmd:

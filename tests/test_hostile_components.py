@@ -5,7 +5,8 @@ A rogue holds decode-a's broker credential and the run's KV token (everything th
 configuration gives it) and, from decode-a's host while PDD requests run on prefill, relay
 and decode-b, tries what a compromised worker would: declare decode-b dead, fail and cancel
 requests it was not given, stream tokens into them, feed decode-b and the relay handoff
-messages, offer decode-b KV, and send every reader payloads that parsers choke on. Every
+messages, offer decode-b KV under each request's exact prompt (it lacks only the request's
+ticket), and send every reader payloads that parsers choke on. Every
 request completes with the reference tokens, no process ends, and each refusal is a line in
 the refusing process's log; the rogue's account can neither signal the router nor touch
 another component's folder. The rest of the suite (``make test-hostile``: the ``hostile``
@@ -51,8 +52,9 @@ pytestmark = [needs_root, pytest.mark.hostile]
 ROGUE = "decode-a"  # PDD's plans here use prefill, relay and decode-b: decode-a is in none
 
 
-async def _act(cl: Cluster, victims: list[str], shape: kv_wire.ModelShape) -> dict[str, Any]:
-    """Everything the rogue tries, with decode-a's credential and KV token; what came back."""
+async def _act(cl: Cluster, victims: dict[str, list[int]], shape: kv_wire.ModelShape) -> dict[str, Any]:
+    """Everything the rogue tries, with decode-a's credential and KV token and each victim's
+    prompt; what came back."""
     t, b = cl.topics, cl.access.workers[ROGUE]
     seen: dict[str, Any] = {}
     async with aiomqtt.Client(b.host, b.port, username=b.username, password=b.password,
@@ -72,7 +74,7 @@ async def _act(cl: Cluster, victims: list[str], shape: kv_wire.ModelShape) -> di
             await pub(t.peer("decode-b", ROGUE), ExtendCmd(rid=v, start=0, tokens=[1], final=True).dump())
             await pub(t.peer("relay", ROGUE), HandoffAck(rid=v, extended=0).dump())
         chunks = [TokenChunk(v, 0, [7, 7, 7], ROGUE) for v in victims]
-        chunks.append(TokenChunk(victims[0], 3, [], ROGUE, done=True, error="rogue says it failed"))
+        chunks.append(TokenChunk(next(iter(victims)), 3, [], ROGUE, done=True, error="rogue says it failed"))
         batch = token_stream.encode(ROGUE, time.time(), chunks)
         await pub(t.stream(ROGUE), batch)
         await pub(t.stream(ROGUE), batch[:-2])  # malformed, after naming every victim
@@ -80,14 +82,15 @@ async def _act(cl: Cluster, victims: list[str], shape: kv_wire.ModelShape) -> di
             for topic in (t.events(ROGUE), t.status(ROGUE), t.stream(ROGUE), t.peer("decode-b", ROGUE),
                           t.peer("relay", ROGUE)):
                 await pub(topic, payload)
-    # KV: the run's token, a request decode-b waits for, tokens that are not its prompt.
+    # KV: the run's token, a request decode-b waits for, its exact prompt; no ticket (the router
+    # gives each request's ticket to its prefill and decoder alone).
     host, token = cl.workers["decode-b"].host_ip, cl.workers[ROGUE].kv_token
-    n = 2 * cl.workers[ROGUE].block_size
-    kv = torch.zeros(shape.layers, 2, shape.kv_heads, n, shape.head_dim, dtype=shape.dtype)
 
     async def offer(v: str) -> None:
+        n = len(victims[v])
+        kv = torch.zeros(shape.layers, 2, shape.kv_heads, n, shape.head_dim, dtype=shape.dtype)
         try:
-            await kv_wire.send_kv(host, KV_PORT, v, list(range(5, 5 + n)), kv, 1, cl.workers[ROGUE].block_size,
+            await kv_wire.send_kv(host, KV_PORT, v, list(victims[v]), kv, 1, cl.workers[ROGUE].block_size,
                                   token=token, timeout_s=10.0)
             seen.setdefault("kv_served", []).append(v)
         except kv_wire.KVTransferError as e:
@@ -105,7 +108,8 @@ async def _act(cl: Cluster, victims: list[str], shape: kv_wire.ModelShape) -> di
     return seen
 
 
-def _rogue(cl: Cluster, victims: list[str], shape: kv_wire.ModelShape, out: dict[str, Any]) -> threading.Thread:
+def _rogue(cl: Cluster, victims: dict[str, list[int]], shape: kv_wire.ModelShape,
+           out: dict[str, Any]) -> threading.Thread:
     ns = cl.net.ns_of(ROGUE)
 
     def run() -> None:
@@ -148,7 +152,7 @@ def test_a_rogue_worker_account_affects_no_other_workers_requests() -> None:
     specs = [replace(s, at=0.3 * i, max_new=48) for i, s in enumerate(verification_prompts(12, seed=8, max_len=512))]
     runner = ModelRunner(ensure_default_model(), "float64")
     refs = {s.rid: runner.reference(s.prompt, s.max_new) for s in specs}
-    victims = [s.rid for s in specs]
+    victims = {s.rid: list(s.prompt) for s in specs}
     out: dict[str, Any] = {}
     with Deployment(scenario_with(), parse_policy("pdd:relay_s=0"), dtype="float64") as dep:
         cl = dep.cluster
@@ -190,10 +194,14 @@ def test_a_rogue_worker_account_affects_no_other_workers_requests() -> None:
     assert "decode-b: refused a cancel for" in d and "a peer decoder sends only extend and handoff_ack" in d
     assert "decode-b: refused a message from decode-a" in d  # a hostile payload, not parsed
     # Refused whatever state each request was in at decode-b: not commanded yet, waiting for
-    # its KV (the tokens are not its prompt), decoding, or ended.
+    # its KV (the rogue's HELLO has its exact prompt but not its ticket), decoding, or ended.
+    # The victims that arrive within the HELLO's wait for a command (2 s; they come every
+    # 0.3 s from before the rogue starts until 2 s after) are refused for the ticket.
     assert len(out["kv_refused"]) == len(victims) and "kv_served" not in out, out
-    assert all(any(why in r for why in ("not its prompt", "no command for it", "no longer waiting", "already ended"))
-               for r in out["kv_refused"]), out["kv_refused"]
+    reasons = ("does not carry the ticket", "no command for it", "no longer waiting", "already ended")
+    assert all(any(why in r for why in reasons) for r in out["kv_refused"]), out["kv_refused"]
+    assert any("does not carry the ticket" in r for r in out["kv_refused"]), out["kv_refused"]
+    assert "decode-b: refused KV for" in d and "its HELLO does not carry the request's ticket" in d
     assert "KV: refused a connection from" in d and b"refused" in out["stranger"]
     c = logs["client"]  # the replay client, a process of its own
     assert "client: refused tokens for" in c and "from decode-a: not a worker the router named" in c

@@ -72,7 +72,7 @@ async def _receive(stream: bytes, have: int = 0, token: str = "") -> dict[str, o
     """Feed ``stream`` to the receiver, then end of file; what it concluded."""
     got: dict[str, object] = {}
 
-    async def offer(rid: str, tokens: list[int]) -> int:
+    async def offer(rid: str, tokens: list[int], ticket: str) -> int:
         return have
 
     async def done(inc: kv_wire.Incoming) -> None:

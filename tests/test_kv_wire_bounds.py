@@ -33,7 +33,7 @@ class _Receiver:
         self.done: list[str] = []
         self.failed: dict[str, str] = {}
 
-    async def offer(self, rid: str, tokens: list[int]) -> int:
+    async def offer(self, rid: str, tokens: list[int], ticket: str) -> int:
         return 0
 
     async def arrived(self, inc: kv_wire.Incoming) -> None:

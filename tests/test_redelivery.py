@@ -5,7 +5,9 @@ repeat must leave the request as if it had come once (issue #9's broker-restart 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import io
 import os
 import weakref
 from collections import OrderedDict
@@ -19,7 +21,7 @@ from protocol.token_stream import TokenChunk
 from protocol.worker_config import BrokerInfo, WorkerConfig
 from testbed.deploy.run_record import ClientRecord
 from workers.decode import DecodeWorker
-from workers.kv_wire import Incoming, KVTransferError
+from workers.kv_wire import Incoming, KVRefused, KVTransferError
 from workers.model import ensure_default_model
 from workers.runtime import Worker
 from workers.seq import MainState, RelayState, Seq
@@ -198,12 +200,43 @@ def test_kv_offered_under_tokens_that_are_not_the_requests_prompt_is_refused(dec
         w.stream = lambda *a, **k: None  # type: ignore[method-assign]
         await w.handle(DecodeCmd(rid="r-poison", prompt=prompt, max_new=2))
         with pytest.raises(KVTransferError) as refused:
-            await w._offer("r-poison", [3, 1, 4, 1, 5, 8])
+            await w._offer("r-poison", [3, 1, 4, 1, 5, 8], "")
         with pytest.raises(KVTransferError):
-            await w._offer("r-poison", prompt[:4])
-        assert await w._offer("r-poison", list(prompt)) >= 0
+            await w._offer("r-poison", prompt[:4], "")
+        assert await w._offer("r-poison", list(prompt), "") >= 0
         await w.handle(CancelCmd(rid="r-poison"))
         return str(refused.value)
 
     why = asyncio.run(main())
     assert "the KV offered for r-poison is of 6 tokens that are not its prompt" in why
+
+
+@pytest.mark.hostile
+def test_kv_offered_without_the_requests_ticket_is_refused_and_the_request_waits_on(decoder: DecodeWorker) -> None:
+    """Every worker of a run holds the run's KV token; the ticket in a decoder's command (the
+    router's, given to that request's prefill alone besides) is what makes a HELLO this
+    request's. A sender without it, even with the exact prompt, is refused (``KVRefused``: the
+    request is not failed for it) and the request's own sender is still served."""
+    w = decoder
+    prompt = [2, 7, 1, 8, 2, 8, 1, 8]
+    ticket = "5e" * 16
+    logged = io.StringIO()
+
+    async def main() -> list[str]:
+        w.emit = lambda event: None  # type: ignore[method-assign]
+        w.stream = lambda *a, **k: None  # type: ignore[method-assign]
+        await w.handle(DecodeCmd(rid="r-ticket", prompt=prompt, max_new=2, ticket=ticket))
+        whys = []
+        for wrong in ("", "5e" * 15, "ab" * 16):
+            with pytest.raises(KVRefused) as refused:
+                await w._offer("r-ticket", list(prompt), wrong)
+            whys.append(str(refused.value))
+        assert "r-ticket" in w.waiting  # nothing was failed
+        assert await w._offer("r-ticket", list(prompt), ticket) >= 0
+        await w.handle(CancelCmd(rid="r-ticket"))
+        return whys
+
+    with contextlib.redirect_stderr(logged):
+        whys = asyncio.run(main())
+    assert all("does not carry the ticket" in why for why in whys), whys
+    assert logged.getvalue().count("refused KV for r-ticket: its HELLO does not carry the request's ticket") == 3

@@ -64,7 +64,7 @@ def _transfer(kv: torch.Tensor, tokens: list[int], have: int, corrupt: int | Non
     async def main():
         got: dict[str, object] = {}
 
-        async def offer(rid: str, toks: list[int]) -> int:
+        async def offer(rid: str, toks: list[int], ticket: str) -> int:
             return have
 
         async def done(inc: kv_wire.Incoming) -> None:
@@ -233,7 +233,7 @@ def test_wire_refuses_a_sender_without_the_runs_token() -> None:
     async def main() -> tuple[str, dict[str, object]]:
         got: dict[str, object] = {}
 
-        async def offer(rid: str, toks: list[int]) -> int:
+        async def offer(rid: str, toks: list[int], ticket: str) -> int:
             return 0
 
         async def done(inc: kv_wire.Incoming) -> None:
@@ -259,6 +259,42 @@ def test_wire_refuses_a_sender_without_the_runs_token() -> None:
     assert "fail" not in got and isinstance(got["inc"], kv_wire.Incoming)  # r2 arrived, r1 failed nothing
 
 
+def test_wire_refuses_a_sender_without_the_requests_ticket_and_fails_nothing() -> None:
+    """A receiver that refuses the sender (``KVRefused``: no ticket for this request) tells the
+    sender why and does not fail the request: its own sender, with the ticket, is then served."""
+    async def main() -> tuple[str, dict[str, object]]:
+        got: dict[str, object] = {}
+
+        async def offer(rid: str, toks: list[int], ticket: str) -> int:
+            if ticket != "0f" * 16:
+                raise kv_wire.KVRefused(f"no ticket for {rid}")
+            return 0
+
+        async def done(inc: kv_wire.Incoming) -> None:
+            got["inc"] = inc
+
+        async def fail(rid: str, msg: str) -> None:
+            got["fail"] = msg
+
+        server = await kv_wire.serve_kv("127.0.0.1", 0, offer, done, fail, token="run-token")
+        port = server.sockets[0].getsockname()[1]
+        kv = torch.randn(2, 2, 2, 32, 8)
+        try:
+            with pytest.raises(kv_wire.KVTransferError) as err:
+                await kv_wire.send_kv("127.0.0.1", port, "r1", list(range(32)), kv, 1, 16, token="run-token")
+            assert "fail" not in got
+            ok = await kv_wire.send_kv("127.0.0.1", port, "r1", list(range(32)), kv, 1, 16, token="run-token",
+                                      ticket="0f" * 16)
+            assert ok.tokens_sent == 32
+        finally:
+            server.close()
+        return str(err.value), got
+
+    why, got = asyncio.run(main())
+    assert why == "receiver refused: no ticket for r1"
+    assert "fail" not in got and isinstance(got["inc"], kv_wire.Incoming) and got["inc"].request_id == "r1"
+
+
 def test_wire_keeps_a_connection_for_the_next_transfer_and_replaces_a_dead_one() -> None:
     """A sender's transfers to one receiver share one connection (no handshake, no new slow
     start); a cut-off transfer's connection is never reused; a kept connection the receiver
@@ -268,7 +304,7 @@ def test_wire_keeps_a_connection_for_the_next_transfer_and_replaces_a_dead_one()
         arrived: list[str] = []
         accepted = 0
 
-        async def offer(rid: str, toks: list[int]) -> int:
+        async def offer(rid: str, toks: list[int], ticket: str) -> int:
             return 0
 
         async def done(inc: kv_wire.Incoming) -> None:

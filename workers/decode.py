@@ -27,7 +27,9 @@ handoff must extend a request by several known tokens in one pass. Neither is ex
 from __future__ import annotations
 
 import asyncio
+import hmac
 import os
+import sys
 from collections import deque
 from collections.abc import Callable
 
@@ -159,6 +161,7 @@ class DecodeWorker(HandoffMixin, Worker):
         if isinstance(cmd, DecodeCmd):
             seq = Seq(cmd.rid, cmd.prompt, cmd.max_new, clock.time(), drc=cmd.drc, ignore_eos=cmd.ignore_eos,
                       zeros=self._zero_kv())
+            seq.ticket = cmd.ticket
             self.setup_handoff(seq, cmd)
             self.waiting[cmd.rid] = seq
             self.expected.expect(cmd.rid)
@@ -187,13 +190,20 @@ class DecodeWorker(HandoffMixin, Worker):
             await self.fail(rid, f"KV did not arrive at {self.cfg.name} within {self.cfg.kv_timeout_s} s")
 
     # ----------------------------------------------------------------- KV receive
-    async def _offer(self, rid: str, tokens: list[int]) -> int:
+    async def _offer(self, rid: str, tokens: list[int], ticket: str) -> int:
         why = await self.expected.wait(rid, self.cfg.kv_hello_wait_s)
         if why is not None:
             raise kv_wire.KVTransferError(f"{rid} is not a request of {self.cfg.name}: {why}")
         seq = self.waiting.get(rid)
         if seq is None:
             raise kv_wire.KVTransferError(f"{rid} is no longer waiting for KV on {self.cfg.name}")
+        # The ticket before anything the sender says about the request: a worker of the run that
+        # knows the prompt, but was not told to send this KV, is refused and fails nothing.
+        if not hmac.compare_digest(ticket.encode(), seq.ticket.encode()):
+            print(f"{self.cfg.name}: refused KV for {rid}: its HELLO does not carry the request's ticket",
+                  file=sys.stderr, flush=True)
+            raise kv_wire.KVRefused(f"the KV offered for {rid} does not carry the ticket {self.cfg.name} was given "
+                                    f"for it")
         if len(tokens) != len(seq.prompt) or tokens != list(seq.prompt):  # KV is cached under these tokens
             raise kv_wire.KVTransferError(f"the KV offered for {rid} is of {len(tokens)} tokens that are not its "
                                           f"prompt ({len(seq.prompt)} tokens)")

@@ -4,7 +4,8 @@
 take transfers. The receiver trusts nothing its peer sends: every frame's length is capped
 before it is read (control frames ``MAX_CONTROL_FRAME``, HELLO ``MAX_HELLO``, a BLOCK at
 most the KV still missing), HELLO is a validated ``Hello`` (request id alphabet, at most
-``MAX_PROMPT_TOKENS`` token ids, a dtype from a whitelist, the run's KV token) whose
+``MAX_PROMPT_TOKENS`` token ids, a dtype from a whitelist, the run's KV token, the
+request's ticket that only its sender and receiver were given) whose
 layout must equal the receiver's own model (``ModelShape``), and every block is verified
 (checksum, shape, dtype, length, contiguity) before it is used. Anything else ends that
 transfer with a reason on both sides (``fail``); the server serves on. ``cancel`` cuts a
@@ -74,6 +75,7 @@ from protocol.kv_format import (  # noqa: F401 - the format's names are part of 
     Block,
     End,
     Hello,
+    KVRefused,
     KVTransferError,
     ModelShape,
     Offer,
@@ -128,17 +130,19 @@ async def send_kv(
     block_size: int, cancel: asyncio.Event | None = None, corrupt_block: int | None = None,
     on_progress: Callable[[TransferStats], None] | None = None, frame_tokens: int = 0, token: str = "",
     pool: Connections | None = None, zeros: bool = False, netns: str | None = None, timeout_s: float | None = None,
+    ticket: str = "",
 ) -> TransferStats:
     """Send the part of ``kv`` (for ``tokens``) the receiver lacks, in frames of whole blocks
     (``frame_tokens``, default ``FRAME_TOKENS``), over a connection from ``pool`` if it has
     one (and back into it afterwards). ``zeros``: the KV is a modeled worker's, all zeros
     (its frames are built from cached payloads); ``netns``: the sender's namespace, when its
     process stands for several hosts; ``timeout_s``: how long the receiver may take nothing
-    (or answer nothing) before the transfer is broken. Raises KVTransferError."""
+    (or answer nothing) before the transfer is broken; ``ticket``: the request's ticket for
+    this receiver (``KVTarget.ticket``). Raises KVTransferError."""
     if pool is not None and (conn := pool.take(host, port)) is not None:
         try:
             return await _send(conn, host, port, request_id, tokens, kv, first_token, block_size, cancel,
-                               corrupt_block, on_progress, frame_tokens, token, pool, zeros, True, timeout_s)
+                               corrupt_block, on_progress, frame_tokens, token, ticket, pool, zeros, True, timeout_s)
         except _StaleConnection:
             pass  # the receiver closed it while idle: one fresh connection
     try:
@@ -154,7 +158,7 @@ async def send_kv(
         raise KVTransferError(f"transfer to {host}:{port} broke: {e}") from e
     try:
         return await _send(conn, host, port, request_id, tokens, kv, first_token, block_size, cancel, corrupt_block,
-                           on_progress, frame_tokens, token, pool, zeros, False, timeout_s, auth)
+                           on_progress, frame_tokens, token, ticket, pool, zeros, False, timeout_s, auth)
     except _StaleConnection as e:  # not reused: a plain broken transfer
         raise KVTransferError(f"transfer to {host}:{port} broke: {e}") from e
 
@@ -162,8 +166,8 @@ async def send_kv(
 async def _send(
     conn: Conn, host: str, port: int, request_id: str, tokens: list[int], kv: torch.Tensor, first_token: int,
     block_size: int, cancel: asyncio.Event | None, corrupt_block: int | None,
-    on_progress: Callable[[TransferStats], None] | None, frame_tokens: int, token: str, pool: Connections | None,
-    zeros: bool, reused: bool, timeout_s: float | None, preamble: int = 0,
+    on_progress: Callable[[TransferStats], None] | None, frame_tokens: int, token: str, ticket: str,
+    pool: Connections | None, zeros: bool, reused: bool, timeout_s: float | None, preamble: int = 0,
 ) -> TransferStats:
     # The sender's event loop runs beside a compute thread that needs the GIL after every
     # torch op: Python work per frame is time taken from a paced step (see FRAME_TOKENS).
@@ -199,7 +203,8 @@ async def _send(
     watcher = asyncio.create_task(cut_off()) if cancel is not None else None
     try:
         hello = Hello(rid=request_id, tokens=tokens, dtype=str(kv.dtype), layers=layers,  # type: ignore[arg-type]
-                      kv_heads=heads, head_dim=head_dim, block_size=block_size, token=token)
+                      kv_heads=heads, head_dim=head_dim, block_size=block_size, token=token,
+                      ticket=ticket)
         try:
             await _write(st, writer, HELLO, hello.model_dump_json().encode(), timeout_s)
             ftype, payload = await read_frame(reader, timeout_s=timeout_s)
@@ -276,7 +281,9 @@ class Incoming:
     end: float
 
 
-OfferFn = Callable[[str, list[int]], Awaitable[int]]
+# offer(rid, tokens, ticket): the cached prefix to claim; raises KVRefused for a sender without
+# the request's ticket (nothing is failed), anything else to fail the request.
+OfferFn = Callable[[str, list[int], str], Awaitable[int]]
 DoneFn = Callable[[Incoming], Awaitable[None]]
 FailFn = Callable[[str, str], Awaitable[None]]
 
@@ -316,8 +323,9 @@ async def serve_kv(host: str, port: int, offer: OfferFn, done: DoneFn, fail: Fai
 async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, offer: OfferFn, done: DoneFn,
                      fail: FailFn, expect: ModelShape | None = None, token: str = "", keep_open: bool = False,
                      zeros: Callable[[int], torch.Tensor] | None = None, timeout_s: float | None = None) -> bool:
-    """One transfer, receiver side. ``offer(rid, tokens)`` returns the cached prefix length to
-    claim; ``expect`` (the receiver's own model) is the only KV layout accepted, and with a
+    """One transfer, receiver side. ``offer(rid, tokens, ticket)`` returns the cached prefix
+    length to claim (or refuses the sender, ``KVRefused``, and the request is not failed);
+    ``expect`` (the receiver's own model) is the only KV layout accepted, and with a
     ``token`` only a HELLO carrying it (a sender of this run) is served. Never raises:
     whatever the peer sends, the transfer ends with ``done`` or with ``fail`` and a reason
     (``fail`` only once the request id is known). True when it ended cleanly and, with
@@ -350,8 +358,10 @@ async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
         if expect is not None and shape != expect:
             raise KVTransferError(f"KV layout {shape} is not this worker's {expect}")
         try:
-            have = await offer(rid, tokens)
+            have = await offer(rid, tokens, hello.ticket)
         except Exception as e:  # noqa: BLE001 - reported to the sender
+            if isinstance(e, KVRefused):
+                rid = None  # not this request's sender: the request waits on for its own
             await write_frame(writer, OFFER, Offer(error=str(e)).model_dump_json().encode())
             raise KVTransferError(str(e)) from e
         await write_frame(writer, OFFER, Offer(have=have).model_dump_json().encode(), timeout_s)

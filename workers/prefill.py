@@ -198,7 +198,7 @@ class PrefillWorker(Worker):
                                                   self.cfg.block_size, cancel=cancel, corrupt_block=corrupt,
                                                   token=self.cfg.kv_token, pool=self.kv_conns,
                                                   zeros=self.cfg.compute == "modeled", netns=self.cfg.netns,
-                                                  timeout_s=self.cfg.kv_read_timeout_s)
+                                                  timeout_s=self.cfg.kv_read_timeout_s, ticket=target.ticket)
             finally:
                 self.peers.release(target.worker)
         except kv_wire.KVTransferError as e:

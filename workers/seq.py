@@ -58,6 +58,7 @@ class Seq:
     path: list[Node] = field(default_factory=list)  # locked radix-cache prefix while KV arrives
     kv_arrived: float = 0.0
     kv_bytes: int = 0
+    ticket: str = ""  # the router's: this request's KV is taken only from a sender that has it
     drc: bool = True  # use and fill this worker's radix cache
     ignore_eos: bool = False  # run to ``max_new`` past the end-of-sequence token
     streamed: int = 0  # tokens this worker has streamed to the client

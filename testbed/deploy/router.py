@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import secrets
 import signal
 import sys
 from pathlib import Path
@@ -236,13 +237,18 @@ class Router:
         streamers = sorted(w for w in {plan.relay, plan.decode} if w)
         await self.publish(self.topics.tokens(r.rid), Tokens(rid=r.rid, start=0, tokens=[], worker="router",
                                                              t=clock.time(), streamers=streamers).dump())
-        # Decoders first: they must know the request before its KV arrives.
+        # Decoders first: they must know the request before its KV arrives. Each decoder and the
+        # prefill (on their command topics, which only they read) get a ticket of their own for
+        # this transfer: another worker of the run, which has the run's KV token and may know the
+        # prompt, cannot offer the decoder this request's KV.
         targets = []
         for w in filter(None, (plan.relay, plan.decode)):
-            cmd = self.policy.decode_command(req, plan, w).model_copy(update={"ignore_eos": r.ignore_eos})
+            ticket = secrets.token_hex(16)
+            cmd = self.policy.decode_command(req, plan, w).model_copy(update={"ignore_eos": r.ignore_eos,
+                                                                              "ticket": ticket})
             await self.publish(self.topics.cmd(w), cmd.dump())
             d = self.view.workers[w]
-            targets.append(KVTarget(worker=d.name, host=d.host, port=d.kv_port))
+            targets.append(KVTarget(worker=d.name, host=d.host, port=d.kv_port, ticket=ticket))
         await self.publish(self.topics.cmd(plan.prefill), PrefillCmd(rid=r.rid, prompt=r.prompt, kv_to=targets).dump())
 
     async def _on_event(self, ev: Event) -> None:

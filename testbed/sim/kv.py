@@ -10,12 +10,14 @@ decoder's ``_offer``: its DRC lookup, its wait for the request's command), ``don
 ``_arrived``: admission, caching, the handoff), ``fail`` (its ``_transfer_failed``).
 
 Transport semantics kept from the wire: a receiver that refuses the offer fails the request
-on both sides; a cut-off (``cancel``) resets the connection at once (the receiver sees the
-reset after the path's delay; the sender counts what the receiver had acknowledged); a
+on both sides (only on the sender's, when the receiver refused a sender without the
+request's ticket: its ``_offer`` checks the ticket here as on the wire); a cut-off
+(``cancel``) resets the connection at once (the receiver sees the reset after the path's
+delay; the sender counts what the receiver had acknowledged); a
 transfer that moves nothing for ``timeout_s`` (its path is down) breaks; a receiver that dies
 resets its transfers; a connection is kept between clean transfers (``links.Conn``) and
 replaced after a broken one. Not kept: the frames' checks (every simulated peer is ours),
-the token in HELLO, the connection limit.
+the run's token in AUTH and HELLO, the connection limit.
 
 ``SimTransport`` is one host's ``workers.transport.Transport``: the broker through
 ``SimBroker``, KV and liveness ports through the registry of ``SimNet``.
@@ -33,7 +35,7 @@ import aiomqtt
 import torch
 
 from protocol import clock
-from protocol.kv_format import BLOCK_HDR, FRAME_TOKENS, HDR, Auth, End, Hello, KVTransferError
+from protocol.kv_format import BLOCK_HDR, FRAME_TOKENS, HDR, Auth, End, Hello, KVRefused, KVTransferError
 from protocol.worker_config import BrokerInfo
 from testbed.sim.bus import SimBroker, SimClient
 from testbed.sim.links import Conn
@@ -92,11 +94,12 @@ class SimNet:
 
 
 def hello_bytes(rid: str, tokens: list[int], shape: tuple[int, int, int], dtype: torch.dtype, block_size: int,
-                token: str) -> int:
+                token: str, ticket: str) -> int:
     """The HELLO frame's size: its JSON with the token ids' digits counted on a sample."""
     layers, heads, head_dim = shape
     empty = Hello.model_construct(rid=rid, tokens=[], dtype=str(dtype), layers=layers, kv_heads=heads,
-                                  head_dim=head_dim, block_size=block_size, token=token).model_dump_json()
+                                  head_dim=head_dim, block_size=block_size, token=token,
+                                  ticket=ticket).model_dump_json()
     n = len(tokens)
     step = max(1, n // HELLO_SAMPLE)
     sample = tokens[::step]
@@ -175,8 +178,9 @@ class SimTransport:
                 raise KVTransferError(f"connect to {host}:{port}: [Errno 111] Connect call failed")
             lst.aborts.add(abort)
             await asyncio.sleep(links.prepare(conn))
+            ticket = options.get("ticket", "")
             hello = hello_bytes(request_id, tokens, (layers, heads, head_dim), kv.dtype, block_size,
-                                options.get("token", ""))
+                                options.get("token", ""), ticket)
             if fresh:  # a connection's first frame is its AUTH (kv_wire.send_kv)
                 hello += HDR.size + len(Auth(token=options.get("token", "")).model_dump_json())
             await self._push(conn, hello, stops, timeout_s, st)
@@ -186,9 +190,10 @@ class SimTransport:
             receiving = True  # the receiver has the request id: a broken transfer fails it there
             start = clock.time()
             try:
-                have = await lst.offer(request_id, tokens)
-            except Exception as e:  # noqa: BLE001 - the receiver refuses: both sides fail the request
-                self.net.spawn(lst.fail, request_id, f"KV transfer for {request_id} failed: {e}")  # type: ignore[arg-type]
+                have = await lst.offer(request_id, tokens, ticket)
+            except Exception as e:  # noqa: BLE001 - the receiver refuses: both sides fail the request,
+                if not isinstance(e, KVRefused):  # or only the sender, when it lacked the ticket (kv_wire)
+                    self.net.spawn(lst.fail, request_id, f"KV transfer for {request_id} failed: {e}")  # type: ignore[arg-type]
                 await asyncio.sleep(links.latency(path.back))
                 raise KVTransferError(f"receiver refused: {e}") from None
             await asyncio.sleep(links.latency(path.back))
