@@ -238,6 +238,17 @@ def test_a_step_that_ends_late_counts_as_an_overrun() -> None:
     assert "ended late 1 (max 4.0 ms)" in format_verdict("pdd", v)
 
 
+def test_the_simulators_verdict_is_one_line_unless_it_failed() -> None:
+    """In virtual time every step lasts its modeled time: a passed verdict is one line (steps,
+    the simulator's CPU), not a block of zeros per worker; a failed one still says why."""
+    v = judge({"a": _stats("a", 40, 0), "b": _stats("b", 60, 0)}, None, {"simulator": 6.5}, 10.0)
+    assert format_verdict("pdd", v, "sim") == ("fidelity pdd: nothing to judge in virtual time (100 steps, each as "
+                                               "long as modeled; simulator CPU 6.50 s)")
+    assert format_verdict("pdd", v).count("\n") >= 3  # the emulation's block, a line per worker
+    failed = judge({"a": _stats("a", 40, 2)}, None, {"simulator": 1.0}, 10.0)
+    assert format_verdict("pdd", failed, "sim").startswith("fidelity pdd: FAILED\n  FAILED: a overran")
+
+
 def _frames(on_time: int, late_us: list[int]) -> DelayLineReport:
     hist = [0] * (len(LATE_EDGES_US) + 1)
     hist[0] = on_time

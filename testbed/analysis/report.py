@@ -192,7 +192,7 @@ def report_markdown(summary: RunSummary) -> str:
         "## Fidelity",
         "",
         "```",
-        "\n".join(format_verdict(name, s.fidelity) for name, s in summary.policies.items()),
+        "\n".join(format_verdict(name, s.fidelity, summary.engine) for name, s in summary.policies.items()),
         "```",
         "",
         *line_section(summary),

@@ -149,7 +149,7 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
         print(report.paper_comparison(summary, headline=True))
         print()
     for name, s in summaries.items():
-        print(format_verdict(name, s.fidelity))
+        print(format_verdict(name, s.fidelity, opts.engine))
     print(f"\nsaved: {', '.join(str(p) for p in paths)}")
     if not all(s.fidelity.passed for s in summaries.values()):
         if opts.engine != "sim" and plan.auto_key is not None:  # auto chose too low: the next run starts higher
