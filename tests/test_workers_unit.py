@@ -229,12 +229,13 @@ def test_peer_queues_take_turns_in_arrival_order_and_skip_cut_off_transfers() ->
     assert [o for o in order if o != "c:cut"] == ["a", "b", "d", "e"] and most == 2
 
 
-def test_wire_refuses_a_sender_without_the_runs_token() -> None:
+def _refused_then_served(offer: kv_wire.OfferFn, refused: dict[str, str], served_rid: str,
+                         served: dict[str, str]) -> tuple[str, dict[str, object]]:
+    """A receiver of the run's token: a transfer of r1 sent with ``refused`` (it must be
+    refused, failing nothing), then one of ``served_rid`` with ``served`` (it must arrive);
+    the first's error and what the receiver concluded."""
     async def main() -> tuple[str, dict[str, object]]:
         got: dict[str, object] = {}
-
-        async def offer(rid: str, toks: list[int], ticket: str) -> int:
-            return 0
 
         async def done(inc: kv_wire.Incoming) -> None:
             got["inc"] = inc
@@ -247,14 +248,22 @@ def test_wire_refuses_a_sender_without_the_runs_token() -> None:
         kv = torch.randn(2, 2, 2, 32, 8)
         try:
             with pytest.raises(kv_wire.KVTransferError) as err:
-                await kv_wire.send_kv("127.0.0.1", port, "r1", list(range(32)), kv, 1, 16, token="other")
-            ok = await kv_wire.send_kv("127.0.0.1", port, "r2", list(range(32)), kv, 1, 16, token="run-token")
+                await kv_wire.send_kv("127.0.0.1", port, "r1", list(range(32)), kv, 1, 16, **refused)  # type: ignore[arg-type]
+            assert "fail" not in got
+            ok = await kv_wire.send_kv("127.0.0.1", port, served_rid, list(range(32)), kv, 1, 16, **served)  # type: ignore[arg-type]
             assert ok.tokens_sent == 32
         finally:
             server.close()
         return str(err.value), got
 
-    why, got = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_wire_refuses_a_sender_without_the_runs_token() -> None:
+    async def offer(rid: str, toks: list[int], ticket: str) -> int:
+        return 0
+
+    why, got = _refused_then_served(offer, {"token": "other"}, "r2", {"token": "run-token"})
     assert why.startswith("receiver refused: ") and "KV token" in why
     assert "fail" not in got and isinstance(got["inc"], kv_wire.Incoming)  # r2 arrived, r1 failed nothing
 
@@ -262,35 +271,12 @@ def test_wire_refuses_a_sender_without_the_runs_token() -> None:
 def test_wire_refuses_a_sender_without_the_requests_ticket_and_fails_nothing() -> None:
     """A receiver that refuses the sender (``KVRefused``: no ticket for this request) tells the
     sender why and does not fail the request: its own sender, with the ticket, is then served."""
-    async def main() -> tuple[str, dict[str, object]]:
-        got: dict[str, object] = {}
+    async def offer(rid: str, toks: list[int], ticket: str) -> int:
+        if ticket != "0f" * 16:
+            raise kv_wire.KVRefused(f"no ticket for {rid}")
+        return 0
 
-        async def offer(rid: str, toks: list[int], ticket: str) -> int:
-            if ticket != "0f" * 16:
-                raise kv_wire.KVRefused(f"no ticket for {rid}")
-            return 0
-
-        async def done(inc: kv_wire.Incoming) -> None:
-            got["inc"] = inc
-
-        async def fail(rid: str, msg: str) -> None:
-            got["fail"] = msg
-
-        server = await kv_wire.serve_kv("127.0.0.1", 0, offer, done, fail, token="run-token")
-        port = server.sockets[0].getsockname()[1]
-        kv = torch.randn(2, 2, 2, 32, 8)
-        try:
-            with pytest.raises(kv_wire.KVTransferError) as err:
-                await kv_wire.send_kv("127.0.0.1", port, "r1", list(range(32)), kv, 1, 16, token="run-token")
-            assert "fail" not in got
-            ok = await kv_wire.send_kv("127.0.0.1", port, "r1", list(range(32)), kv, 1, 16, token="run-token",
-                                      ticket="0f" * 16)
-            assert ok.tokens_sent == 32
-        finally:
-            server.close()
-        return str(err.value), got
-
-    why, got = asyncio.run(main())
+    why, got = _refused_then_served(offer, {"token": "run-token"}, "r1", {"token": "run-token", "ticket": "0f" * 16})
     assert why == "receiver refused: no ticket for r1"
     assert "fail" not in got and isinstance(got["inc"], kv_wire.Incoming) and got["inc"].request_id == "r1"
 
