@@ -1,6 +1,14 @@
 """The KV wire's connections: frames in and out with time limits, socket options that let
 the kernel end a connection whose peer is gone, and the pool of kept connections (the
-transfers themselves: ``workers/kv_wire.py``)."""
+transfers themselves: ``workers/kv_wire.py``).
+
+Connections persist (``Connections``): a sender keeps its connection to each receiver open
+between transfers and the receiver serves transfer after transfer on it, as a transfer
+engine's connection would. A fresh TCP connection per transfer costs a handshake and a slow
+start from ten segments every time: a 200-token transfer over an idle 60 ms line took
+1.56 s emulated instead of ~0.13 s. A connection is reused only after a transfer that
+ended cleanly; a cut-off or broken one is closed, and a reused connection found dead before
+the receiver's OFFER is replaced once by a fresh one."""
 
 from __future__ import annotations
 

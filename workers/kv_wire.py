@@ -4,9 +4,8 @@
 take transfers. The receiver trusts nothing its peer sends: every frame's length is capped
 before it is read (control frames ``MAX_CONTROL_FRAME``, HELLO ``MAX_HELLO``, a BLOCK at
 most the KV still missing), HELLO is a validated ``Hello`` (request id alphabet, at most
-``MAX_PROMPT_TOKENS`` token ids, a dtype from a whitelist, the run's KV token, the
-request's ticket that only its sender and receiver were given) whose
-layout must equal the receiver's own model (``ModelShape``), and every block is verified
+``MAX_PROMPT_TOKENS`` token ids, a dtype from a whitelist, the run's KV token, the request's
+ticket) whose layout must equal the receiver's own model (``ModelShape``), and every block is verified
 (checksum, shape, dtype, length, contiguity) before it is used. Anything else ends that
 transfer with a reason on both sides (``fail``); the server serves on. ``cancel`` cuts a
 transfer off at once, even mid-block (a reset, SO_LINGER 0: bytes still queued in the
@@ -26,13 +25,8 @@ sides, so a peer that vanished, or a reset lost on a line that was down, ends th
 and frees its buffer. A receiver closes a kept connection idle for ``IDLE_FACTOR`` x that
 long and serves at most ``MAX_CONNECTIONS`` at once (more are told so and closed).
 
-Connections persist (``Connections``): a sender keeps its connection to each receiver open
-between transfers and the receiver serves transfer after transfer on it, as a transfer
-engine's connection would. A fresh TCP connection per transfer costs a handshake and a slow
-start from ten segments every time: a 200-token transfer over an idle 60 ms line took
-1.56 s emulated instead of ~0.13 s. A connection is reused only after a transfer that
-ended cleanly; a cut-off or broken one is closed, and a reused connection found dead before
-the receiver's OFFER is replaced once by a fresh one.
+Connections persist (``Connections``, ``workers/kv_conn.py`` says why): a connection is reused
+only after a transfer that ended cleanly.
 """
 
 from __future__ import annotations
@@ -129,8 +123,8 @@ async def send_kv(
     host: str, port: int, request_id: str, tokens: list[int], kv: torch.Tensor, first_token: int,
     block_size: int, cancel: asyncio.Event | None = None, corrupt_block: int | None = None,
     on_progress: Callable[[TransferStats], None] | None = None, frame_tokens: int = 0, token: str = "",
-    pool: Connections | None = None, zeros: bool = False, netns: str | None = None, timeout_s: float | None = None,
-    ticket: str = "",
+    ticket: str = "", pool: Connections | None = None, zeros: bool = False, netns: str | None = None,
+    timeout_s: float | None = None,
 ) -> TransferStats:
     """Send the part of ``kv`` (for ``tokens``) the receiver lacks, in frames of whole blocks
     (``frame_tokens``, default ``FRAME_TOKENS``), over a connection from ``pool`` if it has
@@ -203,8 +197,7 @@ async def _send(
     watcher = asyncio.create_task(cut_off()) if cancel is not None else None
     try:
         hello = Hello(rid=request_id, tokens=tokens, dtype=str(kv.dtype), layers=layers,  # type: ignore[arg-type]
-                      kv_heads=heads, head_dim=head_dim, block_size=block_size, token=token,
-                      ticket=ticket)
+                      kv_heads=heads, head_dim=head_dim, block_size=block_size, token=token, ticket=ticket)
         try:
             await _write(st, writer, HELLO, hello.model_dump_json().encode(), timeout_s)
             ftype, payload = await read_frame(reader, timeout_s=timeout_s)
@@ -281,8 +274,6 @@ class Incoming:
     end: float
 
 
-# offer(rid, tokens, ticket): the cached prefix to claim; raises KVRefused for a sender without
-# the request's ticket (nothing is failed), anything else to fail the request.
 OfferFn = Callable[[str, list[int], str], Awaitable[int]]
 DoneFn = Callable[[Incoming], Awaitable[None]]
 FailFn = Callable[[str, str], Awaitable[None]]
@@ -360,8 +351,7 @@ async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
         try:
             have = await offer(rid, tokens, hello.ticket)
         except Exception as e:  # noqa: BLE001 - reported to the sender
-            if isinstance(e, KVRefused):
-                rid = None  # not this request's sender: the request waits on for its own
+            rid = None if isinstance(e, KVRefused) else rid  # not its sender: the request waits on for its own
             await write_frame(writer, OFFER, Offer(error=str(e)).model_dump_json().encode())
             raise KVTransferError(str(e)) from e
         await write_frame(writer, OFFER, Offer(have=have).model_dump_json().encode(), timeout_s)
