@@ -8,6 +8,9 @@ and peak resident memory (the kernel's, for that process alone) are its own:
   emulation's token scale;
 * the emulation replaying ``--emulation-limit`` of them at its token scale, at dilation 1:
   its requests per wall second, the rate the simulator's is compared with;
+* the event loop's floor (``loop_floor``): what one decode step costs in asyncio alone, and
+  so the most requests per second any replay that executes the workers' code step by step
+  can reach at token scale 1, given the steps a request took in the first replay;
 * with ``--hour``, an emulated hour of the same recipe (``testbed trace gen`` with the
   trace's own header, ``--hour-requests`` requests over 3,600 s) in the simulator at token
   scale 1.
@@ -26,6 +29,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from testbed.bench.loop_floor import floor_us_per_step
 from testbed.outputs import write_atomic
 from testbed.traces import load_trace
 from testbed.traces.generate import GenConfig, generate_file
@@ -91,6 +95,8 @@ def run_bench(scenario: Path, trace: Path, limit: int, emulation_limit: int, sca
     rows.append(measure(f"simulator, token scale {scale}",
                         ["run", "--engine", "sim", *common, "--trace", str(trace), "--token-scale", str(scale),
                          "--limit", str(limit), "--out", str(out / f"sim-{scale}")], "sim", scale, limit))
+    floor = loop_floor_line(out / "sim-1", limit)
+    print(f"  {floor}", flush=True)
     if emulation_limit > 0:
         rows.append(measure(f"emulation, token scale {scale}, D 1",
                             ["run", *common, "--trace", str(trace), "--token-scale", str(scale), "--dilation", "1",
@@ -101,11 +107,22 @@ def run_bench(scenario: Path, trace: Path, limit: int, emulation_limit: int, sca
         rows.append(measure("simulator, an emulated hour, token scale 1",
                             ["run", "--engine", "sim", *common, "--trace", str(hour), "--token-scale", "1",
                              "--out", str(out / "sim-hour")], "sim", 1, len(load_trace(hour).requests)))
-    text = format_bench(rows)
+    text = format_bench(rows) + "\n\n" + floor
     write_atomic(out / "bench-sim.md", text + "\n")
     write_atomic(out / "bench-sim.json", json.dumps([asdict(r) | {"rps": r.rps} for r in rows], indent=2))
     print("\n" + text + f"\nsaved: {out / 'bench-sim.md'}", flush=True)
     return 0 if all(r.exit in (0, 1) for r in rows) else 1
+
+
+def loop_floor_line(folder: Path, requests: int) -> str:
+    """The loop's floor a step, beside the steps a request took in the replay saved in ``folder``."""
+    summary = json.loads((folder / "summary.json").read_text())
+    workers = next(iter(summary["policies"].values()))["fidelity"]["workers"]
+    per_request = sum(w["steps"] for w in workers.values()) / max(1, requests)
+    us = floor_us_per_step()
+    return (f"the event loop's floor: {us:.1f} us a step in asyncio alone; at token scale 1 a request took "
+            f"{per_request:.0f} steps, so no replay that executes the workers' code step by step exceeds "
+            f"{1e6 / (us * per_request):.0f} requests/s here")
 
 
 def format_bench(rows: list[Measured]) -> str:
