@@ -90,3 +90,30 @@ def test_a_full_cache_evicts_in_logarithmic_time() -> None:
     per_block = (time.perf_counter() - t0) / ((2000 // 64 + 1) * 64)
     assert c.blocks == blocks and c.evicted_blocks >= 2000
     assert per_block < 2e-3, f"{1e3 * per_block:.3f} ms per inserted block"
+
+
+def test_an_insert_after_its_match_stores_what_a_walk_from_the_root_stores() -> None:
+    """Prefill and decoder pass the path they matched (and held) to ``insert``, which starts
+    after it: the tree, the depth returned and each block's KV are those of an insert that
+    walks from the root, and a path evicted meanwhile is ignored, not trusted."""
+    rng = random.Random(5)
+    fast, ref = RadixCache(block_size=2, capacity_tokens=48), RadixCache(block_size=2, capacity_tokens=48)
+    for step in range(3000):
+        prompt = [rng.randrange(3) for _ in range(2 * rng.randint(1, 10))]
+        kv = _kv(len(prompt)) + step
+        a, b = fast.match_prefix(prompt), ref.match_prefix(prompt)
+        assert [n.key for n in a] == [n.key for n in b], step
+        if rng.random() < 0.2:  # released before the insert, and evicted: the path is stale
+            assert fast.evict(48) == ref.evict(48), step
+        else:
+            fast.lock(a)
+            ref.lock(b)
+        assert fast.insert(prompt, kv, a) == ref.insert(prompt, kv), step
+        if a and a[0].lock:
+            fast.unlock(a)
+            ref.unlock(b)
+        assert _contents(fast) == _contents(ref), step
+        path = fast.match_prefix(prompt, count=False)
+        assert [n.key for n in path] == [n.key for n in ref.match_prefix(prompt, count=False)], step
+        for i, (x, y) in enumerate(zip(path, ref.match_prefix(prompt, count=False), strict=True)):
+            assert torch.equal(x.kv, y.kv), (step, i)

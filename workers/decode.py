@@ -225,10 +225,10 @@ class DecodeWorker(HandoffMixin, Worker):
         else:
             cached = self.cache.kv_of(seq.path)
             kv = inc.kv if cached is None else torch.cat([cached, inc.kv], dim=3)
-        self.cache.unlock(seq.path)
-        seq.path = []
+        matched, seq.path = seq.path, []
+        self.cache.unlock(matched)
         if seq.drc:
-            self.cache.insert(seq.prompt, kv)
+            self.cache.insert(seq.prompt, kv, matched)
         received = KvReceived(**self.stamp(seq.rid), bytes=inc.bytes_received, had=inc.have, start=inc.start,
                               end=inc.end, cache_only=seq.cache_only)
         if seq.cache_only:  # the request ended on a relay; its KV was only wanted for the cache

@@ -124,7 +124,7 @@ class PrefillWorker(Worker):
             modeled = None if self.pacer.native else self.pacer.prefill_time(new, hit)
             await self.pace("warm", real, modeled, f"{new} answer tokens after {hit}")
             self.warmed_tokens += new
-            self.cache.insert(cmd.tokens, kv)
+            self.cache.insert(cmd.tokens, kv, path)
         except Exception as e:  # noqa: BLE001 - nothing waits on a warm command; the worker goes on
             self.warm_skipped += 1
             print(f"{self.cfg.name}: warm {cmd.rid}: {e}", flush=True)
@@ -158,7 +158,7 @@ class PrefillWorker(Worker):
             await self.pace("prefill", real, modeled, f"{len(tokens) - hit} tokens after {hit}")
             self.computed_tokens += len(tokens) - hit
             self.reused_tokens += hit
-            self.cache.insert(tokens, kv)
+            self.cache.insert(tokens, kv, path)
         finally:
             self.cache.unlock(path)
         self.emit(PrefillDone(**self.stamp(cmd.rid), hit_tokens=hit, computed=len(tokens) - hit,

@@ -126,18 +126,24 @@ class RadixCache:
         if path and path[-1].lock == 0:
             self._candidate(path[-1])
 
-    def insert(self, tokens: list[int], kv: torch.Tensor) -> int:
+    def insert(self, tokens: list[int], kv: torch.Tensor, matched: list[Node] | None = None) -> int:
         """Store the KV (``kv[..., t, :]`` for token t) of every full block of ``tokens``.
 
-        Returns how many blocks are cached for this prefix afterwards.
+        ``matched``: what ``match_prefix`` gave for these tokens, held (locked) since; the
+        walk starts after it (a 64K-token prompt is 4,096 blocks, most of them a hit). Only
+        leaves are evicted, so a path whose last node is alive is alive. Returns how many
+        blocks are cached for this prefix afterwards.
         """
         bs = self.block_size
-        node = self.root
+        node, first = self.root, 0
+        if matched and matched[-1].alive:
+            node, first = matched[-1], len(matched)
         now = next(self._clock)
-        depth = 0
-        for i, key in enumerate(self._keys(tokens)):
-            if (i + 1) * bs > kv.shape[3]:
-                break
+        keys = self._keys(tokens)
+        end = min(len(keys), kv.shape[3] // bs)  # blocks the KV covers
+        depth = first
+        for i in range(first, end):
+            key = keys[i]
             child = node.children.get(key)
             if child is None:
                 if self.blocks >= self.capacity_blocks and not self._evict_one(protect=node):
