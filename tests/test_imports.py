@@ -214,3 +214,13 @@ def test_the_cli_starts_without_heavy_libraries() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_the_simulator_runs_workers_without_transformers() -> None:
+    """A simulated worker is modeled: it reads its model's shape from ``config.json``
+    (``workers.model_config``), so the simulator's process never pays transformers' ~2.5 s
+    and ~150 MB (a sweep starts one process per point)."""
+    code = "import sys, testbed.sim.engine; print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
 
 from protocol.worker_config import BrokerInfo, WorkerConfig, WorkerFaults
@@ -31,6 +32,7 @@ from workers import kv_wire
 from workers.__main__ import load_configs
 from workers.__main__ import serve as serve_instances
 from workers.model import ModelRunner, ensure_default_model
+from workers.model_config import read_config, shape_of
 from workers.modeled import ModeledRunner
 
 from .conftest import ROOT, TOPOLOGIES, needs_root
@@ -41,7 +43,7 @@ CLUSTER = TOPOLOGIES / "paper.yaml"
 def test_modeled_runner_gives_real_sized_kv_and_consistent_tokens() -> None:
     path = ensure_default_model()
     real, modeled = ModelRunner(path), ModeledRunner(path)
-    assert modeled.shape == real.shape
+    assert modeled.shape == real.shape and modeled.vocab == real.model.config.vocab_size
     prompt = list(range(3, 103))
     kv, first = modeled.prefill(prompt, None, 512)
     assert kv.shape == (real.shape.layers, 2, real.shape.kv_heads, 100, real.shape.head_dim)
@@ -260,3 +262,22 @@ def test_an_instance_that_fails_stops_its_siblings_which_report_themselves_dead(
     crashed = asyncio.run(asyncio.wait_for(serve_instances(instances), 5))  # type: ignore[arg-type]
     assert crashed == "decode-b2: _loop: RuntimeError: boom"
     assert [i.said_dead for i in instances] == [True, False, True]
+
+
+def test_a_model_shape_from_config_json_follows_the_models_defaults(tmp_path: Path) -> None:
+    """No ``num_key_value_heads``: a KV head per attention head; no ``head_dim``: the hidden
+    size divided among the heads. A directory without a usable configuration is named."""
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "num_attention_heads": 8,
+                                                      "hidden_size": 512, "vocab_size": 1000}))
+    shape = shape_of(read_config(tmp_path), "bfloat16")
+    assert (shape.layers, shape.kv_heads, shape.head_dim, shape.dtype) == (4, 8, 64, torch.bfloat16)
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "num_attention_heads": 8,
+                                                      "num_key_value_heads": 2, "head_dim": 32,
+                                                      "hidden_size": 512, "vocab_size": 1000}))
+    shape = shape_of(read_config(tmp_path), "float32")
+    assert (shape.kv_heads, shape.head_dim) == (2, 32)
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+    with pytest.raises(ValueError, match=r"config.json: not a model configuration \(missing num_attention_heads"):
+        read_config(tmp_path)
+    with pytest.raises(ValueError, match="cannot read the model's configuration"):
+        read_config(tmp_path / "nowhere")

@@ -24,12 +24,12 @@ class ScanLru(RadixCache):
         while n is not None:
             keep.add(id(n))
             n = n.parent
-        leaves = [x for x in self._iter() if not x.children and x.lock == 0 and id(x) not in keep]
+        leaves = [x for x in self._iter() if x.leaf and x.lock == 0 and id(x) not in keep]
         if not leaves:
             return False
         victim = min(leaves, key=lambda x: x.last_used)
         assert victim.parent is not None
-        del victim.parent.children[victim.key]
+        victim.parent.remove(victim)
         victim.alive = False
         self.blocks -= 1
         self.evicted_blocks += 1

@@ -32,6 +32,7 @@ import os
 import sys
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -52,12 +53,14 @@ from workers import kv_wire
 from workers.allocator import resident_bytes
 from workers.expected import Expected
 from workers.handoff import HandoffMixin
-from workers.model import DecodeBatch
 from workers.modeled import ModeledBatch, ModeledRunner
 from workers.radix_cache import RadixCache
 from workers.runtime import Worker
 from workers.seq import Seq
 from workers.transport import HOST, Transport
+
+if TYPE_CHECKING:  # transformers: imported only where a model runs (``workers.model_config``)
+    from workers.model import DecodeBatch
 
 # Columns a batch can grow by (steps, and joiners longer than its end) before it is rebuilt.
 # Unused headroom and spare rows cost no copying (the buffer is not zeroed), only memory that
@@ -112,7 +115,7 @@ class DecodeWorker(HandoffMixin, Worker):
         seqs = {id(s): s for s in (*self.waiting.values(), *self.running.values(), *self.held.values(),
                                    *(s for s, _ in self.admission.values()))}
         bufs = [s.buf for s in seqs.values() if s.buf is not None]
-        if isinstance(self.dbatch, DecodeBatch):
+        if self.dbatch is not None and not isinstance(self.dbatch, ModeledBatch):  # a model's: real buffers
             bufs += [t for kv in self.dbatch.bufs for t in kv]
         return sum(resident_bytes(t.data_ptr(), t.nbytes) for t in bufs)
 
@@ -349,7 +352,7 @@ class DecodeWorker(HandoffMixin, Worker):
         # (~0.9 s for 20 requests of 3.7K tokens under load here).
         spare = max(4, self.cfg.max_batch - len(wanted))
         end = max(s.n for s in wanted)
-        old = self.dbatch if isinstance(self.dbatch, DecodeBatch) else None
+        old = None if isinstance(self.dbatch, ModeledBatch) else self.dbatch
         self.dbatch = self.runner.batch([s.kv for s in wanted], headroom=max(BATCH_HEADROOM, end), spare=spare,
                                         reuse=old)
         self.dbatch_rows = list(wanted)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -52,8 +52,10 @@ from protocol.topics import Topics
 from protocol.worker_config import WorkerConfig
 from workers.device import Pacer
 from workers.expected import Expected
-from workers.model import ModelRunner
 from workers.seq import MainState, RelayState, Seq
+
+if TYPE_CHECKING:  # transformers: imported only where a model runs (``workers.model_config``)
+    from workers.model import ModelRunner
 
 MAX_CATCH_UP_ROUNDS = 16  # after this many batches the rest goes in one final batch
 

@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from protocol.kv_format import ModelShape  # the KV layout is the wire format's contract
+from workers.model_config import DTYPES, shape_of
 from workers.model_dir import default_model_dir
 from workers.tokenizer import ensure_tokenizer
 
@@ -92,9 +92,6 @@ ATTN_IMPLEMENTATION = "pdd_grouped_sdpa"
 AttentionInterface.register(ATTN_IMPLEMENTATION, _grouped_query_sdpa)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-
-
 class ModelRunner:
     """One model instance. Not thread-safe: one worker drives it from one thread."""
 
@@ -106,8 +103,7 @@ class ModelRunner:
             self.model.config._attn_implementation = ATTN_IMPLEMENTATION
         cfg = self.model.config
         self.eos_token_id: int | None = cfg.eos_token_id
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.shape = ModelShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, DTYPES[dtype])
+        self.shape = shape_of(cfg, dtype)
         self.params = sum(p.numel() for p in self.model.parameters())
 
     # ----------------------------------------------------------------- helpers

@@ -22,9 +22,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
 
-from workers.model import DTYPES, ModelShape
+from workers.model_config import read_config, shape_of
 
 FIRST_ID = 3  # ids below are special tokens (bos, eos, pad) in the default model
 
@@ -33,9 +32,8 @@ class ModeledRunner:
     """Same calls as ``ModelRunner`` (``prefill``, ``extend``, ``batch``), no weights."""
 
     def __init__(self, path: Path | str, dtype: str = "float32") -> None:
-        cfg = AutoConfig.from_pretrained(path)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.shape = ModelShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, DTYPES[dtype])
+        cfg = read_config(path)  # not transformers': a modeled worker never imports it
+        self.shape = shape_of(cfg, dtype)
         self.vocab = int(cfg.vocab_size)
         self.eos_token_id: int | None = None  # outputs run to their length
         self._zero = torch.zeros((), dtype=self.shape.dtype)

@@ -20,7 +20,7 @@ import traceback
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiomqtt
 import torch
@@ -45,11 +45,13 @@ from protocol.topics import Topics
 from protocol.worker_config import CacheReport, ModelCost, WorkerConfig, WorkerStats
 from workers.allocator import WATCH
 from workers.device import Pacer, make_pacer
-from workers.model import ModelRunner
 from workers.modeled import ModeledRunner
 from workers.privilege import OutDir
 from workers.radix_cache import RadixCache
 from workers.transport import HOST, Transport
+
+if TYPE_CHECKING:  # transformers: imported only where a model runs (``workers.model_config``)
+    from workers.model import ModelRunner
 
 T = TypeVar("T")
 
@@ -58,14 +60,22 @@ WAKE_LEAD_MAX_S = 0.002
 REMEMBERED_STARTS = 100_000  # request ids whose start command a worker remembers, to drop repeats
 
 
+def _runner(cfg: WorkerConfig) -> ModelRunner | ModeledRunner:
+    if cfg.compute == "modeled":
+        return ModeledRunner(cfg.model_path, cfg.dtype)
+    # Here, not at the top: transformers takes ~2.5 s and ~150 MB to import, which a modeled
+    # worker (every simulated one) would pay for a model it never runs.
+    from workers.model import ModelRunner
+
+    return ModelRunner(cfg.model_path, cfg.dtype, cfg.threads)
+
+
 class Worker:
     def __init__(self, cfg: WorkerConfig, transport: Transport = HOST) -> None:
         self.cfg = cfg
         self.transport = transport  # the broker and KV peers: the host's network or a simulator's
         self.topics = Topics(cfg.run_id)
-        self.runner: ModelRunner | ModeledRunner = (
-            ModeledRunner(cfg.model_path, cfg.dtype) if cfg.compute == "modeled"
-            else ModelRunner(cfg.model_path, cfg.dtype, cfg.threads))
+        self.runner: ModelRunner | ModeledRunner = _runner(cfg)
         # Steps are priced as the emulated model's; without one, as the real model's own work.
         self.pacer: Pacer = make_pacer(cfg.device, cfg.cost or self._own_cost(), cfg.scales)
         self.wake_lead = 0.0  # how early a paced wait is set to wake (see ``pace``)
@@ -89,7 +99,7 @@ class Worker:
     def _own_cost(self) -> ModelCost | None:
         """The real model's own work (a scenario that emulates no model); modeled compute
         has no model of its own and is always given the emulated one."""
-        if not isinstance(self.runner, ModelRunner):
+        if isinstance(self.runner, ModeledRunner):
             return None
         mc = self.runner.model.config
         return ModelCost(
