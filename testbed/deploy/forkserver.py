@@ -177,7 +177,11 @@ def _reap(_sig: int, _frame: object) -> None:
 
 def serve(fd: int) -> None:
     """The server's loop: one request, one fork, one reply, until the socket closes."""
-    from workers.__main__ import main as worker_main  # torch, transformers: why this process exists
+    # torch, and transformers (``workers.model``): why this process exists. A worker that runs
+    # a model imports the latter as it starts (``workers.runtime``), ~2.5 CPU-seconds each,
+    # unless the process it was forked from already has.
+    import workers.model  # noqa: F401
+    from workers.__main__ import main as worker_main
 
     sock = socket.socket(fileno=fd)
     fcntl.fcntl(fd, fcntl.F_SETFD, fcntl.FD_CLOEXEC)
