@@ -15,6 +15,7 @@ tokens (``x s_out``; ``output_tokens`` stays the replayed count).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -164,12 +165,13 @@ def request_rows(recs: dict[str, ClientRecord], router: dict[str, RequestRecord]
                          for rid, r in recs.items()])
 
 
-def itls(recs: dict[str, ClientRecord], scales: Scales | None = None) -> list[float]:
-    """Every gap between consecutive tokens (per emulated token under an emulation)."""
+def itls(recs: dict[str, ClientRecord], scales: Scales | None = None) -> np.ndarray:
+    """Every gap between consecutive tokens (per emulated token under an emulation). An
+    array: an emulated hour at token scale 1 has 10.8 M of them, 345 MB as a list of floats."""
     sc = scales or Scales()
     per_token = sc.dilation * sc.s_out
-    return [(b - a) / per_token for r in recs.values() if r.ok
-            for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
+    gaps = [np.diff(np.asarray(r.token_times, dtype=float)) for r in recs.values() if r.ok and len(r.token_times) > 1]
+    return (np.concatenate(gaps) if gaps else np.empty(0)) / per_token
 
 
 def _pct(s: pd.Series, q: float) -> float | None:
@@ -233,7 +235,7 @@ class Summary(BaseModel):
     requests_by_worker: dict[str, int]
 
 
-def summarize(df: pd.DataFrame, itl: list[float], slo: Slo | None = None,
+def summarize(df: pd.DataFrame, itl: Sequence[float] | np.ndarray, slo: Slo | None = None,
               recs: dict[str, ClientRecord] | None = None, scales: Scales | None = None) -> Summary:
     slo = slo or Slo()
     ok = df[df.ok]
