@@ -190,7 +190,8 @@ def test_an_answer_is_cached_after_its_request_when_the_system_keeps_answers(tmp
     # after it); the last turn has no next turn to carry it to.
     assert t0.answer is not None and list(t0.answer.tokens()) == t1.prompt()[1064:2164] and t1.answer is None
     specs = wl.specs()
-    assert specs[0].hints.answer == t1.prompt()[1064:2164] and specs[1].hints.answer is None
+    assert specs[0].answer is not None and specs[1].answer is None and specs[0].hints.answer is None
+    assert specs[0].sent_hints().answer == t1.prompt()[1064:2164] and specs[1].sent_hints().answer is None
     plain, cached = hit_rates(wl)["a.1"], hit_rates(wl, outputs_cached=True)["a.1"]
     assert plain == pytest.approx(1024 / 2194)  # two full blocks of the first prompt
     assert cached == pytest.approx(2048 / 2194)  # and two more of its answer

@@ -191,7 +191,7 @@ async def replay(transport: Transport, broker: BrokerInfo, topics: Topics, specs
         rec.attempt_sent = clock.time()
         rec.sent = rec.sent or rec.attempt_sent
         gate.expect(rec.last_rid, spec.max_new)
-        req = Request(rid=rec.last_rid, prompt=list(spec.prompt), max_new=spec.max_new, hints=spec.hints)
+        req = Request(rid=rec.last_rid, prompt=list(spec.prompt), max_new=spec.max_new, hints=spec.sent_hints())
         await session.publish(topics.requests, req.dump())
 
     stop = asyncio.Event()

@@ -127,6 +127,12 @@ class RequestSpec:
     hints: RequestHints = field(default_factory=RequestHints)
     after: str | None = None  # closed loop: sent ``delay`` s after request ``after`` completes
     delay: float = 0.0
+    # ``hints.answer`` as the client sends it, made then (a ``Prompt``): an hour at token scale
+    # 1 is 10.8 M answer tokens, ~360 MB as lists held from the first request to the last.
+    answer: Sequence[int] | None = None
+
+    def sent_hints(self) -> RequestHints:
+        return self.hints if self.answer is None else self.hints.model_copy(update={"answer": list(self.answer)})
 
 
 @dataclass
@@ -177,11 +183,11 @@ class Workload:
         """Materialise prompts and timing (``speed`` 2 = twice as fast) for the client."""
         out = []
         for r in self.requests:
-            hints = r.hints.model_copy(update={"session": r.session, "turn": r.turn,
-                                               "answer": list(r.answer.tokens()) if r.answer else None})
+            hints = r.hints.model_copy(update={"session": r.session, "turn": r.turn})
             out.append(RequestSpec(r.rid, r.lazy_prompt(), r.output_len,
                                    at=(r.at or 0.0) / speed if r.at is not None else 0.0,
-                                   hints=hints, after=r.after, delay=r.delay / speed))
+                                   hints=hints, after=r.after, delay=r.delay / speed,
+                                   answer=Prompt([r.answer]) if r.answer else None))
         return out
 
 
