@@ -38,6 +38,12 @@ _HEAD = struct.Struct("<4sdBH")
 _CHUNK = struct.Struct("<IBI")  # start, flags, n (after the rid)
 _ERRLEN = struct.Struct("<H")
 _NAME = re.compile(SAFE_NAME)
+# Names (workers', requests') already checked, by their bytes: a request's id recurs in every
+# step's batch while it decodes. Cleared when full (a run of 10^5 requests is many more).
+_NAMES: dict[bytes, str] = {}
+NAMES_KEPT = 1 << 14
+_IDS: dict[int, struct.Struct] = {}
+IDS_KEPT = 256
 
 
 class TokenStreamError(ValueError):
@@ -85,55 +91,89 @@ def encode(worker: str, t: float, chunks: list[TokenChunk]) -> bytes:
 
 def decode(payload: bytes | bytearray) -> tuple[str, float, list[TokenChunk]]:
     """(worker, send time, chunks) of one batch; raises ``TokenStreamError`` naming the
-    field that failed and the requests read before it."""
+    field that failed and the requests read before it. Every step of every decoder passes
+    here: fields are read in place (``unpack_from``), and names already checked are looked up."""
+    buf = bytes(payload)
+    size = len(buf)
     rids: list[str] = []
-    buf = memoryview(payload)
 
     def fail(why: str) -> TokenStreamError:
         return TokenStreamError(f"token batch: {why}", rids)
 
-    def take(n: int, what: str) -> memoryview:
-        nonlocal off
-        if off + n > len(buf):
-            raise fail(f"{what}: truncated at byte {off} (needs {n} more of {len(buf) - off})")
-        part = buf[off : off + n]
-        off += n
-        return part
+    def short(off: int, n: int, what: str) -> TokenStreamError:
+        return fail(f"{what}: truncated at byte {off} (needs {n} more of {size - off})")
 
-    def name(n: int, what: str) -> str:
-        s = bytes(take(n, what)).decode("ascii", errors="replace")
-        if not _NAME.fullmatch(s):
-            raise fail(f"{what}: {s[:40]!r} is not a valid name")
+    def name(off: int, n: int, what: str) -> str:
+        if off + n > size:
+            raise short(off, n, what)
+        raw = buf[off : off + n]
+        s = _NAMES.get(raw)
+        if s is None:
+            s = raw.decode("ascii", errors="replace")
+            if not _NAME.fullmatch(s):
+                raise fail(f"{what}: {s[:40]!r} is not a valid name")
+            if len(_NAMES) >= NAMES_KEPT:
+                _NAMES.clear()
+            _NAMES[raw] = s
         return s
 
-    off = 0
-    magic, t, wlen, n_chunks = _HEAD.unpack(take(_HEAD.size, "header"))
+    if size < _HEAD.size:
+        raise short(0, _HEAD.size, "header")
+    magic, t, wlen, n_chunks = _HEAD.unpack_from(buf)
+    off = _HEAD.size
     if magic != MAGIC:
         raise fail(f"header: magic {bytes(magic)!r}, expected {MAGIC!r}")
     if not n_chunks:
         raise fail("header: no chunks")
     if t != t or t < 0:
         raise fail(f"header: send time {t} is not a time")
-    worker = name(wlen, "worker")
+    worker = name(off, wlen, "worker")
+    off += wlen
     chunks: list[TokenChunk] = []
     for i in range(n_chunks):
-        rid = name(take(1, f"chunk {i} rid length")[0], f"chunk {i} rid")
+        if off >= size:
+            raise short(off, 1, f"chunk {i} rid length")
+        rlen = buf[off]
+        rid = name(off + 1, rlen, f"chunk {i} rid")
+        off += 1 + rlen
         rids.append(rid)
-        start, flags, n = _CHUNK.unpack(take(_CHUNK.size, f"chunk {i} ({rid})"))
+        if off + _CHUNK.size > size:
+            raise short(off, _CHUNK.size, f"chunk {i} ({rid})")
+        start, flags, n = _CHUNK.unpack_from(buf, off)
+        off += _CHUNK.size
         if flags & ~(DONE | ERROR):
             raise fail(f"chunk {i} ({rid}): unknown flags {flags:#x}")
         if flags & ERROR and not flags & DONE:
             raise fail(f"chunk {i} ({rid}): an error that does not end the stream")
-        tokens = list(struct.unpack(f"<{n}I", take(4 * n, f"chunk {i} ({rid}) tokens")))
+        if off + 4 * n > size:
+            raise short(off, 4 * n, f"chunk {i} ({rid}) tokens")
+        tokens = list(_ids(n).unpack_from(buf, off))
+        off += 4 * n
         error = None
         if flags & ERROR:
-            (elen,) = _ERRLEN.unpack(take(_ERRLEN.size, f"chunk {i} ({rid}) error length"))
+            if off + _ERRLEN.size > size:
+                raise short(off, _ERRLEN.size, f"chunk {i} ({rid}) error length")
+            (elen,) = _ERRLEN.unpack_from(buf, off)
+            off += _ERRLEN.size
+            if off + elen > size:
+                raise short(off, elen, f"chunk {i} ({rid}) error")
             try:
-                error = bytes(take(elen, f"chunk {i} ({rid}) error")).decode()
+                error = buf[off : off + elen].decode()
             except UnicodeDecodeError as e:
                 raise fail(f"chunk {i} ({rid}) error: not UTF-8 ({e.reason})") from None
+            off += elen
         chunks.append(TokenChunk(rid, start, tokens, worker, bool(flags & DONE), error))
-    if off != len(buf):
-        raise fail(f"{len(buf) - off} bytes after the last chunk")
+    if off != size:
+        raise fail(f"{size - off} bytes after the last chunk")
     return worker, t, chunks
 
+
+def _ids(n: int) -> struct.Struct:
+    """The layout of ``n`` token ids, compiled once for the counts that recur (a step's
+    chunk is one token; a relay's first chunk, its eager tokens)."""
+    s = _IDS.get(n)
+    if s is None:
+        s = struct.Struct(f"<{n}I")
+        if len(_IDS) < IDS_KEPT:
+            _IDS[n] = s
+    return s

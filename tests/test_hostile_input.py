@@ -285,6 +285,21 @@ def test_a_hostile_token_batch_is_refused_naming_the_requests_it_named(payload: 
     assert e.value.rids == rids
 
 
+def test_names_a_reader_has_checked_are_remembered_within_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Request ids recur in every step's batch, so a checked name is looked up, not matched
+    again; the memory of them is bounded, and a name that failed is never remembered."""
+    monkeypatch.setattr(token_stream, "_NAMES", {})
+    monkeypatch.setattr(token_stream, "NAMES_KEPT", 4)
+    for i in range(10):
+        batch = token_stream.encode("decode-a", 1.0, [TokenChunk(f"r{i}", 0, [1], "decode-a")])
+        assert token_stream.decode(batch)[2] == [TokenChunk(f"r{i}", 0, [1], "decode-a")]
+        assert 0 < len(token_stream._NAMES) <= 4
+    for _ in range(2):
+        with pytest.raises(token_stream.TokenStreamError, match=re.escape("chunk 0 rid: 'r#1' is not a valid name")):
+            token_stream.decode(_batch_with(_chunk(b"r#1", 0, 0, [1])))
+    assert b"r#1" not in token_stream._NAMES
+
+
 def _gate(*rids: str, max_new: int = 8) -> tuple[Topics, StreamGate]:
     topics = Topics("t")
     gate = StreamGate(topics, "client")
