@@ -82,7 +82,7 @@ def encode(worker: str, t: float, chunks: list[TokenChunk]) -> bytes:
         r = c.rid.encode("ascii")
         flags = (DONE if c.done or c.error is not None else 0) | (ERROR if c.error is not None else 0)
         parts += [bytes((len(r),)), r, _CHUNK.pack(c.start, flags, len(c.tokens)),
-                  struct.pack(f"<{len(c.tokens)}I", *c.tokens)]
+                  _ids(len(c.tokens)).pack(*c.tokens)]
         if c.error is not None:
             e = c.error.encode()[:MAX_ERROR_BYTES]
             parts += [_ERRLEN.pack(len(e)), e]
