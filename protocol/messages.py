@@ -290,7 +290,7 @@ class Tokens(Message):
 
     rid: RequestId
     start: int = Field(ge=0)  # index of the first token in this message within the output
-    tokens: list[int]
+    tokens: list[Annotated[int, Field(ge=0, lt=2**32)]]  # what a token batch can carry (4 bytes an id)
     worker: str
     t: float
     done: bool = False

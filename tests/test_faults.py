@@ -112,7 +112,7 @@ def test_wan_outage_and_broker_restart_lose_nothing(spread_prompts, tmp_path: Pa
     failed = {rid: r.error for rid, r in recs.items() if r.error}
     assert failed == {}, f"{failed}\n{_log_tails(tmp_path)}"
     assert compare(specs, refs, recs) == []  # no token missing, repeated or out of order
-    assert all(r.token_times == sorted(r.token_times) for r in recs.values())
+    assert all(list(r.token_times) == sorted(r.token_times) for r in recs.values())
     assert {router[s.rid].pipeline for s in specs} == {"P-RLD-MD"}
     # What was delivered twice across the restart (QoS 1) counts once: the results equal a
     # run without the faults (a repeated kv_sent doubled a request's WAN bytes).

@@ -38,11 +38,11 @@ def test_client_keeps_one_ordered_stream_from_repeats_gaps_and_overlaps() -> Non
     assert r.accept(_chunk(2, [7]), 1.2) == 0  # past a gap: held
     assert r.accept(_chunk(1, [6]), 1.3) == 2  # the gap fills, the held chunk follows
     assert r.accept(_chunk(2, [7, 8]), 1.4) == 1  # runs past what we have: only the new tail
-    assert r.tokens == [5, 6, 7, 8] and r.token_times == [1.0, 1.3, 1.3, 1.4] and r.conflicts == 0
+    assert list(r.tokens) == [5, 6, 7, 8] and list(r.token_times) == [1.0, 1.3, 1.3, 1.4] and r.conflicts == 0
     assert r.accept(_chunk(3, [9, 10], worker="decode-b"), 1.5) == 0  # disagrees at index 3
-    assert r.tokens == [5, 6, 7, 8] and r.conflicts == 1
+    assert list(r.tokens) == [5, 6, 7, 8] and r.conflicts == 1
     assert r.accept(_chunk(4, [10, 11], done=True, worker="decode-b"), 1.6) == 2
-    assert r.ok and r.tokens == [5, 6, 7, 8, 10, 11] and r.by_worker == {"decode-a": 4, "decode-b": 2}
+    assert r.ok and list(r.tokens) == [5, 6, 7, 8, 10, 11] and r.by_worker == {"decode-a": 4, "decode-b": 2}
 
 
 def test_a_worker_takes_a_requests_start_command_once() -> None:

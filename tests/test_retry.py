@@ -45,7 +45,7 @@ def test_a_retried_request_keeps_its_first_send_and_every_failed_attempt() -> No
     rec.accept(TokenChunk("q", 0, [], "router", True, "worker decode-b died"), 101.0)
     assert rec.done and rec.error == "worker decode-b died"
     rec.retry(attempt_rid("q", 1), 101.0)
-    assert not rec.done and rec.tokens == [] and rec.by_worker == {} and rec.last_rid == "q@retry1"
+    assert not rec.done and len(rec.tokens) == 0 and rec.by_worker == {} and rec.last_rid == "q@retry1"
     rec.attempt_sent = 101.5
     rec.accept(TokenChunk("q@retry1", 0, [7, 8], "relay", True), 102.0)
     assert rec.ok and rec.sent == 100.0 and rec.workers == ["relay"]

@@ -158,7 +158,7 @@ def test_served_records_are_validated_as_input_when_read_back() -> None:
         rec = ClientRecord(rid, 5, 2, sent=1.0, ended=2.0, token_times=[1.5, 2.0], tokens=[7, 8], done=True)
         write_served(buf, RequestSpec(rid=rid, prompt=[], max_new=2, at=0.5), rec)
     specs, recs = parse_served(buf.getvalue(), "served.jsonl")
-    assert [s.rid for s in specs] == ["cmpl-a", "cmpl-b"] and recs["cmpl-b"].tokens == [7, 8]
+    assert [s.rid for s in specs] == ["cmpl-a", "cmpl-b"] and list(recs["cmpl-b"].tokens) == [7, 8]
     lines = buf.getvalue().splitlines()
     with pytest.raises(TestbedError, match=r"served.jsonl:2: .*prompt_len"):
         parse_served(lines[0] + "\n" + lines[1].replace('"prompt_len":5', '"prompt_len":"many"'), "served.jsonl")

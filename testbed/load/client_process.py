@@ -98,7 +98,7 @@ class ReplayedRequest(BaseModel):
     @classmethod
     def of(cls, rec: ClientRecord) -> ReplayedRequest:
         return cls(rid=rec.rid, prompt_len=rec.prompt_len, max_new=rec.max_new, sent=rec.sent, ended=rec.ended,
-                   error=rec.error, done=rec.done, tokens=rec.tokens, token_times=rec.token_times,
+                   error=rec.error, done=rec.done, tokens=rec.tokens.tolist(), token_times=rec.token_times.tolist(),
                    workers=rec.workers, by_worker=rec.by_worker, conflicts=rec.conflicts,
                    retried=[_Attempt(rid=a.rid, sent=a.sent, ended=a.ended, error=a.error) for a in rec.retried],
                    attempt_rid=rec.attempt_rid, attempt_sent=rec.attempt_sent)
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         records.flush()
         written.add(rec.rid)
         # Saved: what it streamed leaves memory (a soak judges this process's memory too).
-        rec.tokens, rec.token_times, rec.early = [], [], {}
+        rec.drop_stream()
 
     def progress(n: int, total: int, failed: int) -> None:
         print(f"progress {n} {total} {failed}", flush=True)

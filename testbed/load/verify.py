@@ -60,11 +60,11 @@ def compare(specs: list[RequestSpec], refs: dict[str, list[int]], recs: dict[str
             bad.append({"rid": s.rid, "problem": f"failed: {r.error}"})
         elif r.conflicts:
             bad.append({"rid": s.rid, "problem": f"{r.conflicts} streamed chunk(s) disagreed with tokens received"})
-        elif r.tokens != refs[s.rid]:
-            at = next((i for i, (a, b) in enumerate(zip(r.tokens, refs[s.rid], strict=False)) if a != b),
-                      min(len(r.tokens), len(refs[s.rid])))
-            bad.append({"rid": s.rid, "problem": f"token {at} differs (got {r.tokens[at:at + 3]}, "
-                        f"reference {refs[s.rid][at:at + 3]}; lengths {len(r.tokens)}/{len(refs[s.rid])})"})
+        elif (got := list(r.tokens)) != refs[s.rid]:
+            at = next((i for i, (a, b) in enumerate(zip(got, refs[s.rid], strict=False)) if a != b),
+                      min(len(got), len(refs[s.rid])))
+            bad.append({"rid": s.rid, "problem": f"token {at} differs (got {got[at:at + 3]}, "
+                        f"reference {refs[s.rid][at:at + 3]}; lengths {len(got)}/{len(refs[s.rid])})"})
     return bad
 
 

@@ -156,7 +156,7 @@ class Gateway:
             seen, deadline = 0, rec.sent + self.timeout_s
             while True:
                 if len(rec.tokens) > seen:
-                    new, seen = rec.tokens[seen:], len(rec.tokens)
+                    new, seen = rec.tokens[seen:].tolist(), len(rec.tokens)
                     yield new
                     continue
                 if rec.done:

@@ -58,8 +58,9 @@ class ServedRequest(BaseModel):
     @classmethod
     def of(cls, spec: RequestSpec, rec: ClientRecord) -> ServedRequest:
         return cls(rid=rec.rid, prompt_len=rec.prompt_len, max_new=rec.max_new, at=spec.at, hints=spec.hints,
-                   sent=rec.sent, ended=rec.ended, error=rec.error, tokens=rec.tokens, token_times=rec.token_times,
-                   workers=rec.workers, by_worker=rec.by_worker, conflicts=rec.conflicts)
+                   sent=rec.sent, ended=rec.ended, error=rec.error, tokens=rec.tokens.tolist(),
+                   token_times=rec.token_times.tolist(), workers=rec.workers, by_worker=rec.by_worker,
+                   conflicts=rec.conflicts)
 
     def spec(self) -> RequestSpec:
         return RequestSpec(rid=self.rid, prompt=[], max_new=self.max_new, at=self.at, hints=self.hints)
