@@ -170,8 +170,13 @@ def itls(recs: dict[str, ClientRecord], scales: Scales | None = None) -> np.ndar
     array: an emulated hour at token scale 1 has 10.8 M of them, 345 MB as a list of floats."""
     sc = scales or Scales()
     per_token = sc.dilation * sc.s_out
-    gaps = [np.diff(np.asarray(r.token_times, dtype=float)) for r in recs.values() if r.ok and len(r.token_times) > 1]
-    return (np.concatenate(gaps) if gaps else np.empty(0)) / per_token
+    streams = [np.asarray(r.token_times, dtype=float) for r in recs.values() if r.ok and len(r.token_times) > 1]
+    out, at = np.empty(sum(len(t) - 1 for t in streams)), 0
+    for t in streams:  # written in place: no second copy of 10.8 M gaps at the run's memory peak
+        np.subtract(t[1:], t[:-1], out=out[at : at + len(t) - 1])
+        at += len(t) - 1
+    out /= per_token
+    return out
 
 
 def _pct(s: pd.Series, q: float) -> float | None:
