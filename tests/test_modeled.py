@@ -32,7 +32,8 @@ from workers import kv_wire
 from workers.__main__ import load_configs
 from workers.__main__ import serve as serve_instances
 from workers.model import ModelRunner, ensure_default_model
-from workers.model_config import read_config, shape_of
+from workers.model_config import shape_of
+from workers.model_dir import read_config
 from workers.modeled import ModeledRunner
 
 from .conftest import ROOT, TOPOLOGIES, needs_root
@@ -278,6 +279,13 @@ def test_a_model_shape_from_config_json_follows_the_models_defaults(tmp_path: Pa
     assert (shape.kv_heads, shape.head_dim) == (2, 32)
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
     with pytest.raises(ValueError, match=r"config.json: not a model configuration \(missing num_attention_heads"):
+        read_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "num_attention_heads": 8,
+                                                      "hidden_size": 512, "vocab_size": 1000, "head_dim": "64"}))
+    with pytest.raises(ValueError, match="config.json: head_dim: '64' is not a positive integer"):
+        read_config(tmp_path)
+    (tmp_path / "config.json").write_text("5")
+    with pytest.raises(ValueError, match=r"not a model configuration \(missing num_hidden_layers, num_attention"):
         read_config(tmp_path)
     with pytest.raises(ValueError, match="cannot read the model's configuration"):
         read_config(tmp_path / "nowhere")

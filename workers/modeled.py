@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from workers.model_config import read_config, shape_of
+from workers.model_config import shape_of
+from workers.model_dir import read_config
 
 FIRST_ID = 3  # ids below are special tokens (bos, eos, pad) in the default model
 
