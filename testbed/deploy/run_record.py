@@ -38,7 +38,7 @@ class ClientRecord:
     sent: float = 0.0  # the first attempt's send: latencies include every retry, as a user waits through them
     ended: float | None = None  # when the request finished (completed or failed), client clock
     # Arrays, not lists: an emulated hour at token scale 1 streams 11.4 M tokens, whose ids and
-    # arrival times as Python objects held ~0.9 GB of the client's memory (12 bytes a token here).
+    # arrival times as Python objects held ~0.9 GB of the client's memory (16 bytes a token here).
     token_times: array[float] = field(default_factory=lambda: array("d"))
     tokens: array[int] = field(default_factory=lambda: array("q"))
     error: str | None = None
