@@ -27,7 +27,9 @@ pytestmark = [needs_root, pytest.mark.serial]
 def test_the_link_model_times_transfers_as_the_delay_line_does() -> None:
     """One transfer on a new connection, two at once from two senders, and a line that drops
     to half its rate mid-transfer: real TCP through the delay line and the link model agree
-    within 10 % (the outage and 40-flow cases: ``testbed bench links``, docs/simulation.md)."""
+    within 10 %; two at once by the median of three runs on the line, as TCP shares it
+    differently each time (the outage and 40-flow cases: ``testbed bench links``,
+    docs/simulation.md)."""
     sc = load_scenario(TOPOLOGIES / "two-dc.yaml")
     plan = EmulationPlan.make(sc, 16, 1.0, kv_bytes_per_token(ensure_model(sc.model_dir()), sc.workers.dtype))
     wanted = {"one transfer, new connection", "two at once, two senders", "line at half rate from 1 s"}
@@ -35,7 +37,9 @@ def test_the_link_model_times_transfers_as_the_delay_line_does() -> None:
         result = run_links_bench(net, chosen=lambda c: c.name in wanted, seconds=2.0)
     cases = {c["case"]: c for c in result["cases"]}
     assert set(cases) == wanted
-    assert all(abs(c["error"]) <= TOLERANCE for c in cases.values()), cases
+    assert len(cases["two at once, two senders"]["line_runs"]) == 3
+    outside = [c for c in cases.values() if abs(c["error"]) > TOLERANCE]
+    assert not outside, outside
 
 
 @pytest.mark.slow
