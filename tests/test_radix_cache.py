@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import time
 
+import pytest
 import torch
 
 from workers.radix_cache import Node, RadixCache
@@ -30,7 +31,6 @@ class ScanLru(RadixCache):
         victim = min(leaves, key=lambda x: x.last_used)
         assert victim.parent is not None
         victim.parent.remove(victim)
-        victim.alive = False
         self.blocks -= 1
         self.evicted_blocks += 1
         return True
@@ -117,3 +117,29 @@ def test_an_insert_after_its_match_stores_what_a_walk_from_the_root_stores() -> 
         assert [n.key for n in path] == [n.key for n in ref.match_prefix(prompt, count=False)], step
         for i, (x, y) in enumerate(zip(path, ref.match_prefix(prompt, count=False), strict=True)):
             assert torch.equal(x.kv, y.kv), (step, i)
+
+
+def test_keys_widen_once_an_id_needs_more_than_16_bits() -> None:
+    """Keys hold 2 bytes an id until an id beyond 16 bits comes: then every key is rewritten
+    to 4 and the cache goes on as one that held 4 from the start (same tree, same matches,
+    same KV, the path held across the widening still usable)."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(4) for _ in range(2 * rng.randint(1, 8))] for _ in range(40)]
+    widened, wide = RadixCache(block_size=2, capacity_tokens=400), RadixCache(block_size=2, capacity_tokens=400)
+    wide.match_prefix([70_000, 1])  # 4 bytes an id from the start
+    for i, p in enumerate(prompts):
+        assert widened.insert(p, _kv(len(p)) + i) == wide.insert(p, _kv(len(p)) + i)
+    assert {len(n.key) for n in widened._iter()} == {4} and {len(n.key) for n in wide._iter()} == {8}
+    held = widened.match_prefix(prompts[0])
+    widened.lock(held)
+    big = [*prompts[0], 70_000, 65_536]
+    assert widened.insert(big, _kv(len(big)), held) == wide.insert(big, _kv(len(big)))
+    widened.unlock(held)
+    assert {len(n.key) for n in widened._iter()} == {8}
+    assert _contents(widened) == _contents(wide)
+    for p in [*prompts, big, [3, 3, 70_000, 2]]:
+        a, b = widened.match_prefix(p, count=False), wide.match_prefix(p, count=False)
+        assert [n.key for n in a] == [n.key for n in b]
+        assert all(torch.equal(x.kv, y.kv) for x, y in zip(a, b, strict=True))
+    with pytest.raises(OverflowError):  # an id no key can hold is refused, nothing widened
+        RadixCache(block_size=2, capacity_tokens=8).match_prefix([1, -1])
