@@ -43,6 +43,9 @@ _SAFE = re.compile(SAFE_NAME)
 Ticket = Annotated[str, Field(max_length=64, pattern=r"^[0-9a-f]*$")]
 # A token id as a client may send it: 4 bytes, as the router holds prompts (policies/token_ids.py).
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+# A token id as it streams back: what a token batch can carry (4 bytes, unsigned), and what a
+# client's record holds (``array('I')``).
+StreamedId = Annotated[int, Field(ge=0, lt=2**32)]
 
 
 # ------------------------------------------------------------------------- client -> router
@@ -290,7 +293,7 @@ class Tokens(Message):
 
     rid: RequestId
     start: int = Field(ge=0)  # index of the first token in this message within the output
-    tokens: list[Annotated[int, Field(ge=0, lt=2**32)]]  # what a token batch can carry (4 bytes an id)
+    tokens: list[StreamedId]
     worker: str
     t: float
     done: bool = False

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from protocol.messages import why_invalid
+from protocol.messages import StreamedId, why_invalid
 from protocol.topics import Topics
 from protocol.worker_config import BrokerInfo, Contract, RunAs
 from testbed.deploy.deployment import Deployment
@@ -86,7 +86,7 @@ class ReplayedRequest(BaseModel):
     ended: float | None
     error: str | None = Field(max_length=20_000)
     done: bool
-    tokens: list[int]
+    tokens: list[StreamedId]
     token_times: list[float]
     workers: list[str] = Field(max_length=16)
     by_worker: dict[str, int] = Field(max_length=16)

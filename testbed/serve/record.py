@@ -20,7 +20,7 @@ from typing import IO
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from protocol.messages import RequestHints, why_invalid
+from protocol.messages import RequestHints, StreamedId, why_invalid
 from testbed.analysis import report
 from testbed.analysis.metrics import Slo
 from testbed.analysis.policy_summary import measure
@@ -49,7 +49,7 @@ class ServedRequest(BaseModel):
     sent: float
     ended: float | None
     error: str | None
-    tokens: list[int]
+    tokens: list[StreamedId]
     token_times: list[float]
     workers: list[str]
     by_worker: dict[str, int]
