@@ -410,7 +410,8 @@ def test_the_replay_clients_records_are_read_as_input_naming_file_line_and_field
                                                                     '"token_times":[1,2,3,4]'),
          "records.jsonl:1: tokens: 4 tokens at 4 times for a request of 3"),
         (good.replace('"sent":1.0', '"sent":"soon"'), "records.jsonl:1: sent"),
-        (good.replace('"tokens":[4,5]', '"tokens":[4,4294967296]'), "records.jsonl:1: tokens.1"),  # a record's ids are 4 bytes
+        # A record's ids are 4 bytes, unsigned, as a token batch carries them.
+        (good.replace('"tokens":[4,5]', '"tokens":[4,4294967296]'), "records.jsonl:1: tokens.1"),
         (good.replace('"tokens":[4,5]', '"tokens":[-1,5]'), "records.jsonl:1: tokens.0"),
         ('{"rid": ' + "[" * 5000 + "]" * 5000 + "}", "records.jsonl:1:"),
     ]:
