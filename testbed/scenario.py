@@ -11,7 +11,6 @@ addresses, and ``testbed.net.build`` instantiates it (Mininet's Topo vs Mininet 
 from __future__ import annotations
 
 import ipaddress
-import json
 import pwd
 from enum import StrEnum
 from pathlib import Path
@@ -27,7 +26,7 @@ from testbed.faults.wan_trace import WanTrace, as_wan_trace, faults_of
 from testbed.hardware import DeviceProfile, ModelCard
 from testbed.scenario_yaml import deep_merge, extended, line_of, read_yaml
 from testbed.traces.workload import VOCAB_HIGH
-from workers.model_dir import default_model_dir
+from workers.model_dir import default_model_dir, read_config
 
 NAME_RE = r"^[a-z][a-z0-9]{0,11}(-[a-z0-9]{1,11})*$"
 HostName = Annotated[str, Field(pattern=NAME_RE, max_length=16)]
@@ -352,10 +351,10 @@ class Scenario(_Strict):
         if not (path / "config.json").is_file():
             raise InputError(f"{where}workers.model: {path} is not a model directory (no config.json)")
         try:
-            vocab = json.loads((path / "config.json").read_text()).get("vocab_size")
-        except (OSError, ValueError, AttributeError) as e:
-            raise InputError(f"{where}workers.model: {path}/config.json is unreadable: {e}") from e
-        if not isinstance(vocab, int) or vocab < VOCAB_HIGH:
+            vocab = read_config(path).vocab_size  # checked as every reader of the model's sizes has it
+        except ValueError as e:
+            raise InputError(f"{where}workers.model: {e}") from e
+        if vocab < VOCAB_HIGH:
             raise InputError(f"{where}workers.model: {path} has a vocabulary of {vocab} tokens; traces are "
                              f"synthesised from token ids below {VOCAB_HIGH}")
         return str(path)

@@ -97,6 +97,11 @@ def test_a_model_path_that_is_no_usable_model_is_an_input_error(tmp_path: Path) 
     small.mkdir()
     (small / "config.json").write_text('{"vocab_size": 100}')
     tiny = load_scenario(TOPOLOGIES / "two-dc.yaml", {"workers": {"model": str(small)}})
+    with pytest.raises(InputError, match=r"workers.model: .*config.json: not a model configuration \(missing "
+                                         r"num_hidden_layers, num_attention_heads, hidden_size\)"):
+        tiny.model_dir()
+    (small / "config.json").write_text('{"vocab_size": 100, "num_hidden_layers": 2, "num_attention_heads": 4, '
+                                       '"hidden_size": 64}')
     with pytest.raises(InputError, match="has a vocabulary of 100 tokens; traces are synthesised from token ids below"):
         tiny.model_dir()
 

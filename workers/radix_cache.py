@@ -144,11 +144,9 @@ class RadixCache:
         nodes = self._iter()
         for n in nodes:
             n.key = array("I", array("H", n.key)).tobytes()
-        for n in nodes:
+        for n in (self.root, *nodes):
             if isinstance(n.kids, dict):
                 n.kids = {c.key: c for c in n.kids.values()}
-        if isinstance(self.root.kids, dict):
-            self.root.kids = {c.key: c for c in self.root.kids.values()}
         self._id_code, self._memo = "I", []
 
     def match_prefix(self, tokens: list[int], count: bool = True) -> list[Node]:
