@@ -110,8 +110,9 @@ def test_each_component_reads_and_writes_only_its_own_topics() -> None:
     assert uid == mosq.pw_uid  # mosquitto dropped root
     # What mosquitto runs on is root's; what it may write is its sessions' folder alone.
     assert {n: (st.st_uid, st.st_gid, st.st_mode & 0o777) for n, st in files.items()} == {
-        "passwd": (0, mosq.pw_gid, 0o640), "acl": (0, mosq.pw_gid, 0o640), "mosquitto.conf": (0, 0, 0o600),
-        "mosquitto.log": (0, 0, 0o600)}
+        "passwd": (0, mosq.pw_gid, 0o640), "acl": (0, mosq.pw_gid, 0o640),
+        "passwd-clients": (0, mosq.pw_gid, 0o640), "acl-clients": (0, mosq.pw_gid, 0o640),
+        "mosquitto.conf": (0, 0, 0o600), "mosquitto.log": (0, 0, 0o600)}
     assert {n: (st.st_uid, st.st_gid, st.st_mode & 0o777) for n, st in folders.items()} == {
         "broker": (0, mosq.pw_gid, 0o750), "broker-state": (mosq.pw_uid, mosq.pw_gid, 0o700)}
     seen = {k: set(v) for k, v in got.items()}
@@ -120,6 +121,51 @@ def test_each_component_reads_and_writes_only_its_own_topics() -> None:
     sent_by_components = seen["admin"] - {m for m in seen["admin"] if m.startswith("admin to")}
     assert sent_by_components == {"relay to decode-b", "relay's tokens", "request from client", "prefill's event"}, \
         seen
+
+
+def test_no_credential_takes_over_another_components_session() -> None:
+    """decode-a's credential connects under the router's and prefill's client ids (MQTT would
+    drop the holder of an id and hand its session, queued commands included, to the newcomer):
+    the broker gives it its own account's id instead, so prefill stays connected and gets its
+    commands, the rogue none; on the clients' listener that credential is refused outright."""
+    with network_session(scenario_with(), "auto") as net:
+        _, access, _ = start_broker(net, net.scenario.hosts_with_role(Role.ROUTER)[0], WORKERS)
+        t = Topics(net.run.run_id)
+        ns = net.ns_of(net.scenario.hosts_with_role(Role.CLIENT)[0])
+        victim, rogue = access.workers["prefill"], access.workers["decode-a"]
+
+        async def body() -> dict[str, Any]:
+            out: dict[str, Any] = {"victim": [], "rogue": []}
+            async with _connect(access.admin, "admin") as admin, _connect(victim, victim.username) as v:
+                await v.subscribe(t.cmd("prefill"), qos=QOS)
+                await admin.publish(t.cmd("prefill"), b"before", qos=QOS)
+                for ident in (f"{t.root}-router", victim.username, f"{t.root}-prefill"):
+                    async with aiomqtt.Client(rogue.host, rogue.port, username=rogue.username,
+                                              password=rogue.password, identifier=ident, clean_session=False) as r:
+                        await r.subscribe(t.cmd("prefill"), qos=QOS)  # not its topic, whoever it says it is
+                        await admin.publish(t.cmd("prefill"), f"while {ident} is claimed".encode(), qos=QOS)
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(0.5):
+                                async for msg in r.messages:
+                                    out["rogue"].append(bytes(msg.payload).decode())  # type: ignore[arg-type]
+                await admin.publish(t.cmd("prefill"), b"after", qos=QOS)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(1.0):
+                        async for msg in v.messages:
+                            out["victim"].append(bytes(msg.payload).decode())  # type: ignore[arg-type]
+            try:
+                async with aiomqtt.Client(rogue.host, access.client.port, username=rogue.username,
+                                          password=rogue.password, identifier=f"{t.root}-client-x"):
+                    out["clients' listener"] = "connected"
+            except aiomqtt.MqttError as e:
+                out["clients' listener"] = str(e)
+            return out
+
+        got = _in_namespace(ns, body)
+    assert got["rogue"] == []
+    assert got["victim"] == ["before", f"while {t.root}-router is claimed", f"while {victim.username} is claimed",
+                             f"while {t.root}-prefill is claimed", "after"], got
+    assert "authori" in got["clients' listener"].lower() or "refused" in got["clients' listener"].lower(), got
 
 
 def _as_mosquitto(fn: Any) -> Any:

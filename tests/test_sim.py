@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -205,3 +206,77 @@ def test_sigterm_ends_a_simulation_as_ctrl_c_does(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_validate_compares_every_policy_and_marks_one_whose_emulation_failed_its_verdict(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A policy whose emulation failed its fidelity verdict is shown beside the simulator's,
+    marked and not judged; the others are compared as ever (a failed verdict once discarded
+    a 44-minute emulation: "nothing to compare with")."""
+    from testbed.experiments.validation import compare, format_result
+
+    emu, sim = tmp_path / "emulation", tmp_path / "sim"
+    _sim_run(capsys, sim, "--limit", "10", "--policies", "same-dc,cross-dc")
+    shutil.copytree(sim, emu)
+    summary = json.loads((emu / "summary.json").read_text())
+    summary["policies"]["cross-dc"]["fidelity"].update(passed=False, reasons=["5 of 226 WAN frames late"])
+    (emu / "summary.json").write_text(json.dumps(summary))
+    result = compare(emu, sim)
+    by_policy = {p: [f for f in result.figures if f.policy == p] for p in ("same-dc", "cross-dc")}
+    assert result.unjudged == ["cross-dc"] and result.passed
+    assert by_policy["cross-dc"] and all(not f.judged and f.passed is None for f in by_policy["cross-dc"])
+    assert by_policy["same-dc"] and any(f.passed for f in by_policy["same-dc"])
+    assert all(f.judged for f in by_policy["same-dc"])
+    text = format_result(result)
+    assert "not judged (fidelity)" in text and "not judged: cross-dc" in text
+
+
+def test_an_exception_while_shipping_kv_fails_that_request_never_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any exception out of a transfer (not only a transfer error: once an OverflowError of the
+    link model) fails the request it carried with the exception named; the prefill goes on."""
+    from testbed.sim.kv import SimTransport
+
+    send_kv = SimTransport.send_kv
+    broken: list[str] = []
+
+    async def flaky(self: SimTransport, host: str, port: int, request_id: str, *args: Any, **kw: Any) -> Any:
+        if not broken:
+            broken.append(request_id)
+            raise OverflowError("int too large to convert to float")
+        return await send_kv(self, host, port, request_id, *args, **kw)
+
+    monkeypatch.setattr(SimTransport, "send_kv", flaky)
+    sc = load_scenario(TOPOLOGIES / "two-dc.yaml")
+    wl = load_trace(ROOT / "traces/agentic-quick.jsonl", "auto", 16).select(12)
+    with SimDeployment(sc, parse_policy("cross-dc"), emulation=sim_plan(sc, 16)) as dep:
+        run = dep.run(TraceReplay(wl.specs(1.0), 600, show_progress=False, retry=None))
+    failed = {rid: r.error for rid, r in run.recs.items() if not r.ok}
+    assert broken and broken[0] in failed
+    assert all((why or "").startswith("not sent") for rid, why in failed.items() if rid != broken[0]), failed
+    assert "KV transfer to decode-b: OverflowError: int too large" in (failed[broken[0]] or "")
+    assert run.component_errors == [] and run.deaths == []
+
+
+def test_a_bug_in_a_component_fails_what_it_touched_and_the_run_says_so(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception no component caught (here the link model's, once) is counted in the
+    summary with its name, fails the transfers it touched, and the run exits 1 saying so."""
+    from testbed.sim.flows import Flows
+
+    cap = Flows._cap
+    calls = [0]
+
+    def once(self: Flows, f: Any, now: float) -> float:
+        calls[0] += 1
+        if calls[0] == 50:
+            raise OverflowError("int too large to convert to float")
+        return cap(self, f, now)
+
+    monkeypatch.setattr(Flows, "_cap", once)
+    code, stdout, err = run_cli_output(["run", *QUICK, "--out", str(tmp_path), "--limit", "12", "--policies",
+                                        "cross-dc", "--retries", "0"], capsys)
+    s = json.loads((tmp_path / "summary.json").read_text())["policies"]["cross-dc"]
+    assert code == 1 and calls[0] > 50
+    assert s["component_errors"] and "OverflowError" in s["component_errors"][0]
+    assert any("the link model failed: OverflowError" in (why or "") for why in s["failures"].values())
+    assert "exception(s) no component caught" in err

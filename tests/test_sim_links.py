@@ -266,3 +266,60 @@ def test_a_bbr_flow_busy_for_ten_seconds_probes_its_minimum_rtt() -> None:
     done = _run(loop, lambda: _transfer(links, 25 * cap))
     # Handshake, then 25 s of data with two probes (at 10 and ~20.2 s), each costing ~0.23 s.
     assert done == pytest.approx(rtt + 25 + 2 * (0.2 + rtt), abs=0.05)
+
+
+@pytest.mark.parametrize("congestion", ["bbr", "cubic"])
+def test_a_flow_held_behind_a_saturated_line_for_an_hour_keeps_a_bounded_window(congestion: str) -> None:
+    """40 transfers share the line for an emulated hour (one held back the whole time): the
+    line never idles, so the last ends when it has carried them all; no window ever exceeds
+    what the path holds (a BBR probe's four segments once doubled a window thousands of
+    times over an hour, until it overflowed a float and ended every prefill worker)."""
+    loop, links = _model(congestion=congestion)
+    cap = _goodput(links)
+    rtt = 2 * DELAY_MS / 1000
+    n, each = 40, 90 * cap  # 3,600 s of the line's bytes
+    widest = [0.0]
+
+    async def main() -> list[float]:
+        tasks = [asyncio.ensure_future(_transfer(links, each)) for _ in range(n)]
+        while not all(t.done() for t in tasks):
+            await asyncio.wait(tasks, timeout=5.0)
+            widest[0] = max([widest[0], *(f.conn.cwnd for f in links.flows.active)])
+        return [t.result() for t in tasks]
+
+    ends = _run(loop, main)
+    path = links.path("ha", "hc")
+    assert math.isfinite(widest[0]) and INITIAL_WINDOW <= widest[0] <= path.max_cwnd
+    assert max(ends) == pytest.approx(n * each / cap + rtt, rel=1e-3)
+    # The bound is the path's: bandwidth-delay product and buffers, in segments.
+    assert path.max_cwnd == pytest.approx(max(INITIAL_WINDOW, (cap * rtt + sum(
+        lk.queue_bytes for lk in path.links if lk.capacity)) / path.mss))
+
+
+def test_a_bug_in_the_link_model_fails_the_transfers_in_progress_not_the_loop() -> None:
+    """An exception while the model moves its flows on fails each transfer in progress with
+    it named (their requests fail; the senders go on) and reaches the loop's handler."""
+    loop, links = _model()
+    cap = _goodput(links)
+    seen: list[str] = []
+    loop.set_exception_handler(lambda _, ctx: seen.append(repr(ctx.get("exception"))))
+
+    real_cap = links.flows._cap
+
+    def broken(f: Any, now: float) -> float:  # once, at the next event of the model
+        links.flows._cap = real_cap  # type: ignore[method-assign]
+        raise OverflowError("int too large to convert to float")
+
+    async def main() -> list[BaseException | float]:
+        tasks = [asyncio.ensure_future(_transfer(links, 10 * cap)) for _ in range(3)]
+        await asyncio.sleep(1.0)
+        links.flows._cap = broken  # type: ignore[method-assign]
+        links.set_rate(("a", "b"), RATE_MBIT * 1e6)  # the model reschedules every flow
+        out: list[BaseException | float] = list(await asyncio.gather(*tasks, return_exceptions=True))
+        out.append(await _transfer(links, cap))  # the model goes on
+        return out
+
+    out = _run(loop, main)
+    assert all(isinstance(e, RuntimeError) and "the link model failed: OverflowError" in str(e) for e in out[:3]), out
+    assert isinstance(out[3], float)
+    assert seen and "OverflowError" in seen[0]

@@ -201,8 +201,9 @@ class PrefillWorker(Worker):
                                                   timeout_s=self.cfg.kv_read_timeout_s, ticket=target.ticket)
             finally:
                 self.peers.release(target.worker)
-        except kv_wire.KVTransferError as e:
-            self.emit(Failed(**self.stamp(cmd.rid), reason=f"KV transfer to {target.worker}: {e}",
+        except Exception as e:  # noqa: BLE001 - that transfer's request fails, never the worker
+            why = str(e) if isinstance(e, kv_wire.KVTransferError) else f"{type(e).__name__}: {e}"
+            self.emit(Failed(**self.stamp(cmd.rid), reason=f"KV transfer to {target.worker}: {why}",
                              target=target.worker))
             return
         finally:

@@ -32,4 +32,5 @@ def measure(sc: Scenario, spec: PolicySpec, plan: EmulationPlan, run: PolicyRun,
     return df, PolicySummary(**dict(measured), policy_stats=run.policy, fidelity=run.verdict, cost=cost,
                              cost_per_mtok=per_mtok, wan_gb=wan_gb, egress=egress,
                              cost_per_mtok_with_egress=with_egress, impairment=run.impairment, faults=run.faults,
-                             fault_impact=fault_impacts(run, plan.dilation), wan_line=lines)
+                             fault_impact=fault_impacts(run, plan.dilation), wan_line=lines,
+                             component_errors=run.component_errors)

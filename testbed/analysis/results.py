@@ -98,6 +98,9 @@ class PolicySummary(Summary):
     faults: list[AppliedFault] = []  # the fault timeline as it was applied
     fault_impact: list[FaultImpact] = []  # what each applied fault cost (testbed.analysis.fault_impact)
     wan_line: dict[str, WanLine] = {}  # "a->b" -> KV as it crossed; none where nothing counted it (netem)
+    # Exceptions no component caught (the simulator: a callback of the model, a worker's task),
+    # each named: a bug, which fails the requests it touched and the run (exit 1).
+    component_errors: list[str] = []
 
 
 class RunSummary(_Saved):

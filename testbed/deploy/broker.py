@@ -36,7 +36,9 @@ from testbed.net.build import Network
 MOSQUITTO = "/usr/sbin/mosquitto"
 MOSQUITTO_PASSWD = "/usr/bin/mosquitto_passwd"
 MOSQUITTO_USER = "mosquitto"  # created by the Debian package
-PORT = 1883
+PORT = 1883  # the components' listener: a client id is its account's name (nothing else)
+CLIENT_PORT = 1884  # the orchestrator's and load drivers' listener: ids of their own choosing
+COMPONENTS = ("router",)  # principals besides the workers ("w-<name>") that connect on PORT
 DECODERS = ("decode", "relay-decode")
 
 
@@ -91,8 +93,8 @@ class BrokerFiles:
     the persistent sessions, the one thing the broker writes."""
 
     conf: str
-    passwd: str  # hashed by mosquitto_passwd
-    acl: str
+    passwd: dict[str, str]  # file name -> its text, hashed by mosquitto_passwd (one per listener)
+    acl: dict[str, str]  # file name -> its rules (one per listener)
 
     @staticmethod
     def conf_path(run: runstate.Run) -> Path:
@@ -107,7 +109,7 @@ class BrokerFiles:
         conf_dir = run.folder_for("broker", 0, mosq[1] if mosq else 0, 0o750)
         run.folder_for("broker-state", *(mosq or (0, 0)))
         runstate.write_private(self.conf_path(run), self.conf)
-        for name, text in (("passwd", self.passwd), ("acl", self.acl)):
+        for name, text in (*self.passwd.items(), *self.acl.items()):
             path = conf_dir / name
             runstate.write_private(path, text)
             if mosq:
@@ -131,23 +133,32 @@ def start_broker(net: Network, router_host: str, workers: dict[str, str]) -> tup
     topics = Topics(net.run.run_id)
     rules = acl_rules(topics, workers)
     ip = net.ip_of(router_host)
-    creds = {p: BrokerInfo(host=ip, port=PORT, username=f"{net.run.run_id}-{p}", password=secrets.token_urlsafe(16))
-             for p in rules}
-    # Plain "user:password" lines, hashed in place by mosquitto_passwd -U in a root-only
-    # temporary; the hashed text is what every launch writes.
-    plain = conf_dir / ".passwd.plain"
-    runstate.write_private(plain, "".join(f"{c.username}:{c.password}\n" for c in creds.values()))
-    try:
-        subprocess.run([MOSQUITTO_PASSWD, "-U", str(plain)], check=True, capture_output=True)
-        hashed = runstate.read_nofollow(plain)
-    finally:
-        plain.unlink(missing_ok=True)
+    # Two listeners, each with its own accounts: on PORT the components, whose client id the
+    # broker sets to their account's name (``use_username_as_clientid``), so that no
+    # credential can connect under another component's id (MQTT would hand it that session:
+    # the victim disconnected, its will published, its queued commands delivered to the
+    # impostor); on CLIENT_PORT the orchestrator and the load drivers, which open several
+    # connections under one account with ids of their own. A component's account does not
+    # exist on the clients' listener, nor a client's on the components'.
+    component = {p for p in rules if p in COMPONENTS or p.startswith("w-")}
+    creds = {p: BrokerInfo(host=ip, port=PORT if p in component else CLIENT_PORT, username=f"{net.run.run_id}-{p}",
+                           password=secrets.token_urlsafe(16)) for p in rules}
+    groups = {"": component, "-clients": set(rules) - component}
+    passwd = {f"passwd{g}": _hashed(conf_dir, [creds[p] for p in rules if p in members])
+              for g, members in groups.items()}
+    acl = {f"acl{g}": acl_text(net.run.run_id, {p: r for p, r in rules.items() if p in members})
+           for g, members in groups.items()}
     conf = "\n".join([
-        "per_listener_settings false",
+        "per_listener_settings true",
         f"listener {PORT} {ip}",
         "allow_anonymous false",
+        "use_username_as_clientid true",
         f"password_file {conf_dir / 'passwd'}",
         f"acl_file {conf_dir / 'acl'}",
+        f"listener {CLIENT_PORT} {ip}",
+        "allow_anonymous false",
+        f"password_file {conf_dir / 'passwd-clients'}",
+        f"acl_file {conf_dir / 'acl-clients'}",
         # Persistent sessions survive a broker restart (a fault of #11): saved on exit only.
         "persistence true",
         f"persistence_location {state_dir}/",
@@ -165,10 +176,23 @@ def start_broker(net: Network, router_host: str, workers: dict[str, str]) -> tup
         f"user {user}",
         "",
     ])
-    files = BrokerFiles(conf, hashed, acl_text(net.run.run_id, rules))
+    files = BrokerFiles(conf, passwd, acl)
     access = BrokerAccess(admin=creds["admin"], router=creds["router"], client=creds["client"],
                           workers={name: creds[f"w-{name}"] for name in workers})
     return launch_broker(net, router_host, files), access, files
+
+
+def _hashed(conf_dir: Path, creds: list[BrokerInfo]) -> str:
+    """A password file's text: plain "user:password" lines hashed in place by
+    ``mosquitto_passwd -U`` in a root-only temporary; the hashed text is what every launch
+    writes."""
+    plain = conf_dir / ".passwd.plain"
+    runstate.write_private(plain, "".join(f"{c.username}:{c.password}\n" for c in creds))
+    try:
+        subprocess.run([MOSQUITTO_PASSWD, "-U", str(plain)], check=True, capture_output=True)
+        return runstate.read_nofollow(plain)
+    finally:
+        plain.unlink(missing_ok=True)
 
 
 def launch_broker(net: Network, router_host: str, files: BrokerFiles) -> subprocess.Popen[bytes]:
@@ -187,7 +211,7 @@ def launch_broker(net: Network, router_host: str, files: BrokerFiles) -> subproc
             s = socket.socket()
         try:
             s.settimeout(0.2)
-            s.connect((ip, PORT))
+            s.connect((ip, CLIENT_PORT))  # the second listener: both are open
             return proc
         except OSError:
             time.sleep(0.05)

@@ -152,3 +152,4 @@ class PolicyRun:
     deaths: list[WorkerDeath] = field(default_factory=list)  # workers the router declared dead, in order
     engine: str = "emulation"  # what produced it: the emulation, or the simulator ("sim")
     wan_line: dict[str, LineBins] = field(default_factory=dict)  # "a->b" -> KV bytes as they crossed
+    component_errors: list[str] = field(default_factory=list)  # uncaught in a component (the simulator)

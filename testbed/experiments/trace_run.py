@@ -151,6 +151,12 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
     for name, s in summaries.items():
         print(format_verdict(name, s.fidelity, opts.engine))
     print(f"\nsaved: {', '.join(str(p) for p in paths)}")
+    broken = {n: s.component_errors for n, s in summaries.items() if s.component_errors}
+    for name, errors in broken.items():
+        print(f"{name}: {len(errors)} exception(s) no component caught (a bug; the requests they touched failed): "
+              + "; ".join(errors[:3]), file=sys.stderr)
+    if broken:
+        return 1
     if not all(s.fidelity.passed for s in summaries.values()):
         if opts.engine != "sim" and plan.auto_key is not None:  # auto chose too low: the next run starts higher
             raised = dilation_cache.failed_at(plan.auto_key, d)

@@ -28,12 +28,9 @@ from testbed.net.delayline_contract import DelayLineReport, DirectionOverride
 from testbed.net.impairment import ImpairmentChoice, WanImpairment, choose
 from testbed.net.mininet_nodes import MininetNodes
 from testbed.net.nodes import NodeBackend, NodeKind, Pyroute2Nodes
-from testbed.net.plan import NetworkPlan, make_plan, size_lan
+from testbed.net.plan import TCP_MEM, NetworkPlan, make_plan, size_lan
 from testbed.scenario import Scenario
 from workers.privilege import open_regular
-
-# Large TCP windows: a WAN of 1 Gbit/s x 40 ms needs 5 MB in flight, a 10G LAN more.
-TCP_MEM = "4096 33554432 134217728"
 
 
 @dataclass

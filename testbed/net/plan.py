@@ -26,6 +26,12 @@ from testbed.scenario import Scenario, WanDirection
 
 # Ethernet header; the qdisc sees whole frames.
 FRAME_OVERHEAD = 14
+# Every namespace's TCP memory (net.ipv4.tcp_rmem and tcp_wmem: min, default, max bytes): large
+# windows, since a WAN of 1 Gbit/s x 40 ms needs 5 MB in flight, a 10G LAN more.
+TCP_MEM = "4096 33554432 134217728"
+# What a receiver may advertise at most: half its largest buffer (tcp_adv_win_scale 1, the
+# kernel's default, keeps the other half for its bookkeeping).
+RECEIVE_WINDOW_BYTES = int(TCP_MEM.split()[2]) // 2
 # htb cannot enforce a rate finer than the kernel timer; one tick's worth must fit the bucket.
 TIMER_GRANULARITY_S = 0.001
 

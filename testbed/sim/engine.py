@@ -198,16 +198,16 @@ class SimDeployment:
         wall = time.monotonic() - wall0
         stats = {h: w.stats() for h, w in sorted(self.workers.items())}
         verdict = judge(stats, None, {"simulator": _cpu_s() - cpu0}, wall)
-        if self.crashes or self.errors:
-            verdict = verdict.model_copy(update={"passed": False, "reasons": [
-                *verdict.reasons, *(f"a component failed: {c}" for c in self.crashes),
-                *(f"uncaught: {e}" for e in self.errors[:5])]})
+        errors = [*(f"a component failed: {c}" for c in self.crashes), *(f"uncaught: {e}" for e in self.errors)]
+        if errors:  # no verdict of the run's fidelity stands on a bug (sweeps mark the point failed)
+            verdict = verdict.model_copy(update={"passed": False, "reasons": [*verdict.reasons, *errors[:5]]})
         run = PolicyRun(specs=specs, recs=recs, router=self._records(), workers=stats, policy=self._policy_report,
                         verdict=verdict, impairment=f"{IMPAIRMENT}, TCP {self.congestion}", faults=applied,
                         wall_s=wall,
                         fault_t0_wall=self.injector.t0_wall, deaths=self._deaths(), engine="sim",
                         wan_line={f"{a}->{b}": LineBins(EPOCH, KV_BIN_S, [round(x) for x in lk.kv_bins or []])
-                                  for (a, b), lk in self.links.wan.items()})
+                                  for (a, b), lk in self.links.wan.items()},
+                        component_errors=errors)
         self.close()
         return run
 

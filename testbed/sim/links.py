@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from testbed.net.line_tap import KV_BIN_S  # the delay line's bins: the two engines' counters line up
+from testbed.net.plan import RECEIVE_WINDOW_BYTES
 
 TCP_IP_HEADERS = 52  # IPv4 20 + TCP 20 + timestamps 12: what a segment carries beyond its payload
-INITIAL_WINDOW = 10  # segments (RFC 6928, Linux's default)
+INITIAL_WINDOW = 10.0  # segments (RFC 6928, Linux's default); windows are floats: they only grow to a bound
 RTO_MIN_S = 0.2  # Linux's minimum retransmission timeout
 RTO_MAX_S = 120.0
 MATHIS_C = 1.22
@@ -122,6 +123,7 @@ class Path:
     _rtt: float = 0.0
     _bottleneck: float | None = None
     _loss: float = 0.0
+    _max_cwnd: float = INITIAL_WINDOW
     _model: Versioned | None = None
 
     def _fresh(self) -> None:
@@ -133,6 +135,14 @@ class Path:
         caps = [lk.capacity for lk in self.links if lk.capacity is not None]
         self._bottleneck = min(caps) if caps else None
         self._loss = 1 - math.prod(1 - lk.loss for lk in self.links)
+        # A window never outgrows what the receiver advertises (the namespaces' TCP memory),
+        # nor what the path holds: its bandwidth-delay product plus its buffers (past that,
+        # what a sender adds is dropped at the bottleneck's queue, and the window shrinks).
+        held = RECEIVE_WINDOW_BYTES
+        if self._bottleneck is not None:
+            held = min(held, self._bottleneck * self._rtt + sum(lk.queue_bytes for lk in self.links
+                                                                if lk.capacity is not None))
+        self._max_cwnd = max(INITIAL_WINDOW, held / self.mss)
 
     @property
     def rtt_s(self) -> float:
@@ -148,6 +158,12 @@ class Path:
     def loss(self) -> float:
         self._fresh()
         return self._loss
+
+    @property
+    def max_cwnd(self) -> float:
+        """The largest congestion window (segments) a connection on this path reaches."""
+        self._fresh()
+        return self._max_cwnd
 
     def down(self) -> bool:
         return any(lk.down for lk in self.links) or any(lk.down for lk in self.back)
