@@ -1,16 +1,93 @@
 """Where results go: run folders no other run shares, files written whole or not at all (a
 reader, ``testbed report``, a person, a crash's aftermath, sees the previous version or the
-new one, never a half-written file)."""
+new one, never a half-written file), and never through what another account controls.
+
+Root writes results, caches and kept logs into a checkout that an unprivileged account may
+own (it ran the simulator there first) and into folders named on the command line. So every
+write here:
+
+* reaches its folder by descriptors, one component at a time, following only links that
+  root owns (``open_folder``): a link another account planted anywhere on the way is refused;
+  a folder renamed away meanwhile is still the one written into;
+* when root, writes only into a folder that root owns and no other account can write (an
+  error naming the folder and the fix otherwise): nobody else can plant a name in it;
+* goes through a temporary created exclusively under a random name (``O_CREAT | O_EXCL |
+  O_NOFOLLOW``), handed to the writer (pandas, matplotlib) as a path through the folder's
+  descriptor, then renamed over the file within that folder.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from testbed.errors import InputError
+
+MAX_LINKS = 40  # as the kernel's own limit on links followed in one path
+
+
+class UnsafeFolder(InputError):
+    """A folder root must not write into (exit 2, naming it and the fix)."""
+
+
+def _refuse(path: str, why: str, fix: str) -> UnsafeFolder:
+    return UnsafeFolder(f"{path}: {why}; root writes only where no other account can plant a link ({fix})")
+
+
+def open_folder(folder: Path, create: bool = True, owned: bool = True) -> int:
+    """A descriptor of ``folder`` (made with its parents if ``create``), reached without
+    following a link another account owns; when root and ``owned``, ``folder`` itself must
+    be root's and writable by no other account. The caller closes it."""
+    root = os.geteuid() == 0
+    text = os.fspath(folder)
+    parts = [p for p in text.split("/") if p not in ("", ".")]
+    cur = os.open("/" if text.startswith("/") else ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    where = "/" if text.startswith("/") else ""
+    hops = 0
+    try:
+        while parts:
+            name = parts.pop(0)
+            if name == "..":  # only as written; never reached through a link of another account
+                nxt = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=cur)
+                os.close(cur)
+                cur, where = nxt, os.path.join(where, name)
+                continue
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o755, dir_fd=cur)
+            st = os.stat(name, dir_fd=cur, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                here = os.fstat(cur)
+                if root and (st.st_uid != 0 or (here.st_mode & 0o022 and not here.st_mode & stat.S_ISVTX)):
+                    raise _refuse(os.path.join(where, name), f"a link owned by uid {st.st_uid} (or in a folder "
+                                  "others can write)", "remove the link, or name the folder it points to")
+                hops += 1
+                if hops > MAX_LINKS:
+                    raise InputError(f"{text}: more than {MAX_LINKS} links")
+                target = os.readlink(name, dir_fd=cur)
+                parts = [p for p in target.split("/") if p not in ("", ".")] + parts
+                if target.startswith("/"):
+                    os.close(cur)
+                    cur, where = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), "/"
+                continue
+            nxt = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=cur)
+            os.close(cur)
+            cur, where = nxt, os.path.join(where, name)
+        if root and owned:
+            st = os.fstat(cur)
+            if st.st_uid != 0 or st.st_mode & 0o022:
+                who = f"owned by uid {st.st_uid}" if st.st_uid != 0 else "writable by other accounts"
+                raise _refuse(text, f"a folder {who}",
+                              f"chown root: {text} && chmod go-w {text}, or choose a folder that does not exist yet")
+        return cur
+    except BaseException:
+        os.close(cur)
+        raise
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -20,27 +97,46 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
-    """A temporary name beside ``path`` to write to; renamed over ``path`` when the block
-    ends without an error, removed when it raises: a reader sees the old file or the new."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")  # the suffix tells writers the format
+def atomic_path(path: Path, mode: int = 0o644) -> Iterator[Path]:
+    """A temporary beside ``path`` to write to (created exclusively under a random name, in
+    a folder reached as ``open_folder`` does); renamed over ``path`` when the block ends
+    without an error, removed when it raises: a reader sees the old file or the new."""
+    folder = open_folder(path.parent)
+    # The suffix tells writers the format; the name is no one's to guess.
+    name = f".{path.stem}.{secrets.token_hex(8)}.tmp{path.suffix}"
     try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def new_run_dir(stem: str) -> Path:
-    """``runs/<stem>-<timestamp>`` (``runs/<timestamp>`` for an empty stem), created here so
-    two runs started in the same second get two folders (the second ``-2``, and so on)."""
-    base = Path("runs") / "-".join(x for x in (stem, time.strftime("%Y%m%d-%H%M%S")) if x)
-    for k in range(1, 1000):
-        path = base if k == 1 else base.with_name(f"{base.name}-{k}")
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=folder)
+        os.fchmod(fd, mode)  # whatever the umask
+        os.close(fd)
         try:
-            path.mkdir(parents=True)
-            return path
-        except FileExistsError:
-            continue
-    raise InputError(f"{base}: 999 run folders of this name already exist")
+            yield Path(f"/proc/self/fd/{folder}/{name}")  # through the folder's descriptor, not its path
+            os.replace(name, path.name, src_dir_fd=folder, dst_dir_fd=folder)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=folder)
+    finally:
+        os.close(folder)
+
+
+def new_run_dir(stem: str, under: Path = Path("runs")) -> Path:
+    """``runs/<stem>-<timestamp>`` (``runs/<timestamp>`` for an empty stem), created here so
+    two runs started in the same second get two folders (the second ``-2``, and so on); a
+    new folder of this process's account, whoever made ``runs/``."""
+    name = "-".join(x for x in (stem, time.strftime("%Y%m%d-%H%M%S")) if x)
+    parent = open_folder(under, owned=False)  # runs/ may be another account's: the new folder is ours
+    try:
+        for k in range(1, 1000):
+            leaf = name if k == 1 else f"{name}-{k}"
+            try:
+                os.mkdir(leaf, 0o755, dir_fd=parent)
+            except FileExistsError:
+                continue
+            fd = os.open(leaf, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+            try:
+                os.fchmod(fd, 0o755)  # whatever the umask
+            finally:
+                os.close(fd)
+            return under / leaf
+    finally:
+        os.close(parent)
+    raise InputError(f"{under / name}: 999 run folders of this name already exist")

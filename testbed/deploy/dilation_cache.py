@@ -22,6 +22,9 @@ import time
 from pathlib import Path
 
 from testbed.deploy.emulation import round_up
+from testbed.errors import InputError
+from testbed.outputs import open_folder, write_atomic
+from workers.privilege import open_regular
 
 CACHE_ENV = "PDD_TESTBED_DILATION_CACHE"
 VERSION = 1
@@ -86,12 +89,20 @@ def recall(key: str) -> tuple[float, str] | None:
     if path is None or not path.exists():
         return None
     try:
-        data = json.loads(path.read_text()[:10_000])
+        folder = open_folder(path.parent, create=False)  # root reads no entry another account could have written
+    except (OSError, InputError) as e:
+        print(f"dilation auto: ignoring {path}: {e}", flush=True)
+        return None
+    try:
+        with os.fdopen(open_regular(path.name, dir_fd=folder), "rb") as f:
+            data = json.loads(f.read(10_000))
         d, why, at = data["dilation"], data["why"], data["at"]
         ok = (data.get("version") == VERSION and isinstance(d, int | float) and not isinstance(d, bool)
               and math.isfinite(d) and 0.1 <= d <= 1000 and isinstance(why, str) and isinstance(at, int | float))
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
         ok = False
+    finally:
+        os.close(folder)
     if not ok:
         print(f"dilation auto: ignoring {path}: not a kept choice of this version", flush=True)
         return None
@@ -107,11 +118,11 @@ def remember(key: str, dilation: float, why: str) -> None:
     path = _path(key)
     if path is None:
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"version": VERSION, "dilation": dilation, "why": why[:MAX_WHY], "at": time.time(),
-                               "host": host_identity()}) + "\n")
-    os.replace(tmp, path)
+    try:
+        write_atomic(path, json.dumps({"version": VERSION, "dilation": dilation, "why": why[:MAX_WHY],
+                                       "at": time.time(), "host": host_identity()}) + "\n")
+    except (OSError, InputError) as e:  # a cache: the run goes on without it
+        print(f"dilation auto: the choice is not kept: {e}", flush=True)
 
 
 def failed_at(key: str, dilation: float) -> float:

@@ -22,13 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from testbed.errors import BuildError, CapabilityError
+from testbed.errors import BuildError, CapabilityError, InputError
 from testbed.net import netns, runstate, shaping
 from testbed.net.delayline_contract import DelayLineReport, DirectionOverride
 from testbed.net.impairment import ImpairmentChoice, WanImpairment, choose
 from testbed.net.mininet_nodes import MininetNodes
 from testbed.net.nodes import NodeBackend, NodeKind, Pyroute2Nodes
 from testbed.net.plan import TCP_MEM, NetworkPlan, make_plan, size_lan
+from testbed.outputs import open_folder
 from testbed.scenario import Scenario
 from workers.privilege import open_regular
 
@@ -71,6 +72,7 @@ class Network:
         if self.wan is not None:
             self.delayline_stats_final = self.wan.close()
         if self.logs_to is not None:
+            self.run.stop_strays()  # nothing of the run's applications runs while root reads their folder
             self._keep_logs(self.logs_to)
         self.nodes.close()
         self.run.destroy()
@@ -78,20 +80,32 @@ class Network:
 
     def _keep_logs(self, dest: Path) -> None:
         """Every process's log, whole, before the run's state folder goes (a log that cannot
-        be copied is reported; teardown goes on)."""
+        be copied is reported; teardown goes on). Only logs root opened itself: the regular
+        files named ``*.log`` in the run's folder and in its subfolders that root owns and no
+        one else can write (the broker's); a component's own folder is never walked."""
         try:
-            dest.mkdir(parents=True, exist_ok=True)
-            for log in sorted(self.run.dir.rglob("*.log")):  # the broker's is in broker/
-                name = dest / "-".join(log.relative_to(self.run.dir).parts)
+            folder = open_folder(dest)
+        except (OSError, InputError) as e:
+            print(f"logs not kept in {dest}: {e}", flush=True)
+            return
+        try:
+            for log in root_logs(self.run.dir):
+                name = "-".join(log.relative_to(self.run.dir).parts)
                 try:  # copied from the descriptor that was checked: no link, no FIFO, a regular file
                     src = os.fdopen(open_regular(log), "rb")
                 except OSError as e:
                     print(f"log {log} not kept: {e}", flush=True)
                     continue
-                with src, open(name, "wb") as out:
+                try:
+                    out = os.fdopen(open_regular(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, dir_fd=folder), "wb")
+                except OSError as e:
+                    src.close()
+                    print(f"log {log} not kept in {dest}: {e}", flush=True)
+                    continue
+                with src, out:
                     shutil.copyfileobj(src, out)
-        except OSError as e:
-            print(f"logs not kept in {dest}: {e}", flush=True)
+        finally:
+            os.close(folder)
 
     def __enter__(self) -> Network:
         return self
@@ -258,3 +272,21 @@ def make_backend(name: str, run: runstate.Run) -> NodeBackend:
     if name == "mininet":
         return MininetNodes(run)
     return Pyroute2Nodes(run)
+
+
+def root_logs(run_dir: Path) -> list[Path]:
+    """The logs root opened itself for a run's processes: regular files named ``*.log`` in
+    ``run_dir`` and in those of its subfolders that root owns and no other account can
+    write; nothing deeper, and no folder a component owns (it could nest or link anything)."""
+    logs: list[Path] = []
+    folders = [run_dir]
+    with os.scandir(run_dir) as entries:
+        for e in entries:
+            if e.is_dir(follow_symlinks=False):
+                st = e.stat(follow_symlinks=False)
+                if st.st_uid == os.geteuid() and not st.st_mode & 0o022:
+                    folders.append(Path(e.path))
+    for d in folders:
+        with os.scandir(d) as entries:
+            logs += [Path(e.path) for e in entries if e.name.endswith(".log") and e.is_file(follow_symlinks=False)]
+    return sorted(logs)

@@ -23,7 +23,6 @@ import json
 import os
 import re
 import secrets
-import shutil
 import signal
 import stat
 import time
@@ -211,6 +210,14 @@ class Run:
         if apps:
             netns.terminate(apps)
 
+    def stop_strays(self) -> None:
+        """End every process left in the run's namespaces but its infrastructure: what an
+        application forked and left behind (its grandchildren outlive ``stop_applications``)."""
+        kept = {p.pid for p in _alive(self.processes) if p.name in INFRASTRUCTURE} | {os.getpid()}
+        strays = sorted({pid for ns in self.namespaces for pid in netns.pids_in_namespace(ns)} - kept)
+        if strays:
+            netns.terminate(strays)
+
     def add_process(self, pid: int, name: str, ns: str) -> None:
         self.processes.append(ProcRecord(pid, netns.proc_starttime(pid), name, ns))
         self.save()
@@ -283,8 +290,65 @@ def destroy(run_id: str, namespaces: list[str], processes: list[ProcRecord]) -> 
             with contextlib.suppress(OSError):
                 netns.remove_namespace(ns)
             removed.append(f"namespace {ns}")
-    shutil.rmtree(STATE_ROOT / run_id, ignore_errors=True)
+    remove_tree(STATE_ROOT / run_id)
     return removed
+
+
+def remove_tree(path: Path) -> None:
+    """Remove ``path`` and everything under it, as far as it can, at any depth and without
+    following a link (a link is removed, never what it names). No recursion and two
+    descriptors at most: every folder found inside is first moved up to ``path`` itself (a
+    component's folder may nest thousands deep: ``shutil.rmtree`` recursed until Python's
+    limit and stopped half-way). What cannot be removed stays."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return
+    try:
+        top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    tag = secrets.token_hex(4)
+    moved = 0
+    pending: list[str | None] = [None]  # None: ``path`` itself; else a folder moved into it
+    try:
+        while pending:
+            name = pending.pop()
+            try:
+                fd = top if name is None else os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                                                      | os.O_CLOEXEC, dir_fd=top)
+            except OSError:
+                continue
+            try:
+                with os.scandir(fd) as entries:
+                    children = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+                for child, is_dir in children:
+                    if not is_dir:
+                        with contextlib.suppress(OSError):
+                            os.unlink(child, dir_fd=fd)
+                    elif name is None:
+                        pending.append(child)
+                    else:
+                        moved += 1
+                        try:
+                            os.rename(child, f".removing-{tag}-{moved}", src_dir_fd=fd, dst_dir_fd=top)
+                            pending.append(f".removing-{tag}-{moved}")
+                        except OSError:
+                            continue
+            finally:
+                if fd != top:
+                    os.close(fd)
+            if name is not None:
+                with contextlib.suppress(OSError):
+                    os.rmdir(name, dir_fd=top)
+    finally:
+        os.close(top)
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
 
 
 def _alive(processes: list[ProcRecord]) -> list[ProcRecord]:
