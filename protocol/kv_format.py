@@ -34,7 +34,7 @@ from typing import Annotated, Literal, TypeVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from protocol.messages import RequestId, Ticket
+from protocol.messages import MAX_PROMPT_TOKENS, RequestId, Ticket
 from protocol.validation import first_error
 
 MAGIC = b"PDKV"
@@ -49,7 +49,6 @@ HELLO, OFFER, BLOCK, END, ACK, EXTEND, AUTH = 1, 2, 3, 4, 5, 6, 7
 DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3, torch.float16: 4}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 DTYPE_NAMES = {str(d): d for d in DTYPE_CODES}  # "torch.float32" -> torch.float32: the only dtypes read
-MAX_PROMPT_TOKENS = 1 << 20
 MAX_TOKEN_ID = (1 << 31) - 1
 MAX_CONTROL_FRAME = 64 * 1024  # OFFER, END, ACK: a few small JSON fields
 MAX_HELLO = 1024 + 12 * MAX_PROMPT_TOKENS  # JSON token ids of at most 10 digits and ", "

@@ -21,9 +21,12 @@ from protocol.validation import one_line
 from protocol.worker_config import Contract, WorkerRole
 
 QOS = 1
+# The longest prompt anything here carries (a request, a prefill command, a KV transfer's
+# HELLO): a request's prompt and output together within it, or the router refuses it.
+MAX_PROMPT_TOKENS = 1 << 20
 # The largest message any component takes from the broker (the broker refuses larger ones
 # too, ``message_size_limit``): a prefill command for the longest prompt a KV frame allows
-# (``kv_format.MAX_PROMPT_TOKENS``, ~11 bytes a token id in JSON) fits with room to spare.
+# (``MAX_PROMPT_TOKENS``, ~11 bytes a token id in JSON) fits with room to spare.
 MAX_MESSAGE_BYTES = 16 << 20
 
 
@@ -64,8 +67,8 @@ class RequestHints(Message):
 
 class Request(Message):
     rid: RequestId
-    prompt: list[TokenId] = Field(min_length=1)
-    max_new: int = Field(ge=1)
+    prompt: list[TokenId] = Field(min_length=1, max_length=MAX_PROMPT_TOKENS)
+    max_new: int = Field(ge=1, le=MAX_PROMPT_TOKENS)
     hints: RequestHints = RequestHints()
     ignore_eos: bool = False  # decode all ``max_new`` tokens even past the end-of-sequence token
 

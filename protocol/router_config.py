@@ -25,7 +25,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from protocol.messages import Event
+from protocol.messages import MAX_PROMPT_TOKENS, Event
 from protocol.worker_config import BrokerInfo, Contract, RunAs, WorkerRole
 from testbed.policies.base import PlanInfo, PolicyContext, PolicyReport
 from testbed.policies.spec import PolicySpec
@@ -53,6 +53,10 @@ class RouterConfig(Contract):
     records_path: str  # in a folder ``run_as`` owns (with the policy report and deaths beside it)
     run_as: RunAs | None = None  # None: keep the privileges it started with
     context: PolicyContext = PolicyContext()
+    # What a request may ask for (the router refuses the rest before any worker hears of it):
+    # prompt and output within the model's context, every id within its vocabulary.
+    vocab_size: int = Field(default=2**31, ge=1)
+    max_context: int = Field(default=MAX_PROMPT_TOKENS, ge=2, le=MAX_PROMPT_TOKENS)
 
 
 class WorkerDeath(Contract):

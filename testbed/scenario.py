@@ -42,7 +42,7 @@ class Role(StrEnum):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # .inf, .nan: a mistake
 
 
 class Host(_Strict):

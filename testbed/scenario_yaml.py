@@ -41,6 +41,8 @@ def read_yaml(path: Path) -> tuple[yaml.Node | None, dict[str, Any]]:
     try:
         node = yaml.compose(text)
         data = yaml.safe_load(text)
+    except RecursionError as e:
+        raise InputError(f"{path}: invalid YAML: nested too deeply") from e
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)

@@ -377,6 +377,30 @@ def test_a_chunk_past_the_requests_length_is_dropped_and_counted() -> None:
     assert rec.accept(TokenChunk("r1", 0, [7, 8, 9, 10], "decode-a", done=True), 0.0) == 4 and rec.ok
 
 
+def test_overlapping_early_chunks_are_held_once_and_assemble_exactly() -> None:
+    """A streamer sending every suffix of a request's answer before its first token (2,047
+    overlapping chunks): the client holds each token once (max_new in all, not ~max_new^2/2),
+    and the stream assembles exactly when the gap fills; a held chunk that disagrees is a
+    conflict, not a token."""
+    from testbed.deploy.run_record import ClientRecord
+
+    n = 2048
+    answer = [3 + i % 97 for i in range(n)]
+    rec = ClientRecord("r1", 10, n)
+    for k in range(n - 1, 0, -1):
+        rec.accept(TokenChunk("r1", k, answer[k:], "decode-a", done=True), 0.0)
+        assert sum(len(c.tokens) for c in rec.early.values()) <= n
+    assert sum(len(c.tokens) for c in rec.early.values()) == n - 1
+    assert rec.accept(TokenChunk("r1", 5, [0] * 10, "decode-b"), 0.0) == 0 and rec.conflicts == 1
+    assert rec.accept(TokenChunk("r1", 0, answer[:3], "decode-a"), 0.0) == n
+    assert rec.ok and rec.tokens.tolist() == answer and rec.early == {}
+    # A chunk that runs into a held one continues past it (the held chunk's tail is taken).
+    rec = ClientRecord("r2", 10, 8)
+    rec.accept(TokenChunk("r2", 4, [5, 6, 7, 8], "decode-a", done=True), 0.0)
+    assert rec.accept(TokenChunk("r2", 0, [1, 2, 3, 4, 5, 6], "decode-b"), 0.0) == 8
+    assert rec.ok and rec.tokens.tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
 def test_fuzzed_token_batches_decode_or_fail_with_a_reason() -> None:
     rng = random.Random(11)
     seed = token_stream.encode("decode-a", 3.0, BATCH)

@@ -15,7 +15,7 @@ import torch
 
 from workers import kv_wire
 from workers.expected import Expected
-from workers.kv_wire import HDR, HELLO, MAGIC, VERSION
+from workers.kv_wire import AUTH, HDR, HELLO, MAGIC, VERSION
 
 pytestmark = pytest.mark.hostile
 
@@ -127,8 +127,11 @@ def test_a_receiver_serves_a_bounded_number_of_connections() -> None:
         server, port = await rx.start(timeout_s=5.0, max_connections=2)
         try:
             held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+            for _, w in held:  # senders of the run: they hold authenticated slots
+                w.write(_frame(AUTH, b'{"token": ""}'))
             await asyncio.sleep(0.05)
             r3, w3 = await asyncio.open_connection("127.0.0.1", port)
+            w3.write(_frame(AUTH, b'{"token": ""}'))
             refused = await asyncio.wait_for(r3.read(), timeout=2)  # told why, then closed
             w3.close()
             held[0][1].close()
@@ -144,6 +147,33 @@ def test_a_receiver_serves_a_bounded_number_of_connections() -> None:
     refused, rx = asyncio.run(main())
     assert b"2 connections already open" in refused
     assert rx.done == ["ok"]
+
+
+def test_silent_connections_hold_a_few_slots_of_their_own_and_never_a_senders() -> None:
+    """300 connections that never authenticate (a stranger on the emulated network): at most
+    ``MAX_UNAUTHENTICATED`` are kept (the oldest closed for each new one), none counts against
+    the senders' slots, and a transfer of the run goes through meanwhile."""
+    async def main() -> tuple[_Receiver, int, int]:
+        rx = _Receiver()
+        server, port = await rx.start(timeout_s=30.0, max_connections=4)
+        try:
+            silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(300)]
+            await asyncio.sleep(0.2)
+            closed = sum(r.at_eof() for r, _ in silent)
+            await kv_wire.send_kv("127.0.0.1", port, "ok", list(range(32)), torch.zeros(2, 2, 2, 32, 4), 1, 16,
+                                  timeout_s=5.0)
+            late = [await asyncio.open_connection("127.0.0.1", port) for _ in range(20)]
+            await asyncio.sleep(0.2)
+            still_open = sum(not r.at_eof() for r, _ in silent + late)
+            for _, w in silent + late:
+                w.close()
+        finally:
+            server.close()
+        return rx, closed, still_open
+
+    rx, closed, still_open = asyncio.run(main())
+    assert rx.done == ["ok"]
+    assert closed >= 300 - kv_wire.MAX_UNAUTHENTICATED and still_open <= kv_wire.MAX_UNAUTHENTICATED
 
 
 def test_a_hello_for_an_unknown_or_ended_request_is_refused_and_leaves_nothing() -> None:

@@ -48,6 +48,10 @@ def test_default_scenario_loads() -> None:
         ("subnet: 10.213.0.0/16", "subnet: 8.8.0.0/16", "network.subnet"),
         ("between: [a, b]", "between: [a, c]", "unknown datacenter 'c'"),
         ("loss_pct: 0.0}   # a -> b", "loss_pct: 100}   # a -> b", "wan.forward.loss_pct"),
+        ("delay_ms: 15.0, jitter_ms: 0.5, loss_pct: 0.0}   # a -> b",
+         "delay_ms: .inf, jitter_ms: 0.5, loss_pct: 0.0}   # a -> b", "wan.forward.delay_ms: Input should be a finite"),
+        ("delay_ms: 15.0, jitter_ms: 0.5, loss_pct: 0.0}   # b -> a",
+         "delay_ms: .nan, jitter_ms: 0.5, loss_pct: 0.0}   # b -> a", "wan.reverse.delay_ms: Input should be a finite"),
     ],
 )
 def test_bad_scenario_names_file_line_field(tmp_path: Path, old: str, new: str, expect: str) -> None:
@@ -66,6 +70,12 @@ def test_bad_scenario_names_file_line_field(tmp_path: Path, old: str, new: str, 
 def test_yaml_syntax_error_has_line(tmp_path: Path) -> None:
     p = write(tmp_path, "name: x\ndatacenters: {a: [\n")
     with pytest.raises(InputError, match=rf"{p}:\d+: invalid YAML"):
+        load_scenario(p)
+
+
+def test_yaml_nested_past_any_scenario_is_an_input_error(tmp_path: Path) -> None:
+    p = write(tmp_path, "name: x\ndescription: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(InputError, match=rf"{p}: invalid YAML: nested too deeply"):
         load_scenario(p)
 
 

@@ -198,3 +198,71 @@ def test_a_client_too_slow_to_send_or_to_read_is_let_go_and_its_slot_freed() -> 
 
     asyncio.run(_with_client(_served(max_concurrency=1, max_len=70000, body_timeout_s=0.3, write_timeout_s=0.5),
                              body))
+
+
+def test_connections_past_the_limit_and_heads_that_trickle_are_closed_and_requests_go_on() -> None:
+    """slowloris: more connections than the limit are closed at once; a connection that sends
+    nothing, or trickles a head a byte at a time, first or after a kept-alive request, is
+    closed at the heads' deadline; a request whose body follows its head is served, and so is
+    one after all that."""
+    import socket
+
+    from aiohttp import web
+
+    from testbed.serve.guard import serve_guarded
+
+    async def main() -> None:
+        gw = _Gateway()
+        gw.release.set()
+        runner = web.AppRunner(OpenAiFront(gw, _Tokenizer(), _served(), _Metrics()).app(),  # type: ignore[arg-type]
+                               access_log=None)
+        await runner.setup()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
+        port = sock.getsockname()[1]
+        server, stats = await serve_guarded(runner, sock, max_connections=8, head_timeout_s=0.5)
+        body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        request = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n{body}").encode()
+
+        async def answered(r: asyncio.StreamReader) -> bytes:
+            got = b""
+            async with asyncio.timeout(5):
+                while b"completion_tokens" not in got:
+                    part = await r.read(4096)
+                    assert part, got
+                    got += part
+            return got
+
+        try:
+            silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(20)]
+            await asyncio.sleep(0.1)
+            assert stats.refused == 12 and stats.open == 8
+            await asyncio.sleep(0.6)  # past the deadline: the eight held are let go
+            assert stats.too_slow == 8 and stats.open == 0 and all(r.at_eof() for r, _ in silent[:8])
+            # A kept-alive connection: one request served, then the next head trickled.
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(request)
+            assert b"200 OK" in await answered(r)
+            trickled = await asyncio.open_connection("127.0.0.1", port)
+            for byte in request[:40]:
+                for _, writer in ((r, w), trickled):
+                    writer.write(bytes([byte]))
+                await asyncio.sleep(0.05)
+                if r.at_eof() and trickled[0].at_eof():
+                    break
+            await asyncio.sleep(0.1)
+            assert stats.too_slow == 10, stats
+            for _, writer in [*silent, (r, w), trickled]:
+                writer.close()
+            # And a request sent at once is served.
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(request)
+            assert b"200 OK" in await answered(r)
+            w.close()
+        finally:
+            server.close()
+            await runner.cleanup()
+
+    asyncio.run(main())

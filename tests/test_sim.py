@@ -280,3 +280,22 @@ def test_a_bug_in_a_component_fails_what_it_touched_and_the_run_says_so(
     assert s["component_errors"] and "OverflowError" in s["component_errors"][0]
     assert any("the link model failed: OverflowError" in (why or "") for why in s["failures"].values())
     assert "exception(s) no component caught" in err
+
+
+def test_the_router_refuses_what_no_worker_could_hold_and_serves_the_rest() -> None:
+    """Bounded at the first reader: a prompt past the wire's longest, prompt and output past
+    the model's context, an id past its vocabulary: each fails alone with its reason; no
+    worker hears of it, none ends, and the requests beside them complete."""
+    sc = load_scenario(TOPOLOGIES / "two-dc.yaml")
+    ok = synth_tokens("ok", 64)
+    specs = [RequestSpec("huge", [5] * ((1 << 20) + 1), 4), RequestSpec("long", [5] * ((1 << 20) - 2), 8),
+             RequestSpec("vocab", [*ok[:10], 9000, *ok[10:]], 4), RequestSpec("fine", ok, 4, at=0.1)]
+    with SimDeployment(sc, parse_policy("pdd"), emulation=sim_plan(sc, 16)) as dep:
+        run = dep.run(TraceReplay(specs, 600, show_progress=False, retry=None))
+    errors = {rid: r.error or "" for rid, r in run.recs.items()}
+    assert errors["fine"] == "" and run.recs["fine"].ok
+    assert "prompt" in errors["huge"] and "1048576" in errors["huge"], errors["huge"]
+    assert "exceed the model's context of 1048576 tokens" in errors["long"], errors["long"]
+    assert "token id 9000 is outside the model's vocabulary (0..8191)" in errors["vocab"], errors["vocab"]
+    assert set(run.router) == {"fine"}  # the refused were never planned nor given to a worker
+    assert run.component_errors == [] and run.deaths == []

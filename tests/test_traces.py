@@ -66,6 +66,14 @@ def test_mooncake_token_scale_divides_lengths_and_block(tmp_path: Path) -> None:
     ([mc(0, 10, 1, [1]), "", mc(1, 1500, 1, [1, 2])], "m.jsonl:3: hash_ids: 2 blocks of 512 tokens cannot cover"),
     ([mc(0, 100, 1, [1, 2])], "m.jsonl:1: hash_ids: 2 blocks for input_length 100"),
     ([mc(0, 10, 1, [])], "m.jsonl:1: hash_ids:"),
+    # Non-finite, absurd, deep or endless: each a clear error at its line, never a traceback.
+    (['{"timestamp": Infinity, "input_length": 10, "output_length": 1, "hash_ids": [1]}'],
+     "m.jsonl:1: (line): Infinity is not a number"),
+    (['{"timestamp": NaN, "input_length": 10, "output_length": 1, "hash_ids": [1]}'], "m.jsonl:1: (line): NaN"),
+    ([mc(0, 10, 10**12, [1])], "m.jsonl:1: output_length: Input should be less than or equal to 1048576"),
+    ([mc(1e300, 10, 1, [1])], "m.jsonl:1: timestamp: Input should be less than or equal to"),
+    (['{"timestamp": 0, "x": ' + "[" * 100_000 + "]" * 100_000 + "}"], "m.jsonl:1: (line): nested too deeply"),
+    (['{"timestamp": 0, "input_length": 1' + "0" * 4300 + "}"], "m.jsonl:1: (line): a number too long to read"),
 ])  # fmt: skip
 def test_mooncake_errors_name_file_line_field(tmp_path: Path, lines: list[object], where: str) -> None:
     p = _write(tmp_path, "m.jsonl", lines)
@@ -89,7 +97,7 @@ def test_azure_csv(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("body", "where"), [
     ("TIMESTAMP,ContextTokens\n1,2\n", "a.csv:1: header: missing column(s) GeneratedTokens"),
     ("TIMESTAMP,ContextTokens,GeneratedTokens\n1,2,3\n2,x,3\n", "a.csv:3: ContextTokens: expected an integer"),
-    ("TIMESTAMP,ContextTokens,GeneratedTokens\n1,2,-3\n", "a.csv:2: GeneratedTokens: must be at least 1"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n1,2,-3\n", "a.csv:2: GeneratedTokens: must be in 1..1048576"),
     ("TIMESTAMP,ContextTokens,GeneratedTokens\n5,2,3\n1,2,3\n", "a.csv:3: TIMESTAMP: goes backwards"),
     ("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,2,3\n", "a.csv:2: TIMESTAMP: not a time"),
 ])  # fmt: skip

@@ -36,7 +36,11 @@ from protocol.kv_format import (
 )
 from workers.namespace import tcp_socket
 
-MAX_CONNECTIONS = 256  # a receiver's open connections (senders keep kv_streams_per_peer each)
+MAX_CONNECTIONS = 256  # a receiver's authenticated connections (senders keep kv_streams_per_peer each)
+# Connections that have not yet sent their AUTH: a few, and the oldest is closed to make room
+# for a new one (a sender of the run authenticates at once; 300 silent connections once held
+# every slot of a receiver for AUTH_TIMEOUT_S, and again whenever they reconnected).
+MAX_UNAUTHENTICATED = 16
 IDLE_FACTOR = 5  # a kept connection idle for IDLE_FACTOR x the timeout is closed by the receiver
 
 

@@ -23,7 +23,8 @@ drains the socket must make progress within it, the kernel gives up on data the 
 not acknowledge (``TCP_USER_TIMEOUT``) and probes an idle connection (keepalive) on both
 sides, so a peer that vanished, or a reset lost on a line that was down, ends the transfer
 and frees its buffer. A receiver closes a kept connection idle for ``IDLE_FACTOR`` x that
-long and serves at most ``MAX_CONNECTIONS`` at once (more are told so and closed).
+long and serves at most ``MAX_CONNECTIONS`` at once (more are told so and closed); of those
+still to send their AUTH it keeps ``MAX_UNAUTHENTICATED``, closing the oldest for a new one.
 
 Connections persist (``Connections``, ``workers/kv_conn.py`` says why): a connection is reused
 only after a transfer that ended cleanly.
@@ -84,6 +85,7 @@ from protocol.kv_format import (  # noqa: F401 - the format's names are part of 
 from workers.kv_conn import (  # noqa: F401 - Connections and the limits are part of this module's interface
     IDLE_FACTOR,
     MAX_CONNECTIONS,
+    MAX_UNAUTHENTICATED,
     Conn,
     Connections,
     PeerSilent,
@@ -283,12 +285,28 @@ async def serve_kv(host: str, port: int, offer: OfferFn, done: DoneFn, fail: Fai
                    expect: ModelShape | None = None, token: str = "",
                    zeros: Callable[[int], torch.Tensor] | None = None, netns: str | None = None,
                    timeout_s: float | None = None, max_connections: int = MAX_CONNECTIONS) -> asyncio.Server:
-    """Accept transfers (``receive_kv`` for each connection, at most ``max_connections`` at
-    once); ``netns``: listen inside that namespace (a process standing for several hosts)."""
+    """Accept transfers (``receive_kv`` for each connection, at most ``max_connections``
+    authenticated at once, and ``MAX_UNAUTHENTICATED`` still to authenticate: the oldest of
+    those is closed for a new one); ``netns``: listen inside that namespace (a process
+    standing for several hosts)."""
     open_conns = 0
+    unauthenticated: dict[asyncio.StreamWriter, None] = {}  # oldest first
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonlocal open_conns
+        if len(unauthenticated) >= MAX_UNAUTHENTICATED:
+            oldest = next(iter(unauthenticated))
+            unauthenticated.pop(oldest)
+            oldest.transport.abort()  # its AUTH read ends at once
+        unauthenticated[writer] = None
+        tune_socket(writer.get_extra_info("socket"), timeout_s)
+        try:
+            authenticated = await authenticate(reader, writer, token, timeout_s)
+        finally:
+            unauthenticated.pop(writer, None)
+        if not authenticated:
+            writer.close()
+            return
         if open_conns >= max_connections:
             with contextlib.suppress(Exception):
                 refusal = Ack(error=f"{max_connections} connections already open")
@@ -296,10 +314,7 @@ async def serve_kv(host: str, port: int, offer: OfferFn, done: DoneFn, fail: Fai
             writer.close()
             return
         open_conns += 1
-        tune_socket(writer.get_extra_info("socket"), timeout_s)
         try:
-            if not await authenticate(reader, writer, token, timeout_s):
-                return
             while await receive_kv(reader, writer, offer, done, fail, expect, token, keep_open=True, zeros=zeros,
                                    timeout_s=timeout_s):
                 pass  # the sender may send its next transfer on this connection

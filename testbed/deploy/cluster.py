@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from protocol.messages import MAX_PROMPT_TOKENS
 from protocol.router_config import (
     PolicyContext,
     PolicyReport,
@@ -51,7 +52,7 @@ from testbed.net import netns, runstate
 from testbed.net.build import Network
 from testbed.policies.spec import PolicySpec
 from testbed.scenario import Role, Scenario
-from workers.model_dir import kv_bytes_per_token
+from workers.model_dir import kv_bytes_per_token, read_config
 
 # The router on the C library's allocator instead of Python's small-object arenas: a burst of
 # requests in flight (the backlog after a WAN outage: thousands of prompt tokens, each an int
@@ -136,11 +137,19 @@ def router_config(sc: Scenario, run_id: str, policy: PolicySpec, workers: dict[s
     )  # fmt: skip
     endpoints = {h: WorkerEndpoint(role=c.role, dc=sc.datacenter_of(h), host=c.host_ip, kv_port=c.kv_port)
                  for h, c in workers.items()}
+    card = read_config(model)
+    # A real model holds prompt and answer within its positions; a modeled worker only within
+    # what a KV transfer's HELLO may name.
+    positions = getattr(card, "max_position_embeddings", None)
+    real = any(c.compute != "modeled" for c in workers.values())
+    max_context = min(MAX_PROMPT_TOKENS, positions) if real and isinstance(positions, int) and positions > 1 \
+        else MAX_PROMPT_TOKENS
     return RouterConfig(run_id=run_id, broker=broker, policy=policy, workers=endpoints,
                         request_timeout_s=ws.request_timeout_s * d, records_path=str(records_path),
                         dilation=d, unreachable_grace_s=ws.unreachable_grace_s * d,
                         context=context, cache_outputs=ws.cache_outputs,
-                        failure_detection=ws.failure_detection, run_as=run_as)
+                        failure_detection=ws.failure_detection, run_as=run_as, vocab_size=card.vocab_size,
+                        max_context=max_context)
 
 
 def process_groups(sc: Scenario, cfgs: dict[str, WorkerConfig], alone: set[str]) -> dict[str, list[str]]:

@@ -46,7 +46,7 @@ from protocol.mqtt_session import Session
 from protocol.router_config import RequestRecord, RouterConfig
 from protocol.topics import Topics
 from testbed.deploy.liveness import Liveness
-from testbed.deploy.router_checks import in_plan, repeated, speaks_for
+from testbed.deploy.router_checks import in_plan, out_of_bounds, repeated, speaks_for
 from testbed.deploy.router_ended import Ended
 from testbed.policies import ClusterView, Policy, RequestState, make_policy
 from testbed.policies.base import WorkerView
@@ -220,6 +220,12 @@ class Router:
             # replace a request in flight nor turn a finished one into a failure.
             self.repeated_requests += 1
             print(f"router: dropped a repeated request {r.rid}", file=sys.stderr, flush=True)
+            return
+        if (why := out_of_bounds(r, self.cfg.vocab_size, self.cfg.max_context)) is not None:
+            print(f"router: refused request {r.rid}: {why}", file=sys.stderr, flush=True)
+            await self.publish(self.topics.tokens(r.rid), Tokens(rid=r.rid, start=0, tokens=[], worker="router",
+                                                                 t=clock.time(), done=True,
+                                                                 error=f"router refused the request: {why}").dump())
             return
         req = RequestState(r.rid, r.prompt, r.max_new, clock.time(), r.hints)
         self.inflight[r.rid] = req

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable
 
-from protocol.messages import Event
+from protocol.messages import Event, Request
 from protocol.topics import Topics
 
 
@@ -49,3 +49,16 @@ def repeated(events: list[Event], ev: Event) -> bool:
         return False
     print(f"router: dropped a repeated {ev.kind} of {ev.rid} from {ev.worker}", file=sys.stderr, flush=True)
     return True
+
+
+def out_of_bounds(r: Request, vocab_size: int, max_context: int) -> str | None:
+    """Why a request cannot be served as sent (None: it can): checked before any worker is
+    told of it, so a prompt no worker could hold fails alone, with a reason, instead of
+    raising in a prefill (a 1,048,577-token prompt once ended a prefill worker)."""
+    if len(r.prompt) + r.max_new > max_context:
+        return (f"{len(r.prompt)} prompt tokens and max_new {r.max_new} exceed the model's context of "
+                f"{max_context} tokens")
+    top = max(r.prompt)
+    if top >= vocab_size:
+        return f"token id {top} is outside the model's vocabulary (0..{vocab_size - 1})"
+    return None

@@ -46,7 +46,9 @@ class ClientRecord:
     done: bool = False
     workers: list[str] = field(default_factory=list)
     by_worker: dict[str, int] = field(default_factory=dict)  # tokens streamed by each worker
-    early: dict[int, TokenChunk] = field(default_factory=dict)  # chunks past a gap, by start index
+    # Chunks past a gap, by start index: disjoint ranges (an overlapping one is cut to what
+    # is new), so it never holds more than ``max_new`` tokens, whatever a streamer repeats.
+    early: dict[int, TokenChunk] = field(default_factory=dict)
     conflicts: int = 0  # chunks that disagreed with tokens already received at their indices
     retried: list[FailedAttempt] = field(default_factory=list)  # the failed attempts before the last one
     attempt_rid: str = ""  # the id the last attempt was sent under ("" : ``rid``)
@@ -87,7 +89,8 @@ class ClientRecord:
         and main decoder, resending after a broker restart may arrive out of order; a gap
         that never fills ends with the caller's timeout). A chunk that disagrees with tokens
         already received, or runs past ``max_new``, is dropped and counted in ``conflicts``
-        (``verify`` reports it): ``early`` holds at most ``max_new`` tokens."""
+        (``verify`` reports it): ``early`` holds disjoint ranges, at most ``max_new`` tokens in
+        all (overlapping early chunks once held ~max_new^2/2)."""
         if self.done:
             return 0
         if t.error is not None:
@@ -107,7 +110,7 @@ class ClientRecord:
                 return 0
             t = replace(t, start=len(self.tokens), tokens=t.tokens[len(had):])
         if t.start > len(self.tokens):
-            self.early[t.start] = t
+            self._hold(t)
             return 0
         before = len(self.tokens)
         nxt: TokenChunk | None = t
@@ -118,8 +121,49 @@ class ClientRecord:
                 self.workers.append(nxt.worker)
             self.by_worker[nxt.worker] = self.by_worker.get(nxt.worker, 0) + len(nxt.tokens)
             self.done = nxt.done
-            nxt = self.early.pop(len(self.tokens), None)
+            nxt = None if self.done else self._held_next()
         return len(self.tokens) - before
+
+    def _hold(self, t: TokenChunk) -> None:
+        """Keep ``t`` (past a gap) as the parts of it no held chunk covers; a part that
+        disagrees with a held one drops ``t`` as a conflict."""
+        pieces = [t]
+        for a, held in sorted(self.early.items()):
+            b = a + len(held.tokens)
+            cut: list[TokenChunk] = []
+            for p in pieces:
+                s, e = p.start, p.start + len(p.tokens)
+                lo, hi = max(s, a), min(e, b)
+                if lo >= hi:
+                    cut.append(p)
+                    continue
+                if list(p.tokens[lo - s : hi - s]) != list(held.tokens[lo - a : hi - a]):
+                    self.conflicts += 1
+                    return
+                if s < lo:
+                    cut.append(replace(p, tokens=p.tokens[: lo - s], done=False))
+                if hi < e:
+                    cut.append(replace(p, start=hi, tokens=p.tokens[hi - s :]))
+                elif p.done and e == b:
+                    self.early[a] = replace(held, done=True)
+            pieces = cut
+        for p in pieces:
+            if p.tokens or p.done:
+                self.early[p.start] = p
+
+    def _held_next(self) -> TokenChunk | None:
+        """The held chunk that continues the tokens received (cut to what is new), if any;
+        held chunks the tokens received now cover are checked and let go."""
+        n = len(self.tokens)
+        for a in sorted(k for k in self.early if k <= n):
+            held = self.early.pop(a)
+            b = a + len(held.tokens)
+            if list(held.tokens[: min(b, n) - a]) != self.tokens[a : min(b, n)].tolist():
+                self.conflicts += 1
+                continue
+            if b > n or held.done:
+                return replace(held, start=n, tokens=held.tokens[n - a :])
+        return None
 
 
 @dataclass(frozen=True)

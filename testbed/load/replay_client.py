@@ -190,8 +190,13 @@ async def replay(transport: Transport, broker: BrokerInfo, topics: Topics, specs
         rec = recs[spec.rid]
         rec.attempt_sent = clock.time()
         rec.sent = rec.sent or rec.attempt_sent
+        try:
+            req = Request(rid=rec.last_rid, prompt=list(spec.prompt), max_new=spec.max_new, hints=spec.sent_hints())
+        except ValidationError as e:  # no router could take it: it fails here, alone
+            rec.error, rec.done = f"not sent: {why_invalid(e)}", True
+            complete(rec)
+            return
         gate.expect(rec.last_rid, spec.max_new)
-        req = Request(rid=rec.last_rid, prompt=list(spec.prompt), max_new=spec.max_new, hints=spec.sent_hints())
         await session.publish(topics.requests, req.dump())
 
     stop = asyncio.Event()

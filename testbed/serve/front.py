@@ -37,6 +37,7 @@ from testbed.net.delayline_contract import DelayLineReport
 from testbed.net.runstate import read_nofollow
 from testbed.serve.app import OpenAiFront, Served
 from testbed.serve.gateway import Gateway
+from testbed.serve.guard import HEAD_TIMEOUT_S, MAX_CONNECTIONS, serve_guarded
 from testbed.serve.prometheus import Pipelines, ServeMetrics
 from testbed.serve.record import SERVED_FILE
 from workers.privilege import Identity, OutDir, drop_privileges, no_new_privileges
@@ -133,17 +134,22 @@ async def _serve(cfg: FrontConfig, listen: socket.socket, tokenizer: Any, desk: 
     gc.collect()
     gc.freeze()  # the front end's clock timestamps tokens: no full collections over the imports
     await gateway.start()
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0, keepalive_timeout=HEAD_TIMEOUT_S)
     await runner.setup()
-    await web.SockSite(runner, listen, shutdown_timeout=5.0, backlog=512).start()
+    server, guard = await serve_guarded(runner, listen)  # a bounded number of connections, heads in time
     print("up", flush=True)
     try:
         await stop.wait()
     finally:
         # Requests still running end first (as failed: "server stopped"), so that their
         # streams close and the HTTP server's shutdown does not wait on them.
+        server.close()
         await gateway.stop()
         await runner.cleanup()
+        if guard.refused or guard.too_slow:
+            print(f"front: closed {guard.refused} connection(s) past the limit of {MAX_CONNECTIONS} and "
+                  f"{guard.too_slow} whose request head did not arrive within {HEAD_TIMEOUT_S:g} s",
+                  file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,11 +14,21 @@ import datetime as dt
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, model_validator
+from pydantic import (
+    AllowInfNan,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    model_validator,
+)
 
-from protocol.messages import SAFE_NAME, RequestHints
+from protocol.messages import MAX_PROMPT_TOKENS, SAFE_NAME, RequestHints
 from testbed.errors import InputError
 from testbed.traces.line_errors import from_validation, line_error, read_lines
 from testbed.traces.workload import VOCAB_HIGH, Segment, TraceRequest, Workload, scale_len
@@ -27,7 +37,36 @@ MOONCAKE_BLOCK = 512
 FORMATS = ("mooncake", "azure", "sessions", "requests")
 SESSIONS_FORMAT = "pdd-sessions"
 
-Number = StrictInt | StrictFloat
+# Bounds every reader applies at the line: a number outside them is a clear error naming the
+# line and field, never an overflow, a run of ten thousand years or a prompt no worker holds.
+MAX_TOKENS = MAX_PROMPT_TOKENS  # a length of tokens (input, output, prefix, a turn's)
+MAX_SECONDS = 1e9  # a time or delay in seconds (~31 years)
+Number = Annotated[StrictInt | StrictFloat, AllowInfNan(False)]
+Seconds = Annotated[Number, Field(ge=0, le=MAX_SECONDS)]
+Tokens = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS)]
+
+
+class _NotFinite(ValueError):
+    pass
+
+
+def _finite_only(name: str) -> float:
+    raise _NotFinite(f"{name} is not a number")
+
+
+def _json(line: str) -> Any:
+    """One line of JSON; raises ValueError saying why it is not (non-finite numbers, nesting
+    past what a parser should follow, integers of thousands of digits included)."""
+
+    try:
+        return json.loads(line, parse_constant=_finite_only)
+    except (json.JSONDecodeError, _NotFinite) as e:
+        raise ValueError(f"not valid JSON: {e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError)
+                         else str(e)) from e
+    except RecursionError as e:
+        raise ValueError("nested too deeply") from e
+    except ValueError as e:  # an integer of more digits than Python converts (4,300)
+        raise ValueError(f"a number too long to read ({str(e).split(':')[0]})") from e
 
 
 def _json_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -35,9 +74,9 @@ def _json_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise line_error(path, i, "(line)", f"not valid JSON: {e.msg} at column {e.colno}") from e
+            obj = _json(line)
+        except ValueError as e:
+            raise line_error(path, i, "(line)", str(e)) from e
         if not isinstance(obj, dict):
             raise line_error(path, i, "(line)", "expected a JSON object")
         yield i, obj
@@ -60,10 +99,10 @@ def _non_empty(path: Path, reqs: list[TraceRequest]) -> list[TraceRequest]:
 class MooncakeLine(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    timestamp: Number = Field(ge=0)  # ms
-    input_length: StrictInt = Field(ge=1)
-    output_length: StrictInt = Field(ge=1)
-    hash_ids: list[StrictInt] = Field(min_length=1)
+    timestamp: Number = Field(ge=0, le=1000 * MAX_SECONDS)  # ms
+    input_length: Tokens
+    output_length: Tokens
+    hash_ids: list[StrictInt] = Field(min_length=1, max_length=MAX_TOKENS)
 
 
 def load_mooncake(path: Path, token_scale: int = 1) -> Workload:
@@ -121,16 +160,20 @@ def load_azure(path: Path, token_scale: int = 1) -> Workload:
         for col in AZURE_COLUMNS[1:]:
             raw = (row.get(col) or "").strip()
             try:
-                vals[col] = int(raw)
-            except ValueError as e:
-                raise line_error(path, i, col, f"expected an integer, got {raw!r}") from e
-            if vals[col] < 1:
-                raise line_error(path, i, col, f"must be at least 1, got {vals[col]}")
+                vals[col] = int(raw) if len(raw) <= 20 else None
+            except ValueError:
+                vals[col] = None
+            if vals[col] is None:
+                raise line_error(path, i, col, f"expected an integer, got {raw[:40]!r}")
+            if not 1 <= vals[col] <= MAX_TOKENS:
+                raise line_error(path, i, col, f"must be in 1..{MAX_TOKENS}, got {vals[col]}")
         raw_t = (row.get("TIMESTAMP") or "").strip()
         try:
-            t = _azure_time(raw_t)
-        except ValueError as e:
-            raise line_error(path, i, "TIMESTAMP", f"not a time: {raw_t!r}") from e
+            t = _azure_time(raw_t[:64])
+            if not -MAX_SECONDS * 10 <= t <= MAX_SECONDS * 10:  # a date, or seconds: finite and plausible
+                raise ValueError(raw_t)
+        except (ValueError, OverflowError) as e:
+            raise line_error(path, i, "TIMESTAMP", f"not a time: {raw_t[:40]!r}") from e
         if last is not None and t < last:
             raise line_error(path, i, "TIMESTAMP", f"goes backwards ({raw_t})")
         t0 = t if t0 is None else t0
@@ -146,16 +189,16 @@ class SharedPrefix(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: str = Field(min_length=1)
-    tokens: StrictInt = Field(ge=1)
+    tokens: Tokens
 
 
 class Turn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    new_tokens: StrictInt = Field(ge=1, description="tool results / user text appended this turn")
-    output_tokens: StrictInt = Field(ge=1)
-    delay_s: Number | None = Field(default=None, ge=0, description="closed loop: after the previous turn ends")
-    at_s: Number | None = Field(default=None, ge=0, description="open loop: offset from the session start")
+    new_tokens: Tokens = Field(description="tool results / user text appended this turn")
+    output_tokens: Tokens
+    delay_s: Seconds | None = Field(default=None, description="closed loop: after the previous turn ends")
+    at_s: Seconds | None = Field(default=None, description="open loop: offset from the session start")
     short_output: StrictBool = False  # hint a policy may use
     tag: str | None = None
 
@@ -164,7 +207,7 @@ class Session(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     session: str = Field(pattern=SAFE_NAME, max_length=120)  # request ids are "<session>.<turn>"
-    start_s: Number = Field(ge=0)
+    start_s: Seconds
     shared_prefix: SharedPrefix | None = None
     turns: list[Turn] = Field(min_length=1)
 
@@ -251,11 +294,11 @@ class RequestLine(BaseModel):
 
     rid: str | None = Field(default=None, pattern=SAFE_NAME)
     prompt: list[StrictInt] | None = None
-    input_length: StrictInt | None = Field(default=None, ge=1)
+    input_length: Tokens | None = None
     prefix: str | None = None
-    prefix_length: StrictInt = Field(default=0, ge=0)
-    output_length: StrictInt = Field(ge=1)
-    arrival_s: Number = Field(default=0.0, ge=0)
+    prefix_length: StrictInt = Field(default=0, ge=0, le=MAX_TOKENS)
+    output_length: Tokens
+    arrival_s: Seconds = 0.0
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RequestLine:
