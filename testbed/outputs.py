@@ -21,74 +21,14 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from testbed.errors import InputError
+from testbed.root_paths import UnsafeFolder, open_folder
 
-MAX_LINKS = 40  # as the kernel's own limit on links followed in one path
-
-
-class UnsafeFolder(InputError):
-    """A folder root must not write into (exit 2, naming it and the fix)."""
-
-
-def _refuse(path: str, why: str, fix: str) -> UnsafeFolder:
-    return UnsafeFolder(f"{path}: {why}; root writes only where no other account can plant a link ({fix})")
-
-
-def open_folder(folder: Path, create: bool = True, owned: bool = True) -> int:
-    """A descriptor of ``folder`` (made with its parents if ``create``), reached without
-    following a link another account owns; when root and ``owned``, ``folder`` itself must
-    be root's and writable by no other account. The caller closes it."""
-    root = os.geteuid() == 0
-    text = os.fspath(folder)
-    parts = [p for p in text.split("/") if p not in ("", ".")]
-    cur = os.open("/" if text.startswith("/") else ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    where = "/" if text.startswith("/") else ""
-    hops = 0
-    try:
-        while parts:
-            name = parts.pop(0)
-            if name == "..":  # only as written; never reached through a link of another account
-                nxt = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=cur)
-                os.close(cur)
-                cur, where = nxt, os.path.join(where, name)
-                continue
-            if create:
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(name, 0o755, dir_fd=cur)
-            st = os.stat(name, dir_fd=cur, follow_symlinks=False)
-            if stat.S_ISLNK(st.st_mode):
-                here = os.fstat(cur)
-                if root and (st.st_uid != 0 or (here.st_mode & 0o022 and not here.st_mode & stat.S_ISVTX)):
-                    raise _refuse(os.path.join(where, name), f"a link owned by uid {st.st_uid} (or in a folder "
-                                  "others can write)", "remove the link, or name the folder it points to")
-                hops += 1
-                if hops > MAX_LINKS:
-                    raise InputError(f"{text}: more than {MAX_LINKS} links")
-                target = os.readlink(name, dir_fd=cur)
-                parts = [p for p in target.split("/") if p not in ("", ".")] + parts
-                if target.startswith("/"):
-                    os.close(cur)
-                    cur, where = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), "/"
-                continue
-            nxt = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=cur)
-            os.close(cur)
-            cur, where = nxt, os.path.join(where, name)
-        if root and owned:
-            st = os.fstat(cur)
-            if st.st_uid != 0 or st.st_mode & 0o022:
-                who = f"owned by uid {st.st_uid}" if st.st_uid != 0 else "writable by other accounts"
-                raise _refuse(text, f"a folder {who}",
-                              f"chown root: {text} && chmod go-w {text}, or choose a folder that does not exist yet")
-        return cur
-    except BaseException:
-        os.close(cur)
-        raise
-
+__all__ = ["UnsafeFolder", "atomic_path", "new_run_dir", "open_folder", "write_atomic"]
 
 def write_atomic(path: Path, text: str) -> None:
     """``text`` into ``path`` whole or not at all: written beside it, then renamed over it."""

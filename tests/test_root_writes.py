@@ -13,8 +13,8 @@ import pytest
 
 from testbed.deploy import dilation_cache
 from testbed.net.build import root_logs
-from testbed.net.runstate import remove_tree
 from testbed.outputs import UnsafeFolder, atomic_path, new_run_dir, open_folder, write_atomic
+from testbed.root_paths import remove_tree
 
 from .conftest import needs_root
 

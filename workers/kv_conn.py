@@ -199,3 +199,40 @@ async def authenticate(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
         async with asyncio.timeout(1.0):
             await write_frame(writer, ACK, Ack(error=f"refused: {why}").model_dump_json().encode())
     return False
+
+
+class Admission:
+    """Who a receiver serves: connections that sent the run's AUTH, ``max_connections`` at
+    once (more are told so and closed), and meanwhile ``MAX_UNAUTHENTICATED`` still to send
+    it, the oldest of those closed to make room for a new one."""
+
+    def __init__(self, max_connections: int, token: str, timeout_s: float | None) -> None:
+        self.max_connections, self.token, self.timeout_s = max_connections, token, timeout_s
+        self.open = 0
+        self.unauthenticated: dict[asyncio.StreamWriter, None] = {}  # oldest first
+
+    async def admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """True: the connection holds a slot until ``release``; False: it was closed."""
+        if len(self.unauthenticated) >= MAX_UNAUTHENTICATED:
+            oldest = next(iter(self.unauthenticated))
+            self.unauthenticated.pop(oldest)
+            oldest.transport.abort()  # its AUTH read ends at once
+        self.unauthenticated[writer] = None
+        tune_socket(writer.get_extra_info("socket"), self.timeout_s)
+        try:
+            authenticated = await authenticate(reader, writer, self.token, self.timeout_s)
+        finally:
+            self.unauthenticated.pop(writer, None)
+        if authenticated and self.open >= self.max_connections:
+            with contextlib.suppress(Exception):
+                refusal = Ack(error=f"{self.max_connections} connections already open")
+                await write_frame(writer, ACK, refusal.model_dump_json().encode(), self.timeout_s)
+            authenticated = False
+        if not authenticated:
+            writer.close()
+            return False
+        self.open += 1
+        return True
+
+    def release(self) -> None:
+        self.open -= 1

@@ -86,6 +86,7 @@ from workers.kv_conn import (  # noqa: F401 - Connections and the limits are par
     IDLE_FACTOR,
     MAX_CONNECTIONS,
     MAX_UNAUTHENTICATED,
+    Admission,
     Conn,
     Connections,
     PeerSilent,
@@ -289,37 +290,17 @@ async def serve_kv(host: str, port: int, offer: OfferFn, done: DoneFn, fail: Fai
     authenticated at once, and ``MAX_UNAUTHENTICATED`` still to authenticate: the oldest of
     those is closed for a new one); ``netns``: listen inside that namespace (a process
     standing for several hosts)."""
-    open_conns = 0
-    unauthenticated: dict[asyncio.StreamWriter, None] = {}  # oldest first
+    gate = Admission(max_connections, token, timeout_s)
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal open_conns
-        if len(unauthenticated) >= MAX_UNAUTHENTICATED:
-            oldest = next(iter(unauthenticated))
-            unauthenticated.pop(oldest)
-            oldest.transport.abort()  # its AUTH read ends at once
-        unauthenticated[writer] = None
-        tune_socket(writer.get_extra_info("socket"), timeout_s)
-        try:
-            authenticated = await authenticate(reader, writer, token, timeout_s)
-        finally:
-            unauthenticated.pop(writer, None)
-        if not authenticated:
-            writer.close()
+        if not await gate.admit(reader, writer):
             return
-        if open_conns >= max_connections:
-            with contextlib.suppress(Exception):
-                refusal = Ack(error=f"{max_connections} connections already open")
-                await write_frame(writer, ACK, refusal.model_dump_json().encode(), timeout_s)
-            writer.close()
-            return
-        open_conns += 1
         try:
             while await receive_kv(reader, writer, offer, done, fail, expect, token, keep_open=True, zeros=zeros,
                                    timeout_s=timeout_s):
                 pass  # the sender may send its next transfer on this connection
         finally:
-            open_conns -= 1
+            gate.release()
             writer.close()
 
     return await listen(handle, host, port, netns)

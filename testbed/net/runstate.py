@@ -32,6 +32,7 @@ from typing import Any
 
 from testbed.errors import InputError
 from testbed.net import netns
+from testbed.root_paths import remove_tree
 from workers.privilege import open_regular
 
 
@@ -292,63 +293,6 @@ def destroy(run_id: str, namespaces: list[str], processes: list[ProcRecord]) -> 
             removed.append(f"namespace {ns}")
     remove_tree(STATE_ROOT / run_id)
     return removed
-
-
-def remove_tree(path: Path) -> None:
-    """Remove ``path`` and everything under it, as far as it can, at any depth and without
-    following a link (a link is removed, never what it names). No recursion and two
-    descriptors at most: every folder found inside is first moved up to ``path`` itself (a
-    component's folder may nest thousands deep: ``shutil.rmtree`` recursed until Python's
-    limit and stopped half-way). What cannot be removed stays."""
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except OSError:
-        return
-    if not stat.S_ISDIR(st.st_mode):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        return
-    try:
-        top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return
-    tag = secrets.token_hex(4)
-    moved = 0
-    pending: list[str | None] = [None]  # None: ``path`` itself; else a folder moved into it
-    try:
-        while pending:
-            name = pending.pop()
-            try:
-                fd = top if name is None else os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-                                                      | os.O_CLOEXEC, dir_fd=top)
-            except OSError:
-                continue
-            try:
-                with os.scandir(fd) as entries:
-                    children = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
-                for child, is_dir in children:
-                    if not is_dir:
-                        with contextlib.suppress(OSError):
-                            os.unlink(child, dir_fd=fd)
-                    elif name is None:
-                        pending.append(child)
-                    else:
-                        moved += 1
-                        try:
-                            os.rename(child, f".removing-{tag}-{moved}", src_dir_fd=fd, dst_dir_fd=top)
-                            pending.append(f".removing-{tag}-{moved}")
-                        except OSError:
-                            continue
-            finally:
-                if fd != top:
-                    os.close(fd)
-            if name is not None:
-                with contextlib.suppress(OSError):
-                    os.rmdir(name, dir_fd=top)
-    finally:
-        os.close(top)
-    with contextlib.suppress(OSError):
-        os.rmdir(path)
 
 
 def _alive(processes: list[ProcRecord]) -> list[ProcRecord]:

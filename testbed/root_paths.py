@@ -1,0 +1,137 @@
+"""How root reaches and removes paths that another account may touch: a folder opened by
+descriptors one component at a time, following only links root owns, and written into
+only when root owns it and no one else can write it (``open_folder``); a tree removed at
+any depth without recursion and without following a link (``remove_tree``).
+
+Root writes results, caches and kept logs into a checkout an unprivileged account may own
+(it ran the simulator there first) and into folders named on the command line, and removes
+a run's state, where components wrote folders of their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import stat
+from pathlib import Path
+
+from testbed.errors import InputError
+
+MAX_LINKS = 40  # as the kernel's own limit on links followed in one path
+
+
+class UnsafeFolder(InputError):
+    """A folder root must not write into (exit 2, naming it and the fix)."""
+
+
+def _refuse(path: str, why: str, fix: str) -> UnsafeFolder:
+    return UnsafeFolder(f"{path}: {why}; root writes only where no other account can plant a link ({fix})")
+
+
+def open_folder(folder: Path, create: bool = True, owned: bool = True) -> int:
+    """A descriptor of ``folder`` (made with its parents if ``create``), reached without
+    following a link another account owns; when root and ``owned``, ``folder`` itself must
+    be root's and writable by no other account. The caller closes it."""
+    root = os.geteuid() == 0
+    text = os.fspath(folder)
+    parts = [p for p in text.split("/") if p not in ("", ".")]
+    cur = os.open("/" if text.startswith("/") else ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    where = "/" if text.startswith("/") else ""
+    hops = 0
+    try:
+        while parts:
+            name = parts.pop(0)
+            if name == "..":  # only as written; never reached through a link of another account
+                nxt = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=cur)
+                os.close(cur)
+                cur, where = nxt, os.path.join(where, name)
+                continue
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o755, dir_fd=cur)
+            st = os.stat(name, dir_fd=cur, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                here = os.fstat(cur)
+                if root and (st.st_uid != 0 or (here.st_mode & 0o022 and not here.st_mode & stat.S_ISVTX)):
+                    raise _refuse(os.path.join(where, name), f"a link owned by uid {st.st_uid} (or in a folder "
+                                  "others can write)", "remove the link, or name the folder it points to")
+                hops += 1
+                if hops > MAX_LINKS:
+                    raise InputError(f"{text}: more than {MAX_LINKS} links")
+                target = os.readlink(name, dir_fd=cur)
+                parts = [p for p in target.split("/") if p not in ("", ".")] + parts
+                if target.startswith("/"):
+                    os.close(cur)
+                    cur, where = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), "/"
+                continue
+            nxt = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=cur)
+            os.close(cur)
+            cur, where = nxt, os.path.join(where, name)
+        if root and owned:
+            st = os.fstat(cur)
+            if st.st_uid != 0 or st.st_mode & 0o022:
+                who = f"owned by uid {st.st_uid}" if st.st_uid != 0 else "writable by other accounts"
+                raise _refuse(text, f"a folder {who}",
+                              f"chown root: {text} && chmod go-w {text}, or choose a folder that does not exist yet")
+        return cur
+    except BaseException:
+        os.close(cur)
+        raise
+
+
+def remove_tree(path: Path) -> None:
+    """Remove ``path`` and everything under it, as far as it can, at any depth and without
+    following a link (a link is removed, never what it names). No recursion and two
+    descriptors at most: every folder found inside is first moved up to ``path`` itself (a
+    component's folder may nest thousands deep: ``shutil.rmtree`` recursed until Python's
+    limit and stopped half-way). What cannot be removed stays."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return
+    try:
+        top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    tag = secrets.token_hex(4)
+    moved = 0
+    pending: list[str | None] = [None]  # None: ``path`` itself; else a folder moved into it
+    try:
+        while pending:
+            name = pending.pop()
+            try:
+                fd = top if name is None else os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                                                      | os.O_CLOEXEC, dir_fd=top)
+            except OSError:
+                continue
+            try:
+                with os.scandir(fd) as entries:
+                    children = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+                for child, is_dir in children:
+                    if not is_dir:
+                        with contextlib.suppress(OSError):
+                            os.unlink(child, dir_fd=fd)
+                    elif name is None:
+                        pending.append(child)
+                    else:
+                        moved += 1
+                        try:
+                            os.rename(child, f".removing-{tag}-{moved}", src_dir_fd=fd, dst_dir_fd=top)
+                            pending.append(f".removing-{tag}-{moved}")
+                        except OSError:
+                            continue
+            finally:
+                if fd != top:
+                    os.close(fd)
+            if name is not None:
+                with contextlib.suppress(OSError):
+                    os.rmdir(name, dir_fd=top)
+    finally:
+        os.close(top)
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
