@@ -1,7 +1,7 @@
 """What crosses between the orchestrator and the router process.
 
 * ``RouterConfig``: built from the scenario in ``testbed.deploy.cluster``, written as JSON, and
-  validated by ``python -m testbed.deploy.router CONFIG.json``. It embeds one ``BrokerInfo``, the
+  validated by ``python -m control.router CONFIG.json``. It embeds one ``BrokerInfo``, the
   parsed ``PolicySpec`` (never the policy string), the workers' endpoints and the
   ``PolicyContext``.
 * ``RequestRecord``: one per request, written by the router as the request leaves its memory
@@ -12,8 +12,8 @@
 * ``WorkerDeath``: each worker the router declared dead, appended next to the records as it
   happens.
 
-``PolicyContext``, ``PlanInfo`` and ``PolicyReport`` are defined with the policy interface
-(``testbed/policies/base.py``) and re-exported here.
+``PolicySpec``, ``PolicyContext``, ``PlanInfo`` and ``PolicyReport`` are defined in
+``protocol/policy.py`` and re-exported here.
 
 Worker-side contracts (worker configuration and statistics) are in ``protocol/worker_config.py``,
 the MQTT messages in ``protocol/messages.py``.
@@ -26,9 +26,11 @@ from typing import Literal
 from pydantic import Field
 
 from protocol.messages import MAX_PROMPT_TOKENS, Event
+from protocol.policy import PlanInfo, PolicyContext, PolicyReport, PolicySpec
 from protocol.worker_config import BrokerInfo, Contract, RunAs, WorkerRole
-from testbed.policies.base import PlanInfo, PolicyContext, PolicyReport
-from testbed.policies.spec import PolicySpec
+
+__all__ = ["PlanInfo", "PolicyContext", "PolicyReport", "PolicySpec", "RequestRecord", "RouterConfig",
+           "WorkerDeath", "WorkerEndpoint"]
 
 
 class WorkerEndpoint(Contract):
@@ -49,7 +51,7 @@ class RouterConfig(Contract):
     dilation: float = Field(default=1.0, gt=0)
     unreachable_grace_s: float = Field(default=30.0, ge=0)  # real seconds (scaled): unreachable, not yet dead
     cache_outputs: bool = False  # after a request, its prefill instance caches its answer (WarmCmd)
-    failure_detection: Literal["probe", "none"] = "probe"  # testbed.deploy.liveness
+    failure_detection: Literal["probe", "none"] = "probe"  # control.liveness
     records_path: str  # in a folder ``run_as`` owns (with the policy report and deaths beside it)
     run_as: RunAs | None = None  # None: keep the privileges it started with
     context: PolicyContext = PolicyContext()

@@ -20,6 +20,7 @@ from testbed.analysis.results import load_run
 from testbed.deploy import dilation_cache
 from testbed.deploy.dilation import emulation_plan
 from testbed.deploy.dilation_probe import PROBE_LATE_SHARE, busiest_requests, late_by_role
+from testbed.load.trace_replay import probe_replay
 from testbed.scenario import load_scenario
 from testbed.traces.formats import load_trace
 from testbed.traces.workload import RequestSpec
@@ -130,7 +131,7 @@ def test_auto_on_a_host_with_a_busy_core_passes_or_says_why_and_the_next_run_reu
     # The next run of the same inputs here: the kept choice, no probe.
     monkeypatch.setenv(dilation_cache.CACHE_ENV, str(cache))
     sc, wl = load_scenario(scenario), load_trace(trace, "auto", 16)
-    plan = emulation_plan(sc, wl, wl.specs(1.0), "auto")
+    plan = emulation_plan(sc, wl, wl.specs(1.0), "auto", replay=probe_replay)
     said = capsys.readouterr().out
     assert "kept from an earlier run of this scenario and trace on this host" in said and "probe at D" not in said
     d = summary.emulation.dilation

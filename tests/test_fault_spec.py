@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from testbed.deploy.fault_injection import FaultInjector, annotate_failures
 from testbed.errors import InputError
-from testbed.faults.inject import FaultInjector, annotate_failures
 from testbed.faults.timeline import AppliedFault, parse_fault
 from testbed.net import netns
 from testbed.net.delayline_contract import DirectionOverride

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .conftest import ROOT
 
-PACKAGES = ("testbed", "workers", "protocol")
+PACKAGES = ("testbed", "workers", "protocol", "control")
 MAX_LINES = 400
 CLI_MAX_LINES = 250
 
@@ -109,7 +109,7 @@ def _graph(type_level: bool = False) -> dict[str, set[str]]:
 def test_no_import_cycle() -> None:
     graph = _graph()
     # The walk sees real edges: top-level, relative and function-level imports.
-    assert "protocol.messages" in graph["workers.decode"] and "protocol.router_config" in graph["testbed.deploy.router"]
+    assert "protocol.messages" in graph["workers.decode"] and "protocol.router_config" in graph["control.router"]
     assert "testbed.deploy.deployment" in graph["testbed.load.verify"]
     assert "workers.model" in graph["testbed.load.verify"]  # imported inside run_verify (torch)
     assert _cycles(graph) == []

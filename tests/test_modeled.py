@@ -24,8 +24,8 @@ from testbed.deploy.fidelity import allowed
 from testbed.errors import InputError
 from testbed.load.verify import run_verify
 from testbed.net import netns
+from testbed.policies import parse_policy
 from testbed.policies.base import ClusterView, WorkerView
-from testbed.policies.spec import parse_policy
 from testbed.scenario import Role, load_scenario
 from testbed.traces.workload import RequestSpec
 from workers import kv_wire

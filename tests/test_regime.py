@@ -22,7 +22,7 @@ from testbed.experiments.regime import (
     whatif_shares,
 )
 from testbed.experiments.trace_run import RunOptions, run_trace
-from testbed.policies.spec import parse_policy_list
+from testbed.policies import parse_policy_list
 from testbed.scenario import load_scenario
 from testbed.traces.formats import load_trace
 

@@ -13,16 +13,15 @@ from typing import Any
 
 import pytest
 
+from control.ended import ENDED_KEEP_S, ENDED_KEPT, Ended
+from control.router import Router
 from protocol.messages import Failed, KvSent, PrefillDone, Request
 from protocol.router_config import RequestRecord, RouterConfig, WorkerEndpoint
 from protocol.worker_config import BrokerInfo
 from testbed.deploy.cluster import ROUTER_ENV
-from testbed.deploy.router import Router
-from testbed.deploy.router_ended import ENDED_KEEP_S, ENDED_KEPT, Ended
-from testbed.policies import RequestState
+from testbed.policies import RequestState, parse_policy
 from testbed.policies.base import PolicyContext, WorkerView
 from testbed.policies.prefix_index import PrefixIndex
-from testbed.policies.spec import parse_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -133,7 +133,7 @@ def test_calibration_over_draws_bisects_their_mean_gap(tmp_path: Path, monkeypat
                                                        no_plots: None) -> None:
     from testbed.experiments import load_sweep as sweep
     from testbed.experiments.load_sweep import Draw
-    from testbed.policies.spec import parse_policy_list
+    from testbed.policies import parse_policy_list
 
     from .test_report import _saved_run
 

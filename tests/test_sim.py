@@ -15,9 +15,9 @@ from typing import Any
 import pandas as pd
 import pytest
 
+from control.router import Router
 from protocol.messages import KvSent
 from protocol.worker_config import WorkerFaults
-from testbed.deploy.router import Router
 from testbed.errors import InputError
 from testbed.faults.timeline import parse_fault
 from testbed.load.trace_replay import TraceReplay
@@ -249,7 +249,7 @@ def test_an_exception_while_shipping_kv_fails_that_request_never_the_worker(monk
     sc = load_scenario(TOPOLOGIES / "two-dc.yaml")
     wl = load_trace(ROOT / "traces/agentic-quick.jsonl", "auto", 16).select(12)
     with SimDeployment(sc, parse_policy("cross-dc"), emulation=sim_plan(sc, 16)) as dep:
-        run = dep.run(TraceReplay(wl.specs(1.0), 600, show_progress=False, retry=None))
+        run = dep.run(TraceReplay(wl.specs(1.0), 600, show_progress=False))
     failed = {rid: r.error for rid, r in run.recs.items() if not r.ok}
     assert broken and broken[0] in failed
     assert all((why or "").startswith("not sent") for rid, why in failed.items() if rid != broken[0]), failed
@@ -292,7 +292,7 @@ def test_the_router_refuses_what_no_worker_could_hold_and_serves_the_rest() -> N
     specs = [RequestSpec("huge", [5] * ((1 << 20) + 1), 4), RequestSpec("long", [5] * ((1 << 20) - 2), 8),
              RequestSpec("vocab", [*ok[:10], 9000, *ok[10:]], 4), RequestSpec("fine", ok, 4, at=0.1)]
     with SimDeployment(sc, parse_policy("pdd"), emulation=sim_plan(sc, 16)) as dep:
-        run = dep.run(TraceReplay(specs, 600, show_progress=False, retry=None))
+        run = dep.run(TraceReplay(specs, 600, show_progress=False))
     errors = {rid: r.error or "" for rid, r in run.recs.items()}
     assert errors["fine"] == "" and run.recs["fine"].ok
     assert "prompt" in errors["huge"] and "1048576" in errors["huge"], errors["huge"]

@@ -14,7 +14,9 @@ import pytest
 from testbed.experiments import tune as tune_mod
 from testbed.experiments.load_sweep import Draw
 from testbed.experiments.trace_run import RunOptions
-from testbed.experiments.tune import DEFAULTS, TrialPoint, TuneOptions, tune
+from testbed.experiments.tune import TrialPoint, TuneOptions, defaults, search_space, tune
+from testbed.policies import parse_policy
+from testbed.policies.pdd import Pdd
 from testbed.scenario import load_scenario
 from testbed.traces import load_trace
 
@@ -30,10 +32,10 @@ def _stand_in(monkeypatch: pytest.MonkeyPatch, runs: list[tuple[str, Path]]) -> 
     def point(sc: Any, spec: Any, number: int, knobs: dict[str, Any], run_dir: Path, seed: int | None = None
               ) -> TrialPoint:
         o = spec.options
-        good = 2.0 - (o.relay_s - 1.2) ** 2 + (0.3 if o.handoff == "catch-up" else 0.0)
+        good = 2.0 - (o["relay_s"] - 1.2) ** 2 + (0.3 if o["handoff"] == "catch-up" else 0.0)
         good += 0.01 * (seed or 0)
         return TrialPoint(number=number, knobs=knobs, spec=spec.label, run_dir=str(run_dir), goodput_rps=good,
-                          price_per_h=1.0, goodput_per_price=good, ttft_p99_s=1.0 + o.relay_s, slo_attainment=0.9,
+                          price_per_h=1.0, goodput_per_price=good, ttft_p99_s=1.0 + o["relay_s"], slo_attainment=0.9,
                           failed=0, fidelity_passed=True, seed=seed)
 
     monkeypatch.setattr(tune_mod, "_point", point)
@@ -46,9 +48,10 @@ def test_the_search_starts_at_the_defaults_and_keeps_the_front_the_best_and_thei
     sc = load_scenario(TOPOLOGIES / "two-dc.yaml")
     wl = load_trace(ROOT / "traces/agentic-quick.jsonl", "auto", 16)
     draws = [Draw(2, wl), Draw(3, wl), Draw(4, wl)]
-    r = tune(sc, wl, draws, TuneOptions("pdd", trials=16, seeds=3, run=RunOptions()), tmp_path)
+    r = tune(sc, wl, draws, TuneOptions(parse_policy("pdd"), trials=16, seeds=3, run=RunOptions()), tmp_path)
     assert [t.number for t in r.trials] == list(range(16))
-    assert r.trials[0].knobs == DEFAULTS["pdd"] and runs[0][0].startswith("pdd")
+    assert r.trials[0].knobs == defaults(Pdd, search_space(Pdd)) and runs[0][0].startswith("pdd")
+    assert set(r.trials[0].knobs) == {"handoff", "relay_s", "threshold", "load", "cutoff"}  # as PddOptions says
     best = max(r.trials, key=lambda t: t.goodput_per_price or 0)
     assert r.best == best.number and best.goodput_per_price > r.trials[0].goodput_per_price  # beat the defaults
     # The front: no trial beats a front trial on both objectives, and the best is on it.
@@ -73,4 +76,4 @@ def test_a_policy_without_knobs_is_refused(tmp_path: Path) -> None:
     sc = load_scenario(TOPOLOGIES / "two-dc.yaml")
     wl = load_trace(ROOT / "traces/agentic-quick.jsonl", "auto", 16)
     with pytest.raises(InputError, match="no knobs"):
-        tune(sc, wl, [Draw(2, wl)], TuneOptions("cross-dc"), tmp_path)
+        tune(sc, wl, [Draw(2, wl)], TuneOptions(parse_policy("cross-dc")), tmp_path)

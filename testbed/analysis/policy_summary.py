@@ -11,8 +11,7 @@ from testbed.analysis.results import PolicySummary
 from testbed.analysis.wan_line import line_of
 from testbed.deploy.emulation import EmulationPlan
 from testbed.deploy.run_record import PolicyRun
-from testbed.policies import make_policy
-from testbed.policies.spec import PolicySpec
+from testbed.policies import PolicySpec, make_policy
 from testbed.scenario import Scenario
 
 

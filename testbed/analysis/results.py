@@ -28,6 +28,7 @@ from protocol.worker_config import WorkerStats
 from testbed.analysis.cost import HardwareCost
 from testbed.analysis.fault_impact import FaultImpact
 from testbed.analysis.metrics import Summary
+from testbed.deploy.emulation import EmulationSummary
 from testbed.deploy.fidelity import Verdict
 from testbed.errors import InputError
 from testbed.faults.timeline import AppliedFault
@@ -50,31 +51,6 @@ class TraceInfo(_Saved):
     token_scale: int
     block_size: int
     meta: dict[str, Any] = {}  # the trace file's own header fields, as it wrote them
-
-
-class LinkScale(_Saved):
-    """A link's rate (and delay) as emulated and as built on the wire."""
-
-    rate_mbit: float | None
-    wire_rate_mbit: float | None
-    delay_ms: float | None = None
-    wire_delay_ms: float | None = None
-
-
-class EmulationSummary(_Saved):
-    emulating: bool
-    model: str | None
-    s_in: int
-    s_out: int
-    dilation: float
-    dilation_reason: str
-    b_r: int  # KV bytes per replayed token of the real model
-    b_e: int  # KV bytes per emulated token of the emulated model
-    formula: str
-    wan_mtu: int
-    wan_forward: LinkScale
-    wan_reverse: LinkScale
-    lan: dict[str, LinkScale]  # per datacenter
 
 
 class WanLine(_Saved):

@@ -36,7 +36,7 @@ from testbed.errors import InputError
 from testbed.experiments.parallel import Replay, run_all, saved
 from testbed.experiments.trace_run import RunOptions
 from testbed.outputs import atomic_path, write_atomic
-from testbed.policies.spec import parse_policy
+from testbed.policies import parse_policy
 from testbed.scenario import Role, Scenario, load_scenario
 from testbed.traces import load_trace
 from testbed.traces.generate import GenConfig, generate, write_jsonl

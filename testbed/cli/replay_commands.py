@@ -21,8 +21,7 @@ from testbed.cli.arg_values import retry_policy, scenario_from_args
 from testbed.errors import InputError
 from testbed.faults.timeline import parse_faults
 from testbed.outputs import new_run_dir
-from testbed.policies import make_policy
-from testbed.policies.spec import PolicySpec, parse_policy_list
+from testbed.policies import PolicySpec, make_policy, parse_policy_list
 from testbed.scenario import Scenario
 from testbed.sim.scope import check_simulable
 from testbed.traces import load_trace
@@ -279,13 +278,13 @@ def _calibrate_regime(args: argparse.Namespace, sc: Scenario, policies: list[Pol
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from testbed.experiments.tune import SPACES, TuneOptions, tune
+    from testbed.experiments.tune import TuneOptions, tune
 
     if args.resume:  # its sampler's state is not saved: a second study would not retrace the first
         raise InputError("--resume: not for tune (run the study again, or resume its trials' runs one by one)")
     sc, policies, wl, opts = replay_inputs(args)
-    if len(policies) != 1 or policies[0].name not in SPACES:
-        raise InputError(f"--policy: one policy with knobs to search ({', '.join(SPACES)}), got {args.policies!r}")
+    if len(policies) != 1:
+        raise InputError(f"--policy: one policy whose knobs to search, got {args.policies!r}")
     if args.load <= 0 or args.trials < 2 or args.seeds < 1:
         raise InputError("--load must be positive, --trials at least 2 and --seeds at least 1")
     out = _out(args, "tune")
@@ -293,7 +292,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     concurrent = args.concurrent_trials or (4 if opts.executor == "ray" else 1)
     if concurrent < 1 or (concurrent > 1 and opts.executor != "ray"):
         raise InputError(f"--concurrent-trials: 1 here, or several with --executor ray; got {concurrent}")
-    r = tune(sc, wl, ds, TuneOptions(policies[0].name, args.trials, args.seeds, args.seed, args.load, opts,
+    r = tune(sc, wl, ds, TuneOptions(policies[0], args.trials, args.seeds, args.seed, args.load, opts,
                                      concurrent), out)
     print("\n" + (out / "tune.md").read_text())
     print(f"saved: {out}/tune.md, tune.json, tune.png; every trial's run in {out}/trial-NNN/")

@@ -9,7 +9,7 @@ from pathlib import Path
 from testbed.cli.arg_values import scenario_from_args
 from testbed.deploy.model_files import ensure_model
 from testbed.errors import InputError
-from testbed.policies.spec import parse_policy
+from testbed.policies import parse_policy
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from control.ended import SETTLE_S
 from protocol.messages import MAX_PROMPT_TOKENS
 from protocol.router_config import (
     PolicyContext,
@@ -46,11 +47,10 @@ from testbed.deploy.broker import BrokerAccess, BrokerFiles, launch_broker, star
 from testbed.deploy.emulation import EmulationPlan
 from testbed.deploy.forkserver import launch_worker
 from testbed.deploy.model_files import ensure_model
-from testbed.deploy.router_ended import SETTLE_S
 from testbed.errors import InputError
 from testbed.net import netns, runstate
 from testbed.net.build import Network
-from testbed.policies.spec import PolicySpec
+from testbed.policies import PolicySpec
 from testbed.scenario import Role, Scenario
 from workers.model_dir import kv_bytes_per_token, read_config
 
@@ -230,7 +230,7 @@ class Cluster:
         rpath = net.run.dir / "router.cfg.json"
         runstate.write_private(rpath, rcfg.model_dump_json())
         cl.router_grace_s = 10 + SETTLE_S * rcfg.dilation  # it may wait for KV on its way (SETTLE_S)
-        cl.router = net.spawn(routers[0], [sys.executable, "-m", "testbed.deploy.router", str(rpath)], name="router",
+        cl.router = net.spawn(routers[0], [sys.executable, "-m", "control.router", str(rpath)], name="router",
                               log=net.run.dir / "router.log",
                               env={**os.environ, **ROUTER_ENV})
         return cl

@@ -30,16 +30,16 @@ from protocol.worker_config import BrokerInfo, WorkerFaults
 from testbed.deploy import forkserver
 from testbed.deploy.cluster import Cluster
 from testbed.deploy.emulation import EmulationPlan
+from testbed.deploy.fault_injection import FaultInjector, annotate_failures
 from testbed.deploy.fidelity import host_steal_s, judge
 from testbed.deploy.process_sampling import RssSampler, cpu_by_name
 from testbed.deploy.run_record import ClientRecord, LineBins, PolicyRun
 from testbed.errors import InputError
-from testbed.faults.inject import FaultInjector, annotate_failures
 from testbed.faults.timeline import Fault
 from testbed.net import runstate
 from testbed.net.build import Network
 from testbed.net.delayline_contract import DelayLineReport
-from testbed.policies.spec import PolicySpec
+from testbed.policies import PolicySpec
 from testbed.scenario import Role, Scenario
 from testbed.traces.workload import RequestSpec
 from workers.transport import Transport
@@ -96,6 +96,10 @@ class LoadDriver(Protocol):
         which starts the fault timeline and the sampling. Returns what was sent and the
         client's record of each request."""
         ...
+
+
+# A load driver for a probe's requests: (specs, timeout s, label) -> the driver.
+Replayer = Callable[[list[RequestSpec], float, str], LoadDriver]
 
 
 class Deployment:

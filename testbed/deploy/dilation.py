@@ -31,6 +31,7 @@ import numpy as np
 
 from protocol.worker_config import Scales
 from testbed.deploy import dilation_cache
+from testbed.deploy.deployment import Replayer
 from testbed.deploy.dilation_probe import probe_dilation
 from testbed.deploy.emulation import EmulationPlan, round_up
 from testbed.deploy.model_files import ensure_model
@@ -211,9 +212,10 @@ def all_modeled(sc: Scenario) -> bool:
 
 
 def emulation_plan(sc: Scenario, wl: Workload, specs: list[RequestSpec], dilation: float | str | None,
-                   dtype: str | None = None) -> EmulationPlan:
+                   dtype: str | None = None, replay: Replayer | None = None) -> EmulationPlan:
     """The run's emulation: the scenario's model card at the trace's token scale, and the
-    dilation given, the scenario's, or (``auto``) calibrated on this host."""
+    dilation given, the scenario's, or (``auto``) calibrated on this host (a deployment of
+    modeled instances is probed with requests that ``replay`` sends)."""
 
     model = ensure_model(sc.model_dir())
     dtype = dtype or sc.workers.dtype
@@ -241,8 +243,10 @@ def emulation_plan(sc: Scenario, wl: Workload, specs: list[RequestSpec], dilatio
     if all_modeled(sc):
         print("dilation auto: probing the deployment of modeled instances on the trace's busiest stretch...",
               flush=True)
+        if replay is None:
+            raise InputError("--dilation auto: this command cannot probe a deployment; give a number")
         d, why = probe_dilation(sc, lambda d: [replace(s, at=s.at * d, delay=s.delay * d) for s in specs],
-                                lambda d: EmulationPlan.make(sc, wl.token_scale, d, b_r))
+                                lambda d: EmulationPlan.make(sc, wl.token_scale, d, b_r), replay)
     else:
         print("dilation auto: calibrating this host on trace-shaped work...", flush=True)
         rates = hit_rates(wl)

@@ -25,11 +25,10 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from testbed.deploy.deployment import Deployment
+from testbed.deploy.deployment import Deployment, Replayer
 from testbed.deploy.emulation import EmulationPlan, round_up
 from testbed.deploy.run_record import PolicyRun
-from testbed.load.trace_replay import TraceReplay
-from testbed.policies.spec import parse_policy
+from testbed.policies import parse_policy
 from testbed.scenario import Role, Scenario
 from testbed.traces.workload import RequestSpec
 
@@ -94,16 +93,17 @@ def probe_policy(sc: Scenario) -> str:
 
 
 def probe_dilation(sc: Scenario, specs_at: Callable[[float], list[RequestSpec]],
-                   plan_at: Callable[[float], EmulationPlan]) -> tuple[float, str]:
+                   plan_at: Callable[[float], EmulationPlan], replay: Replayer) -> tuple[float, str]:
     """The dilation for this deployment, and why. ``specs_at(D)`` is the trace at dilation
-    ``D`` (arrivals stretched), ``plan_at(D)`` the emulation plan."""
+    ``D`` (arrivals stretched), ``plan_at(D)`` the emulation plan, ``replay`` the load driver
+    that sends a probe's requests (the caller's: a deployment imports no load driver)."""
     policy = parse_policy(probe_policy(sc))
     d, tried = PROBE_START, []
     while True:
         t0 = time.monotonic()
         specs = busiest_requests(specs_at(d), PROBE_REQUESTS)
         with Deployment(sc, policy, emulation=plan_at(d)) as dep:
-            run = dep.run(TraceReplay(specs, PROBE_TIMEOUT_S * d, f"probe D {d:g}", show_progress=False))
+            run = dep.run(replay(specs, PROBE_TIMEOUT_S * d, f"probe D {d:g}"))
         failed = sum(1 for r in run.recs.values() if not r.done or r.error)
         late = late_by_role(run)
         ok = run.verdict.passed and not failed and not late

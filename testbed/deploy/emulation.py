@@ -25,14 +25,42 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict
 
 from protocol.worker_config import ModelCost, Scales
 from testbed.net.plan import FRAME_OVERHEAD
 from testbed.scenario import ModelCard, Scenario, WanDirection
 
-if TYPE_CHECKING:
-    from testbed.analysis.results import EmulationSummary
+
+class _Saved(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LinkScale(_Saved):
+    """A link's rate (and delay) as emulated and as built on the wire."""
+
+    rate_mbit: float | None
+    wire_rate_mbit: float | None
+    delay_ms: float | None = None
+    wire_delay_ms: float | None = None
+
+
+class EmulationSummary(_Saved):
+    emulating: bool
+    model: str | None
+    s_in: int
+    s_out: int
+    dilation: float
+    dilation_reason: str
+    b_r: int  # KV bytes per replayed token of the real model
+    b_e: int  # KV bytes per emulated token of the emulated model
+    formula: str
+    wan_mtu: int
+    wan_forward: LinkScale
+    wan_reverse: LinkScale
+    lan: dict[str, LinkScale]  # per datacenter
+
 
 MIN_FRAMES_IN_FLIGHT = 64
 MIN_MTU = 1280
@@ -126,8 +154,6 @@ class EmulationPlan:
 
     # ----------------------------------------------------------------- what is printed and saved
     def summary(self, sc: Scenario) -> EmulationSummary:
-        from testbed.analysis.results import EmulationSummary, LinkScale
-
         wire = self.wire_scenario(sc)
         s = self.scales
 

@@ -29,7 +29,7 @@ from testbed.analysis.results import load_run, write_csv
 from testbed.analysis.tables import table_head
 from testbed.experiments.load_sweep import SweepOptions, fixed_dilation
 from testbed.outputs import write_atomic
-from testbed.policies.spec import PolicySpec
+from testbed.policies import PolicySpec
 from testbed.scenario import Scenario
 from testbed.traces.stats import hit_rates
 from testbed.traces.workload import Segment, Workload

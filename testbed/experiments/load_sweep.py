@@ -37,9 +37,9 @@ from testbed.errors import InputError
 from testbed.experiments.parallel import Replay, run_all, saved
 from testbed.experiments.ray_executor import dilation_on_a_node
 from testbed.experiments.trace_run import RunOptions, run_trace
+from testbed.load.trace_replay import probe_replay
 from testbed.outputs import write_atomic
-from testbed.policies import make_policy
-from testbed.policies.spec import PolicySpec, parse_policy_list
+from testbed.policies import PolicySpec, make_policy, parse_policy_list
 from testbed.scenario import Scenario
 from testbed.traces.workload import Workload
 
@@ -202,7 +202,7 @@ def fixed_dilation(sc: Scenario, wl: Workload, opts: RunOptions) -> RunOptions:
         return dataclasses.replace(opts, dilation=1.0)
     if opts.executor == "ray":  # probed on a node, as the replays run there, not on the driver
         return dataclasses.replace(opts, dilation=dilation_on_a_node(sc, wl, opts))
-    plan = emulation_plan(sc, wl, wl.specs(1.0), opts.dilation)
+    plan = emulation_plan(sc, wl, wl.specs(1.0), opts.dilation, replay=probe_replay)
     return dataclasses.replace(opts, dilation=plan.dilation)
 
 

@@ -38,6 +38,7 @@ from typing import Any
 from testbed.deploy.dilation import emulation_plan
 from testbed.errors import CapabilityError, InputError, TestbedError
 from testbed.experiments.trace_run import Replay, RunOptions, run_trace
+from testbed.load.trace_replay import probe_replay
 from testbed.net import runstate
 from testbed.outputs import atomic_path
 from testbed.scenario import Scenario
@@ -141,7 +142,7 @@ def _task(replay: Replay, kept: dict[str, bytes]) -> Outcome:
 
 
 def _dilation_task(sc: Scenario, wl: Workload, dilation: float | str | None) -> float:
-    return emulation_plan(sc, wl, wl.specs(1.0), dilation).dilation
+    return emulation_plan(sc, wl, wl.specs(1.0), dilation, replay=probe_replay).dilation
 
 
 def dilation_on_a_node(sc: Scenario, wl: Workload, opts: RunOptions) -> float:

@@ -50,7 +50,7 @@ from testbed.experiments.load_sweep import Bisection, Draw, bisect, fixed_dilati
 from testbed.experiments.parallel import Replay, run_all
 from testbed.experiments.trace_run import RunOptions
 from testbed.outputs import write_atomic
-from testbed.policies.spec import PolicySpec, parse_policy_list
+from testbed.policies import PolicySpec, parse_policy_list
 from testbed.scenario import Role, Scenario
 
 REPORT_SAME_P50_S = 4.2  # the report's same-datacenter TTFT P50 (docs/design.md)

@@ -32,7 +32,7 @@ from testbed.experiments.parallel import Replay, run_all
 from testbed.experiments.repetitions import recipe_of
 from testbed.experiments.trace_run import RunOptions, run_trace
 from testbed.outputs import write_atomic
-from testbed.policies.spec import PolicySpec, parse_policy_list
+from testbed.policies import PolicySpec, parse_policy_list
 from testbed.scenario import Scenario
 from testbed.traces import load_trace
 from testbed.traces.generate import GenConfig, generate, write_jsonl

@@ -31,9 +31,9 @@ from testbed.errors import EXIT_INFIDELITY, InputError
 from testbed.faults.timeline import Fault
 from testbed.faults.wan_trace import faults_of
 from testbed.load.retry import RetryPolicy
-from testbed.load.trace_replay import TraceReplay
+from testbed.load.trace_replay import TraceReplay, probe_replay
 from testbed.outputs import new_run_dir
-from testbed.policies.spec import PolicySpec
+from testbed.policies import PolicySpec
 from testbed.scenario import Scenario
 from testbed.sim.engine import SimDeployment, sim_plan
 from testbed.traces.workload import Workload
@@ -82,7 +82,7 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
         plan = sim_plan(sc, wl.token_scale)
     else:
         forkserver.prestart()  # importing torch for the workers while the run is prepared
-        plan = emulation_plan(sc, wl, wl.specs(opts.speed), opts.dilation)
+        plan = emulation_plan(sc, wl, wl.specs(opts.speed), opts.dilation, replay=probe_replay)
     d = plan.dilation
     specs = wl.specs(opts.speed / d)  # arrivals and think times stretched by the dilation
     out = opts.out or new_run_dir("")

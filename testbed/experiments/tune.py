@@ -24,9 +24,9 @@ import dataclasses
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel
 
@@ -41,41 +41,56 @@ from testbed.experiments.parallel import Replay, run_all
 from testbed.experiments.ray_executor import FAILED_FILE
 from testbed.experiments.trace_run import RunOptions, run_trace
 from testbed.outputs import write_atomic
-from testbed.policies import make_policy
-from testbed.policies.spec import OffloadOptions, OffloadSpec, PddOptions, PddSpec, PolicySpec
+from testbed.policies import Policy, PolicySpec, make_policy, policy_class, spec_for
 from testbed.scenario import Scenario
 from testbed.traces.workload import Workload
 
-Suggest = Callable[[Any], dict[str, Any]]  # an Optuna trial -> the knobs' values
+Suggest = Callable[[Any], Any]  # an Optuna trial -> one knob's value
 
 
-def _pdd_space(t: Any) -> dict[str, Any]:
-    return {"handoff": t.suggest_categorical("handoff", ["one-shot", "catch-up", "adaptive"]),
-            "relay_s": t.suggest_float("relay_s", 0.0, 3.0),
-            "threshold": t.suggest_int("threshold", 8, 256, log=True),
-            "load": t.suggest_int("load", 1, 16),
-            "cutoff": t.suggest_categorical("cutoff", ["all", "anomalous", "off"])}
+def search_space(cls: type[Policy], fixed: Iterable[str] = ()) -> dict[str, Suggest]:
+    """A policy's knobs as ``tune`` searches them, read from its ``Options``: every literal
+    and boolean, and every number with both bounds (``ge``/``gt`` and ``le``/``lt``, or a
+    ``json_schema_extra={"tune": {"low": .., "high": .., "log": .., "step": ..}}`` hint);
+    ``{"tune": False}`` and the options in ``fixed`` (given on the command line) stay put."""
+    space: dict[str, Suggest] = {}
+    for name, f in cls.Options.model_fields.items():
+        extra = f.json_schema_extra if isinstance(f.json_schema_extra, dict) else {}
+        hint = extra.get("tune")
+        if hint is False or name in fixed:
+            continue
+        hint = hint if isinstance(hint, dict) else {}
+        ann = f.annotation
+        if get_origin(ann) is Literal:
+            choices = list(get_args(ann))
+            space[name] = lambda t, n=name, c=choices: t.suggest_categorical(n, c)
+        elif ann is bool:
+            space[name] = lambda t, n=name: t.suggest_categorical(n, [True, False])
+        elif ann in (int, float):
+            low, high = hint.get("low"), hint.get("high")
+            for m in f.metadata:  # annotated_types' Ge, Gt, Le, Lt
+                low = next((getattr(m, a) for a in ("ge", "gt") if low is None and hasattr(m, a)), low)
+                high = next((getattr(m, a) for a in ("le", "lt") if high is None and hasattr(m, a)), high)
+            if low is None or high is None:
+                continue
+            if ann is int:
+                space[name] = lambda t, n=name, lo=int(low), hi=int(high), h=hint: t.suggest_int(
+                    n, lo, hi, log=bool(h.get("log")), step=int(h.get("step", 1)))
+            else:
+                space[name] = lambda t, n=name, lo=float(low), hi=float(high), h=hint: t.suggest_float(
+                    n, lo, hi, log=bool(h.get("log")))
+    return space
 
 
-def _offload_space(t: Any) -> dict[str, Any]:
-    return {"threshold": t.suggest_int("threshold", 0, 65536, step=1024),
-            "wan_s": t.suggest_float("wan_s", 0.0, 5.0)}
-
-
-# The knobs each tunable policy has, as a search space, and its spec from a trial's values.
-SPACES: dict[str, tuple[Suggest, Callable[[dict[str, Any]], PolicySpec]]] = {
-    "pdd": (_pdd_space, lambda v: PddSpec(options=PddOptions(**v))),
-    "prefill-offload": (_offload_space, lambda v: OffloadSpec(options=OffloadOptions(**v))),
-}
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "pdd": {k: getattr(PddOptions(), k) for k in ("handoff", "relay_s", "threshold", "load", "cutoff")},
-    "prefill-offload": {k: getattr(OffloadOptions(), k) for k in ("threshold", "wan_s")},
-}
+def defaults(cls: type[Policy], space: dict[str, Suggest]) -> dict[str, Any]:
+    """Where the search starts: each knob at its default."""
+    start = cls.Options()
+    return {k: getattr(start, k) for k in space}
 
 
 @dataclasses.dataclass(frozen=True)
 class TuneOptions:
-    policy: str
+    policy: PolicySpec  # its given options stay as given; the others are searched
     trials: int = 12
     seeds: int = 3  # draws at the defaults and at the best trial
     seed: int = 1  # the sampler's
@@ -129,11 +144,20 @@ def _point(sc: Scenario, spec: PolicySpec, number: int, knobs: dict[str, Any], r
 def tune(sc: Scenario, wl: Workload, draws: list[Draw], opts: TuneOptions, out: Path) -> TuneResult:
     import optuna  # late: the CLI starts without it
 
-    if opts.policy not in SPACES:
-        raise InputError(f"--policy: {opts.policy} has no knobs to tune (tunable: {', '.join(SPACES)})")
+    cls = policy_class(opts.policy)
+    space = search_space(cls, opts.policy.options)
+    if not space:
+        raise InputError(f"--policy: {opts.policy.label} has no knobs to tune (its Options have no literal, boolean "
+                         "or bounded number left to search)")
     if opts.trials < 2 or opts.seeds < 1:
         raise InputError("--trials must be at least 2 and --seeds at least 1")
-    suggest, to_spec = SPACES[opts.policy]
+
+    def suggest(trial: Any) -> dict[str, Any]:
+        return {k: draw(trial) for k, draw in space.items()}
+
+    def to_spec(knobs: dict[str, Any]) -> PolicySpec:
+        return spec_for(cls, {**opts.policy.options, **knobs}, opts.policy.source)
+
     t0 = time.monotonic()
     run = dataclasses.replace(fixed_dilation(sc, wl, opts.run), speed=opts.load, allow_infidelity=True)
     trials: list[TrialPoint] = []
@@ -164,7 +188,7 @@ def tune(sc: Scenario, wl: Workload, draws: list[Draw], opts: TuneOptions, out: 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sampler = optuna.samplers.TPESampler(seed=opts.seed, n_startup_trials=max(2, opts.trials // 3))
     study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
-    study.enqueue_trial(DEFAULTS[opts.policy])  # trial 0: where the policy starts
+    study.enqueue_trial(defaults(cls, space))  # trial 0: where the policy starts
     # With n_jobs > 1 Optuna runs trials in threads, each asking the sampler when it starts:
     # at most ``concurrent`` replays are on the cluster at once.
     study.optimize(objective, n_trials=opts.trials, n_jobs=opts.concurrent)
@@ -194,7 +218,7 @@ def tune(sc: Scenario, wl: Workload, draws: list[Draw], opts: TuneOptions, out: 
                    if run.executor != "ray" or (f / SUMMARY_FILE).exists()]
         repeated[name] = points
     assert isinstance(run.dilation, float)
-    result = TuneResult(policy=opts.policy, load=opts.load, dilation=run.dilation, slo_ttft_s=run.slo.ttft_s,
+    result = TuneResult(policy=opts.policy.label, load=opts.load, dilation=run.dilation, slo_ttft_s=run.slo.ttft_s,
                         slo_tpot_s=run.slo.tpot_s, trials=trials, front=front, best=best, repeated=repeated,
                         wall_s=time.monotonic() - t0)
     save_tune(result, out)

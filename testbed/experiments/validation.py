@@ -25,7 +25,7 @@ from testbed.analysis.results import SUMMARY_FILE, PolicySummary, load_run
 from testbed.experiments.parallel import Replay, run_all
 from testbed.experiments.trace_run import RunOptions, run_trace
 from testbed.outputs import write_atomic
-from testbed.policies.spec import PolicySpec
+from testbed.policies import PolicySpec
 from testbed.scenario import Scenario
 from testbed.traces.workload import Workload
 

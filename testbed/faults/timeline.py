@@ -23,7 +23,7 @@ kind                keys                                  what happens
 A fault without a duration lasts until the run ends (a killed worker stays dead). Values
 are the *emulated* system's (delay, rate): the injector maps them to the wire with the
 run's emulation, as for the scenario's own WAN. This module only describes;
-``testbed.faults.inject`` applies a timeline to a running emulation.
+``testbed.deploy.fault_injection`` applies a timeline to a running emulation.
 """
 
 from __future__ import annotations

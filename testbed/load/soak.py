@@ -40,7 +40,7 @@ from testbed.deploy.run_record import ClientRecord
 from testbed.errors import InputError
 from testbed.faults.timeline import AppliedFault, Fault
 from testbed.load.retry import SOAK_RETRY, RetryPolicy
-from testbed.load.trace_replay import TraceReplay
+from testbed.load.trace_replay import TraceReplay, probe_replay
 from testbed.outputs import new_run_dir, write_atomic
 from testbed.policies import parse_policy
 from testbed.scenario import Role, Scenario
@@ -230,7 +230,7 @@ def run_soak(sc: Scenario, wl: Workload, opts: SoakOptions) -> int:
         if value <= 0:
             raise InputError(f"{name}: must be positive, got {value}")
     spec = parse_policy(opts.policy)  # one policy; a bad one exits 2 naming it, before anything starts
-    plan = emulation_plan(sc, wl, wl.specs(opts.load), opts.dilation)
+    plan = emulation_plan(sc, wl, wl.specs(opts.load), opts.dilation, replay=probe_replay)
     d = plan.dilation
     emulated_s = opts.minutes * 60
     wall_s = emulated_s * d

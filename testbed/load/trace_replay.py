@@ -47,3 +47,8 @@ class TraceReplay:
             if progress is not None:
                 progress.close()
         return self.specs, recs
+
+
+def probe_replay(specs: list[RequestSpec], timeout_s: float, label: str) -> TraceReplay:
+    """A dilation probe's load (``Replayer``): the requests once, without a progress line."""
+    return TraceReplay(specs, timeout_s, label, show_progress=False)

@@ -23,7 +23,7 @@ from testbed.deploy.model_files import ensure_model
 from testbed.deploy.run_record import ClientRecord
 from testbed.errors import InputError
 from testbed.load.trace_replay import TraceReplay
-from testbed.policies.spec import PolicySpec
+from testbed.policies import PolicySpec
 from testbed.scenario import Scenario
 from testbed.traces.workload import RequestSpec, synth_tokens
 from workers.model_dir import kv_bytes_per_token

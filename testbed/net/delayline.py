@@ -17,7 +17,7 @@ Guarantees:
 * faults are applied on request: ``SIGUSR1`` makes it read ``control_path`` (a
   ``DelayLineControl``) and apply each direction's override at once: down (every frame
   dropped, counted as ``drop_fault``), a loss rate, extra delay; an empty control restores
-  the configuration (``testbed.faults.inject``);
+  the configuration (``testbed.deploy.fault_injection``);
 * memory is bounded: a direction holds at most ``max_backlog_bytes`` (excess is dropped and
   counted as ``drop_overflow``);
 * fidelity is reported, not assumed: how late each frame left versus its schedule is

@@ -38,7 +38,7 @@ class DirectionConfig(_Contract):
 
 
 class DirectionOverride(_Contract):
-    """A fault's effect on one direction, in wire units (see ``testbed.faults.inject``)."""
+    """A fault's effect on one direction, in wire units (see ``testbed.deploy.fault_injection``)."""
 
     down: bool = False
     loss_pct: float | None = Field(default=None, ge=0, le=100)  # None: the configured loss

@@ -1,39 +1,31 @@
-"""Routing policies: swappable objects behind one interface (``Policy``).
+"""Routing policies: classes behind one interface (``Policy``), registered by name.
 
 A policy sees one request's state and the cluster's live view and returns a ``Plan``:
 which prefill worker computes it and which decode worker(s) get its KV and stream it.
 Workers know nothing of policies; they execute typed commands. The command-line spelling
-``name:k=v,...`` is parsed once into a ``PolicySpec`` (``testbed/policies/spec.py``);
-``make_policy(spec)`` builds the object.
+``name:k=v,...`` (or ``FILE.py:Class:k=v,...`` for a user's plugin, ``docs/policies.md``) is
+parsed once into a ``PolicySpec`` (``registry.parse_policy``); ``make_policy(spec)`` builds
+the object. The built-ins register themselves as a plugin does.
 """
 
 from __future__ import annotations
 
-from testbed.policies.base import ClusterView, Plan, Policy, RequestState
-from testbed.policies.classic import CrossDc, SameDc
-from testbed.policies.offload import PrefillOffload
-from testbed.policies.pdd import Pdd
-from testbed.policies.spec import (
-    CrossDcSpec,
-    OffloadSpec,
-    PddSpec,
-    PolicySpec,
-    SameDcSpec,
+from protocol.policy import PolicySpec
+from testbed.policies import classic, offload, pdd  # noqa: F401 - the built-ins register themselves
+from testbed.policies.base import ClusterView, NoOptions, Plan, Policy, RequestState
+from testbed.policies.registry import (
+    PolicyError,
+    describe,
+    load_plugin,
+    make_policy,
     parse_policy,
     parse_policy_list,
+    policy_class,
+    register,
+    registered,
+    spec_for,
 )
 
-
-def make_policy(spec: PolicySpec) -> Policy:
-    if isinstance(spec, PddSpec):
-        return Pdd(spec.options)
-    if isinstance(spec, OffloadSpec):
-        return PrefillOffload(spec.options)
-    if isinstance(spec, CrossDcSpec):
-        return CrossDc()
-    assert isinstance(spec, SameDcSpec)
-    return SameDc()
-
-
-__all__ = ["ClusterView", "Plan", "Policy", "PolicySpec", "RequestState", "make_policy", "parse_policy",
-           "parse_policy_list"]
+__all__ = ["ClusterView", "NoOptions", "Plan", "Policy", "PolicyError", "PolicySpec", "RequestState", "describe",
+           "load_plugin", "make_policy", "parse_policy", "parse_policy_list", "policy_class", "register",
+           "registered", "spec_for"]

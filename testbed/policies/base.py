@@ -1,10 +1,13 @@
 """The policy interface and the request state it reads.
 
-A policy is an object behind one interface: ``plan`` a request over the cluster's live
-view; say what each decoder is told (``decode_command``) and how a relay hands over
-(``handoff``); decide whether a useless WAN transfer is cut off (``cut_off``); react to
-worker events (``on_event``). It returns typed commands from ``protocol/messages.py``, so the
-options a worker understands are stated once, there.
+A policy is a class behind one interface, registered by name (``registry.py``; a user's
+policy is one file of its own, ``docs/policies.md``): its ``name``, its typed ``Options``
+(defaults and ranges, which ``testbed tune`` searches), the roles it ``deploys``, and its
+decisions: ``plan`` a request over the cluster's live view; say what each decoder is told
+(``decode_command``) and how a relay hands over (``handoff``); decide whether a useless WAN
+transfer is cut off (``cut_off``); react to worker events (``on_event``, ``on_end``). It
+returns typed commands from ``protocol/messages.py``, so the options a worker understands
+are stated once, there.
 """
 
 from __future__ import annotations
@@ -16,46 +19,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict
 
 from protocol.messages import DecodeCmd, Event, HandoffCmd, PrefillDone, RequestHints
-from protocol.worker_config import Contract
+from protocol.policy import PlanInfo, PolicyContext, PolicyReport, spell
 from testbed.policies.prefix_index import PrefixIndex
 from testbed.policies.token_ids import token_array
-
-
-class PolicyContext(Contract):
-    """Facts about the deployment a policy may need (from the scenario and the model). Rates,
-    round trips and KV bytes are the wire's (what the router sees in real time); divide a
-    real duration by ``dilation`` to compare it with an option given in emulated seconds."""
-
-    wan_rate_bps: float | None = None  # forward direction (prefill side -> other side); None = unshaped
-    wan_back_rate_bps: float | None = None  # the reverse direction (towards the prefill side)
-    wan_rtt_s: float = 0.0
-    dilation: float = Field(default=1.0, gt=0)
-    kv_bytes_per_token: int = 0
-    block_size: int = 16
-    decode_cache_tokens: int = 0
-    home_dc: str | None = None  # where requests enter (the router's datacenter); None: any
-    token_scale: int = Field(default=1, ge=1)  # emulated tokens per replayed token (options in emulated tokens)
-
-
-class PlanInfo(Contract):
-    """Why a policy chose its plan (PDD's routing inputs; empty for the classic policies)."""
-
-    md_have_tokens: int | None = None
-    delta_tokens: int | None = None
-    delta_bytes: int | None = None
-    est_wan_wait_s: float | None = None
-    wan_backlog_bytes: float | None = None
-    wan_efficiency: float | None = None
-
-
-class PolicyReport(Contract):
-    counts: dict[str, int] = {}
-    wan_efficiency: float | None = None
-    wan_samples: int | None = None
-    options: str = ""  # the policy with every option
 
 
 @dataclass
@@ -172,8 +141,19 @@ class RequestState:
         return next((e for e in self.events if isinstance(e, PrefillDone)), None)
 
 
+class NoOptions(BaseModel):
+    """The options of a policy that has none."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
 class Policy(ABC):
-    name: str = "policy"
+    name: ClassVar[str] = "policy"
+    # The policy's options: a pydantic model with a default for each (``extra="forbid"``);
+    # numbers with both bounds (``ge``/``le``) and literals are what ``testbed tune`` searches
+    # (``json_schema_extra={"tune": False}`` leaves one out, ``{"tune": {"low": .., "high": ..,
+    # "log": True}}`` narrows a range).
+    Options: ClassVar[type[BaseModel]] = NoOptions
     ctx: PolicyContext = PolicyContext()
     # What the policy deploys (its hardware cost, ``testbed/analysis/cost.py``): (role, where) pairs,
     # "home" = the datacenter requests enter (``PolicyContext.home_dc``), "away" = the other; and whether
@@ -182,6 +162,9 @@ class Policy(ABC):
     crosses_wan: ClassVar[bool] = False
     # Of ``deploys``, what the policy cannot plan without (a scenario lacking one is refused at start).
     needs: ClassVar[tuple[tuple[str, Literal["home", "away"]], ...]] = ()
+
+    def __init__(self, options: BaseModel | None = None) -> None:
+        self.opts = options if options is not None else self.Options()
 
     def bind(self, ctx: PolicyContext) -> None:
         """Called once by the router before the first request."""
@@ -222,4 +205,6 @@ class Policy(ABC):
         return PolicyReport(options=self.describe())
 
     def describe(self) -> str:
-        return self.name
+        """The name with every option, defaults included."""
+        shown = ",".join(f"{k}={spell(v)}" for k, v in self.opts.model_dump().items() if v is not None)
+        return f"{self.name}:{shown}" if shown else self.name

@@ -12,8 +12,10 @@ instances in the other datacenter, for ``prefill-offload``).
 from __future__ import annotations
 
 from testbed.policies.base import ClusterView, Plan, Policy, RequestState
+from testbed.policies.registry import register
 
 
+@register
 class SameDc(Policy):
     name = "same-dc"
     deploys = (("prefill", "home"), ("decode", "home"))
@@ -24,6 +26,7 @@ class SameDc(Policy):
         return Plan(f"P-D({d.dc})", p.name, d.name)
 
 
+@register
 class CrossDc(Policy):
     name = "cross-dc"
     deploys = (("prefill", "home"), ("decode", "away"))

@@ -15,7 +15,7 @@ Per request, from what the local prefill would have to compute and what the line
   line keeps a request home (counted as ``local (line busy)``); so does a dead or
   unreachable remote pool (``local (no remote prefill)``).
 
-Options (``prefill-offload:key=value,...``, ``OffloadOptions`` in ``spec.py``): ``threshold``
+Options (``prefill-offload:key=value,...``, ``OffloadOptions`` below): ``threshold``
 (uncached emulated tokens, default 19,456: PrfaaS's reported break-even of ~19.4K, a starting
 point that ``testbed tune`` can move) and ``wan_s`` (default 2.0 emulated s).
 """
@@ -24,23 +24,39 @@ from __future__ import annotations
 
 from collections import Counter
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from protocol.messages import DecodeCmd, Event, Failed, KvReceived, KvSent
 from testbed.policies.base import ClusterView, Plan, PlanInfo, Policy, PolicyContext, PolicyReport, RequestState
 from testbed.policies.prefix_index import PrefixIndex
-from testbed.policies.spec import OffloadOptions, OffloadSpec
+from testbed.policies.registry import register
 from testbed.policies.wan import WanEstimator
 
 UNSHAPED_RATE_BPS = 10e9  # assumed line rate when the scenario leaves the WAN unshaped
 
 
+class OffloadOptions(BaseModel):
+    """Prefill offload's options (the module docstring says what each one does)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    threshold: int = Field(default=19456, ge=0, description="offload from this many uncached emulated tokens",
+                           json_schema_extra={"tune": {"low": 0, "high": 65536, "step": 1024}})
+    wan_s: float = Field(default=2.0, ge=0, description="offload only while the line carries the KV within this",
+                         json_schema_extra={"tune": {"low": 0.0, "high": 5.0}})
+
+
+@register
 class PrefillOffload(Policy):
     name = "prefill-offload"
+    Options = OffloadOptions
+    opts: OffloadOptions
     deploys = (("prefill", "home"), ("decode", "home"), ("prefill", "away"))
     crosses_wan = True
     needs = (("prefill", "away"),)
 
     def __init__(self, options: OffloadOptions | None = None) -> None:
-        self.opts = options or OffloadOptions()
+        super().__init__(options)
         self.indexes: dict[str, PrefixIndex] = {}
         self.wan = WanEstimator(UNSHAPED_RATE_BPS)
         self.counts: Counter[str] = Counter()
@@ -48,9 +64,6 @@ class PrefillOffload(Policy):
     @property
     def nbytes(self) -> int:
         return sum(i.nbytes for i in self.indexes.values())
-
-    def describe(self) -> str:
-        return OffloadSpec(options=self.opts).describe()
 
     def bind(self, ctx: PolicyContext) -> None:
         super().bind(ctx)

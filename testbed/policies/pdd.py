@@ -28,9 +28,9 @@ Degraded service (faults, ``testbed.faults``): with no main decoder alive (dead,
 by the WAN long enough for its broker session to lapse) a request goes **P-RLD** (counted as
 ``P-RLD (no main decoder)``); with no relay alive, **P-MD** (``P-MD (no relay)``). The
 router's side of the same rule: a main decoder lost before the handoff leaves the relay to
-finish alone (``testbed.deploy.router``).
+finish alone (``control.router``).
 
-Options (``pdd:key=value,...``, parsed once into ``PddOptions`` in ``spec.py``):
+Options (``pdd:key=value,...``, ``PddOptions`` below):
 ``handoff`` one-shot | catch-up | adaptive (one-shot while the RLD has at least ``load``
 requests in flight, catch-up otherwise); ``threshold`` (catch-up batch, tokens, default
 64); ``load`` (default 4); ``relay_s`` (default 0.5); ``drc`` on | off; ``filter`` off |
@@ -42,23 +42,52 @@ ready; for experiments and tests; a request's ``eager`` hint overrides it).
 from __future__ import annotations
 
 from collections import Counter
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.messages import DecodeCmd, Done, Event, Failed, HandoffCmd, KvReceived, KvSent, MainPart, RelayPart
 from testbed.policies.base import ClusterView, Plan, PlanInfo, Policy, PolicyContext, PolicyReport, RequestState
 from testbed.policies.prefix_index import PrefixIndex
-from testbed.policies.spec import PddOptions, PddSpec
+from testbed.policies.registry import register
 from testbed.policies.wan import WanEstimator
 
 UNSHAPED_RATE_BPS = 10e9  # assumed line rate when the scenario leaves the WAN unshaped
+OFF = {"tune": False}  # an option ``testbed tune`` leaves as given
 
 
+class PddOptions(BaseModel):
+    """PDD's options (the module docstring says what each one does); ``testbed tune`` searches
+    the handoff, the relay's threshold, the batch, the load and the cut-off."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    handoff: Literal["one-shot", "catch-up", "adaptive"] = "adaptive"
+    threshold: int = Field(default=64, ge=1, description="catch-up batch, tokens",
+                           json_schema_extra={"tune": {"low": 8, "high": 256, "log": True}})
+    load: int = Field(default=4, ge=1, description="adaptive: one-shot at this many relay requests",
+                      json_schema_extra={"tune": {"low": 1, "high": 16}})
+    relay_s: float = Field(default=0.5, ge=0, description="relay when the WAN wait exceeds this",
+                           json_schema_extra={"tune": {"low": 0.0, "high": 3.0}})
+    drc: Literal["on", "off"] = Field(default="on", json_schema_extra=OFF)
+    filter: Literal["off", "predict"] = Field(default="off", json_schema_extra=OFF)
+    low_hit: float = Field(default=0.5, ge=0, le=1, description="share of the prompt computed = low hit",
+                           json_schema_extra=OFF)
+    cutoff: Literal["all", "anomalous", "off"] = "anomalous"
+    eager: int | None = Field(default=None, ge=0, description="hand over after exactly this many tokens",
+                              json_schema_extra=OFF)
+
+
+@register
 class Pdd(Policy):
     name = "pdd"
+    Options = PddOptions
+    opts: PddOptions
     deploys = (("prefill", "home"), ("relay-decode", "home"), ("decode", "away"))
     crosses_wan = True
 
     def __init__(self, options: PddOptions | None = None) -> None:
-        self.opts = options or PddOptions()
+        super().__init__(options)
         self.drc = self.opts.drc == "on"
         self.indexes: dict[str, PrefixIndex] = {}
         self.wan = WanEstimator(UNSHAPED_RATE_BPS)
@@ -67,9 +96,6 @@ class Pdd(Policy):
     @property
     def nbytes(self) -> int:
         return sum(i.nbytes for i in self.indexes.values())
-
-    def describe(self) -> str:
-        return PddSpec(options=self.opts).describe()
 
     def bind(self, ctx: PolicyContext) -> None:
         super().bind(ctx)

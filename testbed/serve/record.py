@@ -28,7 +28,7 @@ from testbed.analysis.results import RunSummary, TraceInfo
 from testbed.deploy.emulation import EmulationPlan
 from testbed.deploy.run_record import ClientRecord, PolicyRun
 from testbed.errors import TestbedError
-from testbed.policies.spec import PolicySpec
+from testbed.policies import PolicySpec
 from testbed.scenario import Scenario
 from testbed.traces.workload import RequestSpec
 

@@ -32,9 +32,10 @@ from testbed.deploy.fidelity import format_verdict
 from testbed.deploy.model_files import ensure_model
 from testbed.deploy.run_record import ClientRecord
 from testbed.errors import EXIT_INFIDELITY, InputError, Terminated, TestbedError
+from testbed.load.trace_replay import probe_replay
 from testbed.net import netns, runstate
 from testbed.outputs import new_run_dir
-from testbed.policies.spec import PddSpec, PolicySpec
+from testbed.policies import PolicySpec, policy_class
 from testbed.scenario import Role, Scenario
 from testbed.serve.app import Served
 from testbed.serve.front import FrontConfig, answer_desk
@@ -75,7 +76,7 @@ def plan_for(sc: Scenario, opts: ServeOptions) -> EmulationPlan:
     if opts.token_scale < 1:
         raise InputError(f"--token-scale: must be >= 1, got {opts.token_scale}")
     wl = load_trace(opts.shape_trace, "auto", opts.token_scale)
-    return emulation_plan(sc, wl, wl.specs(1.0), opts.dilation, opts.dtype)
+    return emulation_plan(sc, wl, wl.specs(1.0), opts.dilation, opts.dtype, replay=probe_replay)
 
 
 class HttpFrontDoor:
@@ -101,7 +102,7 @@ class HttpFrontDoor:
             timeout_s=sc.workers.request_timeout_s * dep.dilation * 1.5, model_dir=str(self.model_dir),
             served=self.served, scales=self.plan.scales,
             pipelines=Pipelines(worker_roles(sc), {w: sc.datacenter_of(w) for w in cl.workers},
-                                isinstance(self.opts.policy, PddSpec)),
+                                any(role == "relay-decode" for role, _ in policy_class(self.opts.policy).deploys)),
             stats_paths={h: c.stats_path for h, c in cl.workers.items() if c.stats_path},
             out_dir=str(cl.accounts.folder("front")), run_as=cl.accounts.of("front"),
         )  # fmt: skip

@@ -3,7 +3,7 @@
 ``SimDeployment`` is the simulator's ``Deployment``: the same scenario, emulation plan and
 fault timeline in, the same ``PolicyRun`` out, driven by the same load drivers
 (``LoadTarget``). What runs is the testbed's code, not a model of it: the router
-(``testbed/deploy/router.py``) with its policy and failure detector, every worker
+(``control/router.py``) with its policy and failure detector, every worker
 (``workers/``: admission, continuous batching, chunked-prefill pricing, radix caches and
 DRC, the handoff modes, cut-offs) with its device model (``workers/device.py``), and the
 replay client with its retries. They run as asyncio tasks of one process on a
@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 import aiomqtt
 
+from control.router import Router
 from protocol import clock
 from protocol.router_config import PolicyReport, RequestRecord, WorkerDeath
 from protocol.topics import Topics
@@ -41,17 +42,16 @@ from protocol.worker_config import BrokerInfo, WorkerConfig, WorkerFaults, Worke
 from testbed.deploy.cluster import router_config, worker_configs
 from testbed.deploy.deployment import LoadDriver
 from testbed.deploy.emulation import EmulationPlan
+from testbed.deploy.fault_injection import FaultInjector, annotate_failures
 from testbed.deploy.fidelity import judge
 from testbed.deploy.model_files import ensure_model
-from testbed.deploy.router import Router
 from testbed.deploy.run_record import LineBins, PolicyRun
 from testbed.errors import InputError
-from testbed.faults.inject import FaultInjector, annotate_failures
 from testbed.faults.timeline import Fault
 from testbed.net.delayline_contract import DirectionOverride
 from testbed.net.line_tap import KV_BIN_S
 from testbed.net.plan import NetworkPlan, make_plan
-from testbed.policies.spec import PolicySpec
+from testbed.policies import PolicySpec
 from testbed.scenario import Role, Scenario
 from testbed.sim.bus import SimBroker
 from testbed.sim.flows import host_congestion

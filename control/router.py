@@ -1,9 +1,9 @@
 """Router process (datacenter a): admits requests, asks the policy for a plan, dispatches,
 tracks every request in flight until it completes or fails with a reason.
 
-Run as ``python -m testbed.deploy.router CONFIG.json`` inside the router host's namespace. It
+Run as ``python -m control.router CONFIG.json`` inside the router host's namespace. It
 learns worker liveness and load from their retained status messages (a worker that dies
-is announced by its MQTT last will, which ``testbed.deploy.liveness`` confirms or, with
+is announced by its MQTT last will, which ``control.liveness`` confirms or, with
 ``failure_detection: none``, ignores) and ends every request that depended on a dead worker,
 or that exceeds the request timeout, with an explicit error to the client. A message that
 fails validation is logged and fails only the request it names.
@@ -22,6 +22,9 @@ from pathlib import Path
 import aiomqtt
 from pydantic import ValidationError
 
+from control.checks import in_plan, out_of_bounds, repeated, speaks_for
+from control.ended import Ended
+from control.liveness import Liveness
 from protocol import clock
 from protocol.messages import (
     CancelCmd,
@@ -45,9 +48,6 @@ from protocol.messages import (
 from protocol.mqtt_session import Session
 from protocol.router_config import RequestRecord, RouterConfig
 from protocol.topics import Topics
-from testbed.deploy.liveness import Liveness
-from testbed.deploy.router_checks import in_plan, out_of_bounds, repeated, speaks_for
-from testbed.deploy.router_ended import Ended
 from testbed.policies import ClusterView, Policy, RequestState, make_policy
 from testbed.policies.base import WorkerView
 from workers.allocator import WATCH
