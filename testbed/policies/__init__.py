@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from protocol.policy import PolicySpec
 from testbed.policies import classic, offload, pdd  # noqa: F401 - the built-ins register themselves
-from testbed.policies.base import ClusterView, NoOptions, Plan, Policy, RequestState
+from testbed.policies.base import ClusterView, NoOptions, Plan, Policy, RequestState, WorkerView
 from testbed.policies.registry import (
     PolicyError,
     describe,
@@ -28,4 +28,4 @@ from testbed.policies.registry import (
 
 __all__ = ["ClusterView", "NoOptions", "Plan", "Policy", "PolicyError", "PolicySpec", "RequestState", "describe",
            "load_plugin", "make_policy", "parse_policy", "parse_policy_list", "policy_class", "register",
-           "registered", "spec_for"]
+           "registered", "spec_for", "WorkerView"]
