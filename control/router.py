@@ -1,7 +1,7 @@
 """Router process (datacenter a): admits requests, asks the policy for a plan, dispatches,
 tracks every request in flight until it completes or fails with a reason.
 
-Run as ``python -m control.router CONFIG.json`` inside the router host's namespace. It
+Run as ``python -m control CONFIG.json`` (``control/__main__.py``) inside the router host's namespace. It
 learns worker liveness and load from their retained status messages (a worker that dies
 is announced by its MQTT last will, which ``control.liveness`` confirms or, with
 ``failure_detection: none``, ignores) and ends every request that depended on a dead worker,
@@ -12,17 +12,20 @@ fails validation is logged and fails only the request it names.
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import secrets
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import aiomqtt
 from pydantic import ValidationError
 
 from control.checks import in_plan, out_of_bounds, repeated, speaks_for
+from control.deaths import after_death
+from control.decisions import Decisions, PolicyFailed
 from control.ended import Ended
 from control.liveness import Liveness
 from protocol import clock
@@ -48,21 +51,21 @@ from protocol.messages import (
 from protocol.mqtt_session import Session
 from protocol.router_config import RequestRecord, RouterConfig
 from protocol.topics import Topics
-from testbed.policies import ClusterView, Policy, RequestState, make_policy
+from testbed.policies import ClusterView, Policy, RequestState
 from testbed.policies.base import WorkerView
 from workers.allocator import WATCH
-from workers.privilege import Identity, OutDir, drop_privileges, no_new_privileges
+from workers.privilege import OutDir
 from workers.transport import HOST, Transport
 
 MEMORY_REPORT_S = 30  # seconds between writes of the router's memory report
+T = TypeVar("T")
 
 class Router:
     def __init__(self, cfg: RouterConfig, transport: Transport = HOST) -> None:
         self.cfg = cfg
         self.transport = transport  # the broker and the workers' ports: the host's network or a simulator's
         self.topics = Topics(cfg.run_id)
-        self.policy: Policy = make_policy(cfg.policy)
-        self.policy.bind(cfg.context)
+        self.decisions = Decisions(cfg.policy, cfg.context)  # the policy, built once the router dropped root
         self.view = ClusterView({n: WorkerView(n, w.role, w.dc, w.host, w.kv_port) for n, w in cfg.workers.items()},
                                 block_size=cfg.context.block_size,
                                 cache_tokens=cfg.context.decode_cache_tokens or 262144)
@@ -76,6 +79,13 @@ class Router:
         WATCH.add_holder(_Held(self))
         self.repeated_requests = 0
         self.repeated_events = 0
+
+    @property
+    def policy(self) -> Policy:
+        return self.decisions.policy
+
+    def _decided(self, what: str, decide: Callable[[], T]) -> T:
+        return self.decisions.decided(what, decide)
 
     async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
         assert self.session is not None
@@ -178,30 +188,15 @@ class Router:
                 await self._on_worker_death(req, name, why)
 
     async def _on_worker_death(self, req: RequestState, dead: str, why: str = "died") -> None:
-        """What a dead worker means for one request that named it: nothing when the request
-        no longer needs it (a prefill whose KV every decoder holds, a relay that handed over);
-        the relay finishes alone when the main decoder (or the prefill that still owed it KV)
-        is lost before the handoff; otherwise the request fails, saying which worker died."""
+        """What a dead worker means for one request that named it (``control.deaths``)."""
         plan = req.plan
         assert plan is not None
-        received = {e.worker for e in req.events if isinstance(e, KvReceived)}
-        relay = plan.relay
-        relay_can_finish = (relay is not None and relay != dead and self.view.workers[relay].up
-                            and not req.handed_off)
-        reason = f"worker {dead} {why}"
-        if dead == plan.prefill:
-            if plan.decode in received and (relay is None or relay in received):
-                return
-            if relay_can_finish and relay in received:
-                await self._relay_alone(req, reason)
-                return
-        elif dead == relay:
-            if req.handed_off:
-                return
-        elif dead == plan.decode and relay_can_finish:
-            await self._relay_alone(req, reason)
-            return
-        await self._fail(req.rid, reason)
+        relay_up = plan.relay is not None and self.view.workers[plan.relay].up
+        outcome = after_death(plan, req.events, dead, relay_up, req.handed_off)
+        if outcome == "relay-alone":
+            await self._relay_alone(req, f"worker {dead} {why}")
+        elif outcome == "fail":
+            await self._fail(req.rid, f"worker {dead} {why}")
 
     async def _relay_alone(self, req: RequestState, reason: str) -> None:
         """The main decoder cannot take over: the relay finishes the request alone (once),
@@ -230,9 +225,19 @@ class Router:
         req = RequestState(r.rid, r.prompt, r.max_new, clock.time(), r.hints)
         self.inflight[r.rid] = req
         try:
-            plan = self.policy.plan(req, self.view)
+            plan = self._decided("plan", lambda: self.policy.plan(req, self.view))
+            commands = [(w, self._decided("decode_command", lambda w=w: self.policy.decode_command(req, plan, w)))
+                        for w in filter(None, (plan.relay, plan.decode))]
+            unknown = sorted(plan.workers - set(self.view.workers))
+            if unknown:
+                raise PolicyFailed(f"policy {self.cfg.policy.label}: its plan names {', '.join(unknown)}, "
+                                   "no worker of this deployment")
         except LookupError as e:
             await self._fail(r.rid, f"no plan: {e}")
+            return
+        except PolicyFailed as e:
+            print(f"router: {e}", file=sys.stderr, flush=True)
+            await self._fail(r.rid, str(e))
             return
         req.plan = plan
         for w in plan.workers:
@@ -248,10 +253,9 @@ class Router:
         # this transfer: another worker of the run, which has the run's KV token and may know the
         # prompt, cannot offer the decoder this request's KV.
         targets = []
-        for w in filter(None, (plan.relay, plan.decode)):
+        for w, decode in commands:
             ticket = secrets.token_hex(16)
-            cmd = self.policy.decode_command(req, plan, w).model_copy(update={"ignore_eos": r.ignore_eos,
-                                                                              "ticket": ticket})
+            cmd = decode.model_copy(update={"ignore_eos": r.ignore_eos, "ticket": ticket})
             await self.publish(self.topics.cmd(w), cmd.dump())
             d = self.view.workers[w]
             targets.append(KVTarget(worker=d.name, host=d.host, port=d.kv_port, ticket=ticket))
@@ -265,12 +269,22 @@ class Router:
                 if not in_plan(ev, (rec.prefill, rec.relay, rec.decode)) or self._repeated(rec.events, ev):
                     return
                 rec.events.append(ev)
-                self.policy.on_event(self.ended.states[ev.rid], ev)
+                try:
+                    self._decided("on_event", lambda: self.policy.on_event(self.ended.states[ev.rid], ev))
+                except PolicyFailed as e:  # the request has ended: nothing left to fail
+                    print(f"router: {e}", file=sys.stderr, flush=True)
             return
         if (req.plan is not None and not in_plan(ev, req.plan.workers)) or self._repeated(req.events, ev):
             return
         req.events.append(ev)
-        self.policy.on_event(req, ev)
+        try:
+            await self._on_event_of(req, ev)
+        except PolicyFailed as e:
+            print(f"router: {e}", file=sys.stderr, flush=True)
+            await self._fail(req.rid, str(e))
+
+    async def _on_event_of(self, req: RequestState, ev: Event) -> None:
+        self._decided("on_event", lambda: self.policy.on_event(req, ev))
         plan = req.plan
         relay = plan.relay if plan else None
         if isinstance(ev, Failed):
@@ -281,7 +295,8 @@ class Router:
                 return
             await self._fail(ev.rid, ev.reason)
         elif isinstance(ev, KvReceived) and plan is not None and relay and ev.worker == plan.decode:
-            await self.publish(self.topics.cmd(relay), self.policy.handoff(req, self.view).dump())
+            handoff = self._decided("handoff", lambda: self.policy.handoff(req, self.view))
+            await self.publish(self.topics.cmd(relay), handoff.dump())
         elif isinstance(ev, Done) and relay and ev.worker == relay:
             if ev.handed_off:
                 req.handed_off = True  # the relay released it; the main decoder streams on
@@ -290,7 +305,7 @@ class Router:
                 # the WAN transfer off and free the main decoder's reservation, or let the KV
                 # land in the main decoder's cache only (history for the session's next turn).
                 assert plan is not None
-                if self.policy.cut_off(req):
+                if self._decided("cut_off", lambda: self.policy.cut_off(req)):
                     req.cut_off = True
                     await self.publish(self.topics.cmd(plan.prefill),
                                        CancelCmd(rid=ev.rid, target=plan.decode).dump())
@@ -329,7 +344,10 @@ class Router:
 
     def _finish(self, req: RequestState, error: str | None) -> None:
         self.inflight.pop(req.rid, None)
-        self.policy.on_end(req, error)
+        try:
+            self._decided("on_end", lambda: self.policy.on_end(req, error))
+        except PolicyFailed as e:  # it has ended whatever the policy makes of it
+            print(f"router: {e}", file=sys.stderr, flush=True)
         plan = req.plan
         if plan:
             for w in plan.workers:
@@ -375,15 +393,3 @@ class _Held:
         r = self.router
         requests = sum(q.nbytes for q in r.inflight.values()) + r.ended.nbytes
         return sum(i.nbytes for i in r.view.held.values()) + r.policy.nbytes + requests
-
-
-if __name__ == "__main__":
-    no_new_privileges()  # before anything starts a thread
-    cfg = RouterConfig.model_validate_json(Path(sys.argv[1]).read_text())
-    router = Router(cfg)
-    # What arrives from the broker is parsed without root (the configuration, read above,
-    # holds the broker credential and stays root's).
-    drop_privileges(Identity(cfg.run_as.uid, cfg.run_as.gid) if cfg.run_as else None)
-    gc.collect()
-    gc.freeze()  # no full collector pass over the imports at a moment routing should happen
-    asyncio.run(router.main())

@@ -1,7 +1,7 @@
 """What crosses between the orchestrator and the router process.
 
 * ``RouterConfig``: built from the scenario in ``testbed.deploy.cluster``, written as JSON, and
-  validated by ``python -m control.router CONFIG.json``. It embeds one ``BrokerInfo``, the
+  validated by ``python -m control CONFIG.json``. It embeds one ``BrokerInfo``, the
   parsed ``PolicySpec`` (never the policy string), the workers' endpoints and the
   ``PolicyContext``.
 * ``RequestRecord``: one per request, written by the router as the request leaves its memory

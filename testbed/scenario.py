@@ -228,6 +228,9 @@ class Scenario(_Strict):
     costs: Costs | None = Field(default=None, description="hardware prices (cost per output token, cost table)")
     faults: list[Annotated[Fault, BeforeValidator(as_fault)]] = Field(
         default=[], description="fault timeline applied in every run (testbed.faults.timeline), e.g. wan-down@20+5")
+    policies: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(
+        default=[], max_length=64, description="what runs compare when --policies is not given: each name[:k=v,...] "
+                                               "or FILE.py:Class[:k=v,...] (a file relative to this one)")
     source: Path | None = Field(default=None, exclude=True)
 
     @model_validator(mode="after")
@@ -291,6 +294,17 @@ class Scenario(_Strict):
         unshaped = {name for name, d in ((f"{a}->{b}", self.wan.forward), (f"{b}->{a}", self.wan.reverse))
                     if d.rate_mbit is None}
         fault.check_against(list(self.datacenters), workers, unshaped)
+
+    def resolved_policies(self) -> list[str]:
+        """``policies`` with a plugin's relative file made relative to this scenario's folder."""
+        base = self.source.parent if self.source is not None else Path(".")
+        out = []
+        for text in self.policies:
+            head, sep, rest = text.partition(":")
+            if sep and head.endswith(".py") and not Path(head).is_absolute():
+                text = f"{base / head}:{rest}"
+            out.append(text)
+        return out
 
     def wan_directions(self) -> dict[str, WanDirection]:
         """The line's two directions by name (``a->b``, ``b->a``)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from testbed.cli.policy_commands import add_policy_parser
 from testbed.load.retry import SOAK_RETRY
 from testbed.traces.formats import FORMATS
 
@@ -92,8 +93,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         scenario_opts(p)
         p.add_argument("--trace", type=Path, required=True, help="trace file (formats: traces/README.md)")
         trace_opts(p)
-        p.add_argument("--policies", "--policy", dest="policies", default=policies,
-                       help=f"comma-separated, each name[:key=value,...] (default {policies})")
+        p.add_argument("--policies", "--policy", dest="policies", help="comma-separated, each name[:key=value,...] "
+                       f"or FILE.py:Class[:key=value,...] (default: the scenario's policies, else {policies})")
+        p.set_defaults(default_policies=policies)
         p.add_argument("--limit", type=int, help="replay only the first N requests")
         p.add_argument("--window", help="replay only requests sent in START:END seconds of the trace")
         p.add_argument("--slo-ttft", type=float, default=5.0, help="SLO for goodput: TTFT seconds (default 5)")
@@ -250,8 +252,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="compare every policy's greedy tokens with a single-process reference")
     scenario_opts(p)
-    p.add_argument("--policies", default="same-dc,cross-dc",
-                   help="comma-separated, each name[:key=value,...] (default same-dc,cross-dc)")
+    p.add_argument("--policies", help="comma-separated, each name[:key=value,...] or FILE.py:Class[:key=value,...] "
+                                      "(default: the scenario's policies, else same-dc,cross-dc)")
+    p.set_defaults(default_policies="same-dc,cross-dc")
     p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--dtype", default="float64", choices=["float64", "float32"])
@@ -386,4 +389,5 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     executor_opts(p)
     p.add_argument("--out", type=Path, help="results folder (default runs/bench-scale-<timestamp>)")
     p.set_defaults(command="bench scale")
+    add_policy_parser(sub)
     return ap

@@ -18,7 +18,7 @@ from pathlib import Path
 from testbed.bench.links import format_links, run_links_bench
 from testbed.bench.net import run_bench
 from testbed.bench.sim_speed import run_bench as run_sim_bench
-from testbed.cli import net_commands, profile_commands, replay_commands, serve_commands
+from testbed.cli import net_commands, policy_commands, profile_commands, replay_commands, serve_commands
 from testbed.cli.arg_values import retry_policy, scenario_from_args
 from testbed.cli.args import build_parser
 from testbed.cli.net_commands import require_root, wire_scenario
@@ -133,7 +133,7 @@ def cmd_trace_gen(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     sc = scenario_from_args(args)
-    policies = policies_for(sc, args.policies)
+    policies = policies_for(sc, args.policies, args.default_policies)
     return run_verify(sc, args.impairment, policies, args.prompts, args.seed, args.dtype, args.json, args.dilation)
 
 
@@ -183,6 +183,7 @@ COMMANDS = {
     "bench scale": cmd_bench_scale, "bench sim": cmd_bench_sim,
     "serve": serve_commands.cmd_serve, "bench client": serve_commands.cmd_bench_client,
     "profile fit": profile_commands.cmd_profile_fit, "profile check": profile_commands.cmd_profile_check,
+    "policy check": policy_commands.cmd_policy_check,
 }  # fmt: skip
 # Commands that build namespaces need root (``clean`` decides for itself: nothing to clean needs none).
 NEEDS_ROOT = {"exec", "net up", "net down", "net check", "run", "verify", "bench net", "bench handoff", "bench links",

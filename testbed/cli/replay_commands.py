@@ -60,7 +60,7 @@ def replay_inputs(args: argparse.Namespace) -> tuple[Scenario, list[PolicySpec],
     if args.failure_detection is not None:
         sc = sc.model_copy(update={"workers": sc.workers.model_copy(
             update={"failure_detection": args.failure_detection})})
-    policies = policies_for(sc, args.policies)
+    policies = policies_for(sc, args.policies, args.default_policies)
     if args.limit is not None and args.limit < 1:
         raise InputError(f"--limit: must be at least 1, got {args.limit}")
     if min(args.slo_ttft, args.slo_tpot) <= 0:
@@ -99,10 +99,13 @@ def _jobs(args: argparse.Namespace) -> int:
     return args.jobs or (os.cpu_count() or 1)
 
 
-def policies_for(sc: Scenario, text: str) -> list[PolicySpec]:
-    """``--policies``, each checked against the scenario: what a policy cannot plan without
-    (``Policy.needs``) must be there, or it exits 2 before anything starts."""
-    policies = parse_policy_list(text)
+def policies_for(sc: Scenario, text: str | None, default: str = "same-dc,cross-dc") -> list[PolicySpec]:
+    """``--policies`` (else the scenario's ``policies``, a plugin's file relative to the
+    scenario's, else ``default``), each checked against the scenario: what a policy cannot
+    plan without (``Policy.needs``) must be there, or it exits 2 before anything starts."""
+    if text is None and sc.policies:
+        text = ",".join(sc.resolved_policies())
+    policies = parse_policy_list(text or default)
     for spec in policies:
         if missing := missing_for(sc, make_policy(spec)):
             raise InputError(f"{sc.source}: policy {spec.label} needs {' and '.join(missing)} "

@@ -230,7 +230,7 @@ class Cluster:
         rpath = net.run.dir / "router.cfg.json"
         runstate.write_private(rpath, rcfg.model_dump_json())
         cl.router_grace_s = 10 + SETTLE_S * rcfg.dilation  # it may wait for KV on its way (SETTLE_S)
-        cl.router = net.spawn(routers[0], [sys.executable, "-m", "control.router", str(rpath)], name="router",
+        cl.router = net.spawn(routers[0], [sys.executable, "-m", "control", str(rpath)], name="router",
                               log=net.run.dir / "router.log",
                               env={**os.environ, **ROUTER_ENV})
         return cl
