@@ -69,9 +69,9 @@ def register(cls: type[Policy]) -> type[Policy]:
         raise PolicyError(f"{where}: {cls.__name__}.Options: every option needs a default "
                           f"({field_errors(e)[0].msg})") from e
     taken = _REGISTRY.get(name)
-    if taken is not None and taken is not cls and _where(taken) != where:
-        raise PolicyError(f"{where}: the name {name!r} is taken by {_where(taken)}")
-    _REGISTRY[name] = cls
+    if taken is not None and taken is not cls and source_of(taken) is None:
+        raise PolicyError(f"{where}: the name {name!r} is taken by {_where(taken)} (built in)")
+    _REGISTRY[name] = cls  # a plugin's name: the file loaded last (a spec names its file anyway)
     return cls
 
 
@@ -101,12 +101,15 @@ def trusted(path: Path) -> None:
 
 def load_plugin(ref: str) -> type[Policy]:
     """``FILE.py:Class`` or ``module:Class`` -> the class, loaded once and registered."""
+    if ref in _LOADED:  # (the router, no longer root, may not even see the file it loaded as root)
+        return _LOADED[ref]
     target, sep, cls_name = ref.rpartition(":")
     if not sep or not target or not _CLASS.fullmatch(cls_name):
         raise PolicyError(f"{ref}: expected FILE.py:Class or module:Class")
     path = _file_of(target)
     key = f"{path}:{cls_name}"
     if key in _LOADED:
+        _LOADED[ref] = _LOADED[key]
         return _LOADED[key]
     trusted(path)
     mod_name = "_pdd_policy_" + hashlib.sha256(str(path).encode()).hexdigest()[:16]
@@ -128,7 +131,7 @@ def load_plugin(ref: str) -> type[Policy]:
                        if isinstance(v, type) and issubclass(v, Policy) and v.__module__ == mod_name)
         raise PolicyError(f"{path}: no Policy subclass {cls_name!r} (found: {', '.join(found) or 'none'})")
     register(cls)
-    _LOADED[key] = cls
+    _LOADED[key] = _LOADED[ref] = cls
     return cls
 
 
