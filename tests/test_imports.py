@@ -120,6 +120,15 @@ def test_cycle_detection_finds_a_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def test_the_shared_floor_leans_on_nothing_above_it() -> None:
+    """``protocol/`` is what both sides of a process boundary import: it imports none of them
+    (type-level imports included: a contract that names an orchestrator's type is no contract)."""
+    graph = _graph(type_level=True)
+    leaks = {m: sorted(d for d in deps if not d.startswith("protocol")) for m, deps in graph.items()
+             if m.startswith("protocol")}
+    assert not any(leaks.values()), leaks
+
+
 def test_workers_never_import_the_orchestrator() -> None:
     graph = _graph()
     leaks = {m: sorted(d for d in deps if d.startswith("testbed")) for m, deps in graph.items()
