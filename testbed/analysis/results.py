@@ -30,6 +30,7 @@ from testbed.analysis.fault_impact import FaultImpact
 from testbed.analysis.metrics import Summary
 from testbed.deploy.emulation import EmulationSummary
 from testbed.deploy.fidelity import Verdict
+from testbed.engines import kind
 from testbed.errors import InputError
 from testbed.faults.timeline import AppliedFault
 from testbed.outputs import atomic_path
@@ -95,7 +96,7 @@ class RunSummary(_Saved):
     @property
     def units(self) -> str:
         e = self.emulation
-        if self.engine == "sim":
+        if kind(self.engine).virtual_time:
             return f"emulated seconds (simulated); TPOT per emulated token (s_out = {e.s_out})"
         if e.emulating:
             return f"emulated seconds (D = {e.dilation:g}); TPOT per emulated token (s_out = {e.s_out})"

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from testbed.bench.loop_floor import floor_us_per_step
+from testbed.engines import kind
 from testbed.outputs import write_atomic
 from testbed.traces import load_trace
 from testbed.traces.generate import GenConfig, generate_file
@@ -126,7 +127,7 @@ def loop_floor_line(folder: Path, requests: int) -> str:
 
 
 def format_bench(rows: list[Measured]) -> str:
-    emu = next((r for r in rows if r.engine == "emulation"), None)
+    emu = next((r for r in rows if not kind(r.engine).virtual_time), None)
     lines = ["| replay | requests | wall s | requests/s | x the emulation | CPU s | peak RSS MB |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from protocol.messages import why_invalid
 from testbed.analysis.cost import missing_for
 from testbed.cli.arg_values import retry_policy, scenario_from_args
+from testbed.engines import EMULATION, kind
 from testbed.errors import InputError
 from testbed.faults.timeline import parse_faults
 from testbed.outputs import new_run_dir
@@ -68,7 +69,7 @@ def replay_inputs(args: argparse.Namespace) -> tuple[Scenario, list[PolicySpec],
     wl = load_trace(args.trace, args.format, args.token_scale).select(args.limit, _window(args.window))
     if not wl.requests:
         raise InputError(f"{args.trace}: --window/--limit leave no request")
-    if args.engine == "sim":
+    if kind(args.engine).virtual_time:
         if args.dilation is not None:
             raise InputError("--dilation: the simulator runs in emulated time (no host to dilate for); "
                              "leave it out with --engine sim")
@@ -307,7 +308,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     from testbed.experiments.validation import validate
 
-    if args.engine != "emulation":
+    if kind(args.engine) is not EMULATION:
         raise InputError("--engine: validate runs both engines itself; leave --engine out")
     if args.speed <= 0:
         raise InputError(f"--load: must be positive, got {args.speed}")

@@ -20,6 +20,7 @@ import os
 from pydantic import BaseModel, ConfigDict
 
 from protocol.worker_config import LATE_WAKE, LATE_WAKE_FLOOR_S, WorkerStats, WorstOverrun
+from testbed.engines import kind
 from testbed.net.delayline_contract import LATE_EDGES_US, DelayLineReport
 
 MAX_SHARE_PCT = 1  # of a worker's steps that may overrun, of a direction's frames that may be late
@@ -145,7 +146,7 @@ def judge(workers: dict[str, WorkerStats], delayline: DelayLineReport | None, cp
 
 
 def format_verdict(label: str, v: Verdict, engine: str = "emulation") -> str:
-    if engine == "sim" and v.passed:  # each step lasted its modeled time: a block of zeros would say nothing
+    if kind(engine).virtual_time and v.passed:  # each step lasted its modeled time: a block of zeros would say nothing
         cpu = sum(c.cpu_s for c in v.cpu.values())
         return (f"fidelity {label}: nothing to judge in virtual time ({sum(w.steps for w in v.workers.values())} "
                 f"steps, each as long as modeled; simulator CPU {cpu:.2f} s)")

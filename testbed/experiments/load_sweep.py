@@ -33,6 +33,7 @@ from testbed.analysis.cost import hardware_cost
 from testbed.analysis.results import PolicySummary, load_run, write_csv
 from testbed.analysis.tables import table_head
 from testbed.deploy.dilation import emulation_plan
+from testbed.engines import kind
 from testbed.errors import InputError
 from testbed.experiments.parallel import Replay, run_all, saved
 from testbed.experiments.ray_executor import dilation_on_a_node
@@ -198,7 +199,7 @@ class SweepOptions:
 def fixed_dilation(sc: Scenario, wl: Workload, opts: RunOptions) -> RunOptions:
     """One dilation for every point (``auto`` calibrated once, on the trace at its own rate;
     the simulator's is 1)."""
-    if opts.engine == "sim":
+    if kind(opts.engine).virtual_time:
         return dataclasses.replace(opts, dilation=1.0)
     if opts.executor == "ray":  # probed on a node, as the replays run there, not on the driver
         return dataclasses.replace(opts, dilation=dilation_on_a_node(sc, wl, opts))

@@ -18,6 +18,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from testbed.analysis.results import SUMMARY_FILE
+from testbed.engines import kind
 from testbed.experiments.ray_executor import FAILED_FILE, run_on_ray
 from testbed.experiments.trace_run import Replay, run_trace
 
@@ -34,7 +35,7 @@ def run_all(replays: list[Replay]) -> list[int]:
     if replays and replays[0].opts.executor == "ray":
         return run_on_ray(replays)
     jobs = min((r.opts.jobs for r in replays), default=1)
-    if jobs <= 1 or len(replays) <= 1 or any(r.opts.engine != "sim" for r in replays):
+    if jobs <= 1 or len(replays) <= 1 or any(not kind(r.opts.engine).parallel for r in replays):
         return [_one(r) for r in replays]
     # Forked: the workers' modules are already imported here, and nothing of this process's
     # state but its inputs is used by a child.

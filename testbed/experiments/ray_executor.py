@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from testbed.deploy.dilation import emulation_plan
+from testbed.engines import kind
 from testbed.errors import CapabilityError, InputError, TestbedError
 from testbed.experiments.trace_run import Replay, RunOptions, run_trace
 from testbed.load.trace_replay import probe_replay
@@ -123,7 +124,7 @@ def replay_here(replay: Replay, kept: dict[str, bytes], node: str) -> Outcome:
         write_files(out, kept)
         opts = dataclasses.replace(replay.opts, out=out, executor="local", node=node)
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            if opts.engine == "emulation":
+            if kind(opts.engine).needs_root:
                 runstate.clean_stale()  # what a killed earlier attempt on this host left
             try:
                 rc = run_trace(replay.sc, replay.wl, replay.policies, opts)
@@ -196,7 +197,7 @@ def _record_failure(folder: Path, why: str) -> None:
 def placement(opts: RunOptions) -> dict[str, Any]:
     """What a replay claims of a node: a simulation one core; an emulation the node's one
     ``testbed_host`` (no CPU count: it owns the host, however many cores it uses)."""
-    return {"num_cpus": 1} if opts.engine == "sim" else {"num_cpus": 0, "resources": {HOST_RESOURCE: 1}}
+    return {"num_cpus": 1} if kind(opts.engine).parallel else {"num_cpus": 0, "resources": {HOST_RESOURCE: 1}}
 
 
 def run_on_ray(replays: list[Replay]) -> list[int]:
@@ -220,7 +221,7 @@ def run_on_ray(replays: list[Replay]) -> list[int]:
             refs[ref] = i
             pending.append(ref)
         print(f"ray: {len(replays)} replays sent to {address} "
-              f"({sum(r.opts.engine == 'emulation' for r in replays)} emulations, one per host)", flush=True)
+              f"({sum(not kind(r.opts.engine).parallel for r in replays)} emulations, one per host)", flush=True)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
             for ref in done:

@@ -23,19 +23,18 @@ from testbed.analysis import report
 from testbed.analysis.metrics import Slo, format_summary
 from testbed.analysis.policy_summary import measure
 from testbed.analysis.results import SUMMARY_FILE, PolicySummary, RunSummary, TraceInfo, load_run
-from testbed.deploy import dilation_cache, forkserver
-from testbed.deploy.deployment import Deployment
-from testbed.deploy.dilation import emulation_plan
+from testbed.deploy import dilation_cache
 from testbed.deploy.fidelity import format_verdict
+from testbed.engines import kind
 from testbed.errors import EXIT_INFIDELITY, InputError
+from testbed.experiments.engine_runs import RUNS
 from testbed.faults.timeline import Fault
 from testbed.faults.wan_trace import faults_of
 from testbed.load.retry import RetryPolicy
-from testbed.load.trace_replay import TraceReplay, probe_replay
+from testbed.load.trace_replay import TraceReplay
 from testbed.outputs import new_run_dir
 from testbed.policies import PolicySpec
 from testbed.scenario import Scenario
-from testbed.sim.engine import SimDeployment, sim_plan
 from testbed.traces.workload import Workload
 
 
@@ -78,18 +77,14 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
     0 when every request of every policy completed with a passing fidelity verdict; 3 when
     a verdict failed (unless ``allow_infidelity``); 1 when requests failed."""
     started = time.monotonic()
-    if opts.engine == "sim":
-        plan = sim_plan(sc, wl.token_scale)
-    else:
-        forkserver.prestart()  # importing torch for the workers while the run is prepared
-        plan = emulation_plan(sc, wl, wl.specs(opts.speed), opts.dilation, replay=probe_replay)
+    engine = RUNS[kind(opts.engine)]
+    plan = engine.plan(sc, wl, opts.speed, opts.dilation)
     d = plan.dilation
     specs = wl.specs(opts.speed / d)  # arrivals and think times stretched by the dilation
     out = opts.out or new_run_dir("")
     print(f"trace {wl.source}: {len(specs)} requests ({wl.format}, token scale {wl.token_scale}, "
           f"speed {opts.speed:g}); scenario {sc.name}; policies {', '.join(p.label for p in policies)}", flush=True)
-    print(plan.describe(sc) + ("\nengine: the simulator (the same code in virtual time; docs/simulation.md)"
-                                if opts.engine == "sim" else ""), flush=True)
+    print(plan.describe(sc) + (f"\nengine: {engine.kind.about}" if engine.kind.virtual_time else ""), flush=True)
     frames: dict[str, pd.DataFrame] = {}
     summaries: dict[str, PolicySummary] = {}
     workers: dict[str, dict[str, WorkerStats]] = {}
@@ -111,13 +106,8 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
             continue
         t0 = time.monotonic()
         load = TraceReplay(specs, opts.timeout_s * d, spec.label, retry=opts.retry)
-        if opts.engine == "sim":
-            with SimDeployment(sc, spec, emulation=plan, timeline=timeline) as sim:
-                run = sim.run(load)
-        else:
-            with Deployment(sc, spec, emulation=plan, impairment=opts.impairment, timeline=timeline,
-                            logs_to=out / "logs" / spec.label) as dep:
-                run = dep.run(load)
+        with engine.deployment(sc, spec, plan, timeline, opts.impairment, out / "logs" / spec.label) as dep:
+            run = dep.run(load)
         name = spec.label
         frames[name], s = measure(sc, spec, plan, run, opts.slo)
         summaries[name] = s
@@ -158,7 +148,7 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
     if broken:
         return 1
     if not all(s.fidelity.passed for s in summaries.values()):
-        if opts.engine != "sim" and plan.auto_key is not None:  # auto chose too low: the next run starts higher
+        if plan.auto_key is not None:  # auto chose too low: the next run starts higher
             raised = dilation_cache.failed_at(plan.auto_key, d)
             print(f"dilation auto: D {d:g} did not keep up on this host; the next auto run of this scenario and "
                   f"trace here starts at D {raised:g}", file=sys.stderr)
