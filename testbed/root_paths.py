@@ -135,3 +135,16 @@ def remove_tree(path: Path) -> None:
         os.close(top)
     with contextlib.suppress(OSError):
         os.rmdir(path)
+
+
+def trusted_code(path: Path) -> None:
+    """Root runs no code another account could have written: ``path`` (a plugin, a
+    ``--topo`` file) and its folder must be root's and writable by no one else. Anyone else
+    runs what they own. Raises ``UnsafeFolder`` naming the file and the fix."""
+    if os.geteuid() != 0:
+        return
+    for p in (path, path.parent):
+        st = os.stat(p)
+        if st.st_uid != 0 or st.st_mode & 0o022:
+            raise UnsafeFolder(f"{path}: refused as root: {p} is owned by uid {st.st_uid} or writable by other "
+                               f"accounts (chown root: {p} && chmod go-w {p}, or use the simulator, unprivileged)")

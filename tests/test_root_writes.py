@@ -141,3 +141,42 @@ def test_a_component_folder_nested_deep_or_swapped_for_a_link_is_neither_walked_
     remove_tree(run)
     assert not run.exists()
     assert (private / "auth.log").read_text() == "root-only"  # the link went, not what it named
+
+
+def test_a_topo_file_another_account_could_have_written_is_not_executed(tmp_path: Path) -> None:
+    from testbed.errors import InputError
+    from testbed.net.topo_import import load_topo_class
+
+    topo = tmp_path / "mine.py"
+    marker = tmp_path / "ran"
+    topo.write_text(f"open({str(marker)!r}, 'w').close()\nfrom mininet.topo import Topo\nclass T(Topo):\n    pass\n")
+    _as_nobody(topo)
+    with pytest.raises(InputError, match=r"--topo: .*mine.py: refused as root: .*owned by uid"):
+        load_topo_class(f"{topo}:T")
+    assert not marker.exists()
+
+
+def test_a_forged_stats_file_and_a_malformed_records_line_cost_only_their_writer(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from types import SimpleNamespace
+
+    from protocol.router_config import WorkerDeath
+    from testbed.deploy.cluster import Cluster, _parsed_lines
+
+    good = '{"worker": "decode-a", "role": "decode", "device": {"device": "native"}}'
+    forged = good.replace('"decode-a"', '"prefill"')
+    (tmp_path / "a.json").write_text(good)
+    (tmp_path / "b.json").write_text(forged)
+    (tmp_path / "c.json").write_text("{not json")
+    fake = SimpleNamespace(workers={
+        "decode-a": SimpleNamespace(name="decode-a", stats_path=str(tmp_path / "a.json")),
+        "decode-b": SimpleNamespace(name="decode-b", stats_path=str(tmp_path / "b.json")),
+        "relay": SimpleNamespace(name="relay", stats_path=str(tmp_path / "c.json"))})
+    stats = Cluster.worker_stats(fake)  # type: ignore[arg-type]
+    err = capsys.readouterr().err
+    assert list(stats) == ["decode-a"]
+    assert "decode-b: statistics refused: its file names worker 'prefill'" in err and "relay: statistics refused" in err
+    death = '{"worker": "decode-b", "news_t": 1.0, "t": 1.5, "why": "died"}'
+    lines = "\n".join([death, "{half a line", death.replace("decode-b", "relay")])
+    assert [d.worker for d in _parsed_lines(lines, WorkerDeath.model_validate_json, "deaths")] == ["decode-b", "relay"]
+    assert "deaths: skipped 1 malformed line(s) (line 2:" in capsys.readouterr().err

@@ -112,3 +112,16 @@ def _uids_running() -> set[int]:
                         uids.update(int(u) for u in line.split()[1:])
                         break
     return uids
+
+
+# What of root's environment a component gets: where programs and the testbed's caches are,
+# the locale, the interpreter's own settings; no credential, token or proxy of root's shell.
+KEPT_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "PYTHONHASHSEED", "PYTHONDONTWRITEBYTECODE",
+            "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def component_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """A component's environment: ``KEPT_ENV`` and the testbed's own ``PDD_TESTBED_*``."""
+    env = {k: v for k, v in os.environ.items() if k in KEPT_ENV or k.startswith("PDD_TESTBED_")}
+    env.setdefault("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+    return {**env, **(extra or {})}

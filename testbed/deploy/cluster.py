@@ -11,7 +11,6 @@ recorded in the run, so teardown (and ``testbed clean`` after a crash) ends them
 from __future__ import annotations
 
 import contextlib
-import os
 import secrets
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from control.ended import SETTLE_S
 from protocol.messages import MAX_PROMPT_TOKENS
@@ -42,7 +42,7 @@ from protocol.worker_config import (
     WorkerRole,
     WorkerStats,
 )
-from testbed.deploy.accounts import Accounts, accounts_for
+from testbed.deploy.accounts import Accounts, accounts_for, component_env
 from testbed.deploy.broker import BrokerAccess, BrokerFiles, launch_broker, start_broker
 from testbed.deploy.emulation import EmulationPlan
 from testbed.deploy.forkserver import launch_worker
@@ -60,8 +60,24 @@ from workers.model_dir import kv_bytes_per_token, read_config
 # the burst's high-water mark (+29 MB after 150 requests at once, measured); glibc's heap
 # gives those pages back when the router trims (+2 MB), for ~20 % more of the router's CPU.
 ROUTER_ENV = {"PYTHONMALLOC": "malloc"}
+T = TypeVar("T")
 WORKER_ROLES: dict[Role, WorkerRole] = {Role.PREFILL: "prefill", Role.DECODE: "decode",
                                         Role.RELAY_DECODE: "relay-decode"}
+
+
+def _parsed_lines(text: str, parse: Callable[[str], T], what: str) -> list[T]:
+    """Every line of a file a component wrote that parses; the others are reported (how
+    many, and the first's reason) and skipped: a component's bad line costs only itself."""
+    out: list[T] = []
+    bad: list[str] = []
+    for i, line in enumerate(text.splitlines(), 1):
+        try:
+            out.append(parse(line))
+        except ValueError as e:  # pydantic's ValidationError is one
+            bad.append(f"line {i}: {str(e).splitlines()[0][:200]}")
+    if bad:
+        print(f"{what}: skipped {len(bad)} malformed line(s) ({bad[0]})", file=sys.stderr, flush=True)
+    return out
 
 
 def _written(path: Path) -> str:
@@ -232,7 +248,7 @@ class Cluster:
         cl.router_grace_s = 10 + SETTLE_S * rcfg.dilation  # it may wait for KV on its way (SETTLE_S)
         cl.router = net.spawn(routers[0], [sys.executable, "-m", "control", str(rpath)], name="router",
                               log=net.run.dir / "router.log",
-                              env={**os.environ, **ROUTER_ENV})
+                              env=component_env(ROUTER_ENV))
         return cl
 
     def restart_worker(self, host: str) -> str:
@@ -272,11 +288,8 @@ class Cluster:
         if self.router.poll() is None:
             time.sleep(0.3)  # let the last events (e.g. kv_sent after done) reach it
             netns.stop_child(self.router, self.router_grace_s)
-        out: dict[str, RequestRecord] = {}
-        for line in _written(self.records_path).splitlines():
-            rec = RequestRecord.model_validate_json(line)
-            out[rec.rid] = rec
-        return out
+        recs = _parsed_lines(_written(self.records_path), RequestRecord.model_validate_json, "the router's records")
+        return {rec.rid: rec for rec in recs}
 
     def policy_stats(self) -> PolicyReport:
         """The policy's own counters (written by the router on exit)."""
@@ -286,7 +299,7 @@ class Cluster:
     def worker_deaths(self) -> list[WorkerDeath]:
         """The workers the router declared dead, in order (appended by the router as it happened)."""
         text = _written(Path(str(self.records_path) + ".deaths.jsonl"))
-        return [WorkerDeath.model_validate_json(line) for line in text.splitlines()]
+        return _parsed_lines(text, WorkerDeath.model_validate_json, "the router's deaths")
 
     def memory_floors(self) -> dict[int, list[tuple[float, int]]]:
         """Every worker process's and the router's memory floor so far, by pid
@@ -300,8 +313,18 @@ class Cluster:
     def worker_stats(self) -> dict[str, WorkerStats]:
         out = {}
         for host, cfg in self.workers.items():
-            if text := _written(Path(cfg.stats_path)):
-                out[host] = WorkerStats.model_validate_json(text)
+            if not (text := _written(Path(cfg.stats_path))):
+                continue
+            try:  # from its own file, under its own name: a worker speaks for no other
+                stats = WorkerStats.model_validate_json(text)
+            except ValueError as e:
+                print(f"{host}: statistics refused: {str(e).splitlines()[0][:200]}", file=sys.stderr, flush=True)
+                continue
+            if stats.worker != cfg.name:
+                print(f"{host}: statistics refused: its file names worker {stats.worker!r}", file=sys.stderr,
+                      flush=True)
+                continue
+            out[host] = stats
         return out
 
     def log_tail(self, name: str, n: int = 3000) -> str:

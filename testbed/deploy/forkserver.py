@@ -41,6 +41,7 @@ from typing import NoReturn
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from protocol.validation import one_line
+from testbed.deploy.accounts import component_env
 from testbed.errors import BuildError
 from testbed.net import netns
 
@@ -247,6 +248,9 @@ def _become_worker(req: LaunchRequest, sock: socket.socket, server_pid: int, rea
         os.close(log)
         os.close(null)
         os.setsid()
+        env = component_env()  # not root's shell's: its credentials, tokens and proxies stay with root
+        os.environ.clear()
+        os.environ.update(env)
         netns.die_with_parent()
         if os.getppid() != server_pid:  # the server ended before the line above
             os._exit(1)

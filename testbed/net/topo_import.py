@@ -32,6 +32,7 @@ from pydantic import ValidationError
 
 from protocol.validation import first_error
 from testbed.errors import InputError
+from testbed.root_paths import trusted_code
 from testbed.scenario import Host, Scenario
 
 HOST_PARAMS = set(Host.model_fields)
@@ -48,6 +49,10 @@ def load_topo_class(spec: str) -> tuple[type, str]:
     path = Path(path_s)
     if not path.is_file():
         raise InputError(f"--topo: {path}: no such file")
+    try:
+        trusted_code(path.resolve())  # it is executed: as root, only a file no one else could write
+    except InputError as e:
+        raise InputError(f"--topo: {e}") from None
     try:
         from mininet.topo import Topo
     except ImportError as e:

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 import re
-import stat
 import sys
 import traceback
 from pathlib import Path
@@ -38,6 +36,7 @@ from protocol.policy import POLICY_NAME, PolicySpec, spell
 from protocol.validation import field_errors
 from testbed.errors import InputError
 from testbed.policies.base import Policy
+from testbed.root_paths import trusted_code
 
 
 class PolicyError(InputError):
@@ -88,15 +87,11 @@ def _where(cls: type) -> str:
 
 # ------------------------------------------------------------------------ plugins
 def trusted(path: Path) -> None:
-    """Root imports no file another account could have written: the file and its folder
-    must be root's and writable by no one else. (Anyone else imports what they own.)"""
-    if os.geteuid() != 0:
-        return
-    for p in (path, path.parent):
-        st = os.stat(p)
-        if st.st_uid != 0 or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise PolicyError(f"{path}: refused as root: {p} is owned by uid {st.st_uid} or writable by other "
-                              f"accounts (chown root: {p} && chmod go-w {p}, or run the simulator unprivileged)")
+    """Root imports no plugin another account could have written (``root_paths.trusted_code``)."""
+    try:
+        trusted_code(path)
+    except InputError as e:
+        raise PolicyError(str(e)) from None
 
 
 def load_plugin(ref: str) -> type[Policy]:
