@@ -7,6 +7,7 @@ import sys
 from collections.abc import Iterable
 
 from protocol.messages import Event, Request
+from protocol.refusals import refusal
 from protocol.topics import Topics
 
 
@@ -25,8 +26,7 @@ def speaks_for(topics: Topics, topic: str, claimed: str, rid: str | None) -> boo
     nothing (it cannot declare another dead or end another's request)."""
     if claimed == worker_of(topics, topic):
         return True
-    print(f"router: refused a message on {topic} claiming to be {claimed!r}{f' (for {rid})' if rid else ''}",
-          file=sys.stderr, flush=True)
+    refusal(f"router: refused a message on {topic} claiming to be {claimed!r}{f' (for {rid})' if rid else ''}")
     return False
 
 
@@ -35,8 +35,7 @@ def in_plan(ev: Event, workers: Iterable[str | None]) -> bool:
     for it (a failure, a transfer, a done) is refused and logged."""
     if ev.worker in workers:
         return True
-    print(f"router: refused a {ev.kind} of {ev.rid} from {ev.worker}, not a worker of its plan", file=sys.stderr,
-          flush=True)
+    refusal(f"router: refused a {ev.kind} of {ev.rid} from {ev.worker}, not a worker of its plan")
     return False
 
 

@@ -15,6 +15,7 @@ from typing import TextIO
 
 from protocol import clock
 from protocol.messages import Event, Failed, KvSent, PrefillDone
+from protocol.refusals import refusal
 from protocol.router_config import RequestRecord
 from testbed.policies import RequestState
 from testbed.policies.base import WorkerView
@@ -36,6 +37,7 @@ class Ended:
         self.states: dict[str, RequestState] = {}  # rid -> request, for the policy's late events
         self.at: dict[str, float] = {}  # rid -> clock.monotonic() it ended, oldest first
         self.file: TextIO | None = None  # the records file, a line per request as it leaves memory
+        self.cut = False  # the last write was refused: it may have left half a line
 
     def __contains__(self, rid: str) -> bool:
         return rid in self.records
@@ -48,21 +50,31 @@ class Ended:
         self.at[req.rid] = now
         horizon = now - ENDED_KEEP_S * self.dilation
         while self.at and (len(self.at) > ENDED_KEPT or next(iter(self.at.values())) < horizon):
-            self.write_oldest()
+            if not self.write_oldest():
+                break  # the disk refused it: kept, and tried again with the next ended request
 
-    def write_oldest(self) -> None:
-        """The oldest finished request's record to disk (and it out of memory)."""
+    def write_oldest(self) -> bool:
+        """The oldest finished request's record to disk, then out of memory; False (and kept)
+        when the disk refused it (a full tmpfs: a record is never dropped before it is written)."""
         rid = next(iter(self.records))
-        rec = self.records.pop(rid)
+        assert self.file is not None
+        try:
+            # After a refused write, a fresh line: the refused one may have left half a line.
+            self.file.write(("\n" if self.cut else "") + self.records[rid].model_dump_json() + "\n")
+            self.file.flush()
+        except OSError as e:
+            self.cut = True
+            refusal(f"router: the record of {rid} not written yet: {e}")
+            return False
+        self.cut = False
+        del self.records[rid]
         self.states.pop(rid, None)
         self.at.pop(rid, None)
-        assert self.file is not None
-        self.file.write(rec.model_dump_json() + "\n")
-        self.file.flush()
+        return True
 
     def write_all(self) -> None:
-        while self.records:
-            self.write_oldest()
+        while self.records and self.write_oldest():
+            pass
 
     def kv_on_its_way(self, workers: dict[str, WorkerView]) -> bool:
         """A finished request with a main decoder apart from its relay, whose prefill computed

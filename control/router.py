@@ -49,6 +49,7 @@ from protocol.messages import (
     why_invalid,
 )
 from protocol.mqtt_session import Session
+from protocol.refusals import refusal
 from protocol.router_config import RequestRecord, RouterConfig
 from protocol.topics import Topics
 from testbed.policies import ClusterView, Policy, RequestState
@@ -165,7 +166,7 @@ class Router:
         """A message failed validation, or handling it raised (``Session``): log it; fail the
         request it names (if any), nothing else."""
         rid = rid_of(payload)
-        print(f"router: rejected a message on {topic} for {rid or 'no request'}: {why}", file=sys.stderr, flush=True)
+        refusal(f"router: rejected a message on {topic} for {rid or 'no request'}: {why}")
         if rid is None:
             return
         reason = f"router rejected a {'request' if topic == self.topics.requests else 'message'}: {why}"
@@ -217,7 +218,7 @@ class Router:
             print(f"router: dropped a repeated request {r.rid}", file=sys.stderr, flush=True)
             return
         if (why := out_of_bounds(r, self.cfg.vocab_size, self.cfg.max_context)) is not None:
-            print(f"router: refused request {r.rid}: {why}", file=sys.stderr, flush=True)
+            refusal(f"router: refused request {r.rid}: {why}")
             await self.publish(self.topics.tokens(r.rid), Tokens(rid=r.rid, start=0, tokens=[], worker="router",
                                                                  t=clock.time(), done=True,
                                                                  error=f"router refused the request: {why}").dump())
@@ -372,8 +373,11 @@ class Router:
             if WATCH.trim_due():
                 WATCH.trim()
             if n % MEMORY_REPORT_S == 0:
-                self.out.write_atomic(Path(self.cfg.records_path).name + ".memory.json",
-                                      WATCH.report().model_dump_json())
+                try:
+                    self.out.write_atomic(Path(self.cfg.records_path).name + ".memory.json",
+                                          WATCH.report().model_dump_json())
+                except OSError as e:  # a full tmpfs: the sweep (and its timeouts) goes on
+                    refusal(f"router: memory report not written: {e}")
             now = clock.time()
             for rid, req in list(self.inflight.items()):
                 if now - req.arrived > self.cfg.request_timeout_s:

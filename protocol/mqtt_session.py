@@ -35,6 +35,7 @@ import paho.mqtt.client as paho
 
 from protocol import clock
 from protocol.messages import MAX_MESSAGE_BYTES, QOS, no_delay
+from protocol.refusals import refusal
 
 # What a component does about a message it could not handle: (topic, payload, why).
 OnError = Callable[[str, bytes, str], Awaitable[None]]
@@ -169,7 +170,7 @@ class Session:
 
     async def _refuse(self, topic: str, payload: bytes, why: str) -> None:
         self.refused += 1
-        print(f"{self.name}: refused a message on {topic}: {why}"[:2000], file=sys.stderr, flush=True)
+        refusal(f"{self.name}: refused a message on {topic}: {why}")
         if self.on_error is None:
             return
         try:

@@ -17,12 +17,12 @@ than the request's own answer); one past that is refused.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
 from protocol.messages import Tokens, rid_of, why_invalid
+from protocol.refusals import refusal
 from protocol.token_stream import TokenChunk, TokenStreamError, chunk_of, decode
 from protocol.topics import Topics
 
@@ -106,4 +106,4 @@ class StreamGate:
         exp = self._expected[rid]
         if worker not in exp.refused_from:
             exp.refused_from.add(worker)
-            print(f"{self.reader}: refused tokens for {rid} from {worker}: {why}", file=sys.stderr, flush=True)
+            refusal(f"{self.reader}: refused tokens for {rid} from {worker}: {why}")

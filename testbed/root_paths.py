@@ -17,6 +17,7 @@ import stat
 from pathlib import Path
 
 from testbed.errors import InputError
+from workers.privilege import open_regular
 
 MAX_LINKS = 40  # as the kernel's own limit on links followed in one path
 
@@ -148,3 +149,35 @@ def trusted_code(path: Path) -> None:
         if st.st_uid != 0 or st.st_mode & 0o022:
             raise UnsafeFolder(f"{path}: refused as root: {p} is owned by uid {st.st_uid} or writable by other "
                                f"accounts (chown root: {p} && chmod go-w {p}, or use the simulator, unprivileged)")
+
+
+MAX_READ_BYTES = 2 << 30  # what root reads back of a file a component wrote, at most
+
+
+def read_nofollow(path: Path, max_bytes: int = MAX_READ_BYTES) -> str:
+    """A regular file's text, never through a link (nor a FIFO left to block the reader), and
+    never more than ``max_bytes`` of it (a component's file cannot fill root's memory)."""
+    with os.fdopen(open_regular(path)) as f:
+        if (size := os.fstat(f.fileno()).st_size) > max_bytes:
+            raise OSError(f"{path}: {size} bytes, more than the {max_bytes} read back of a component's file")
+        return f.read(max_bytes)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Replace ``path`` atomically with ``text`` (mode 0600): a fresh temporary file, created
+    exclusively and without following links, renamed over it."""
+    write_private_bytes(path, text.encode())
+
+
+def write_private_bytes(path: Path, data: bytes) -> None:
+    """``write_private`` for bytes."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise

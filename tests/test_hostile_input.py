@@ -441,3 +441,24 @@ def test_the_replay_clients_records_are_read_as_input_naming_file_line_and_field
     ]:
         with pytest.raises(TestbedError, match=re.escape(why)):
             read_records(text, "records.jsonl", {"r1": 3} if "not sent" not in why else {"r2": 3})
+
+
+def test_refusal_lines_are_bounded_and_say_how_many_were_left_out(capsys: pytest.CaptureFixture[str],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer refused 10,000 times in a burst writes at most the budget's lines (not 10,000:
+    the logs live on a RAM tmpfs), and the next line printed says how many were left out."""
+    from protocol import refusals
+
+    monkeypatch.setattr(refusals, "_BUDGET", refusals._Budget())
+    clock = [1000.0]
+    monkeypatch.setattr(refusals.time, "monotonic", lambda: clock[0])
+    refusals._BUDGET.last = clock[0]
+    for i in range(10_000):
+        refusals.refusal(f"w: refused a message {i}: " + "x" * 5000)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == refusals.BURST and all(len(line) <= refusals.MAX_LINE for line in lines)
+    clock[0] += 1.0  # a second later: PER_S more
+    refusals.refusal("w: refused one more")
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"({10_000 - refusals.BURST} refusal line(s) left out: more than 50 a second)",
+                     "w: refused one more"]

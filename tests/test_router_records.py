@@ -301,3 +301,33 @@ def test_a_stopping_router_waits_for_kv_still_on_its_way_to_a_main_decoder(tmp_p
     rec.events.append(KvSent(rid="r1", worker="prefill", t=4.0, to="decode-b", bytes=10, written=20, payload=8,
                              planned_payload=16, tokens=1, had=0, start=1.0, end=4.0, cancelled=True, in_flight=10))
     assert not ended.kv_on_its_way(workers)
+
+
+def test_a_record_the_disk_refuses_is_kept_and_written_once_it_takes_it() -> None:
+    """A full tmpfs: the router's records file refuses a write; the record stays in memory
+    (it was popped before it was written, and lost), the next write starts a fresh line, and
+    every record reaches the file once the disk takes them again."""
+    import io
+
+    from protocol.router_config import RequestRecord
+
+    class Full(io.StringIO):
+        refuse = True
+
+        def write(self, s: str) -> int:
+            if self.refuse:
+                super().write(s[:7])  # half a line, then the error
+                raise OSError(28, "No space left on device")
+            return super().write(s)
+
+    ended = Ended(1.0)
+    ended.file = Full()
+    for i in range(3):
+        ended.records[f"r{i}"] = RequestRecord(rid=f"r{i}")
+        ended.at[f"r{i}"] = 0.0
+    ended.write_all()
+    assert list(ended.records) == ["r0", "r1", "r2"]  # nothing dropped
+    ended.file.refuse = False
+    ended.write_all()
+    lines = ended.file.getvalue().splitlines()
+    assert [RequestRecord.model_validate_json(x).rid for x in lines[1:]] == ["r0", "r1", "r2"] and not ended.records

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import os
-import sys
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -48,6 +47,7 @@ from protocol.messages import (
     HandoffCmd,
     KvReceived,
 )
+from protocol.refusals import refusal
 from protocol.worker_config import DecodeCounters, WorkerConfig, WorkerStats
 from workers import kv_wire
 from workers.allocator import resident_bytes
@@ -203,8 +203,7 @@ class DecodeWorker(HandoffMixin, Worker):
         # The ticket before anything the sender says about the request: a worker of the run that
         # knows the prompt, but was not told to send this KV, is refused and fails nothing.
         if not hmac.compare_digest(ticket.encode(), seq.ticket.encode()):
-            print(f"{self.cfg.name}: refused KV for {rid}: its HELLO does not carry the request's ticket",
-                  file=sys.stderr, flush=True)
+            refusal(f"{self.cfg.name}: refused KV for {rid}: its HELLO does not carry the request's ticket")
             raise kv_wire.KVRefused(f"the KV offered for {rid} does not carry the ticket {self.cfg.name} was given "
                                     f"for it")
         if len(tokens) != len(seq.prompt) or tokens != list(seq.prompt):  # KV is cached under these tokens

@@ -17,7 +17,6 @@ import contextlib
 import hmac
 import socket
 import struct
-import sys
 from collections.abc import Awaitable, Callable
 
 from protocol.kv_format import (
@@ -34,6 +33,7 @@ from protocol.kv_format import (
     KVTransferError,
     parse_frame,
 )
+from protocol.refusals import refusal
 from workers.namespace import tcp_socket
 
 MAX_CONNECTIONS = 256  # a receiver's authenticated connections (senders keep kv_streams_per_peer each)
@@ -194,7 +194,7 @@ async def authenticate(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
     except Exception as e:  # noqa: BLE001 - a stranger is refused, never the server
         why = str(e) or type(e).__name__
     peer = writer.get_extra_info("peername")
-    print(f"KV: refused a connection from {peer}: {why}", file=sys.stderr, flush=True)
+    refusal(f"KV: refused a connection from {peer}: {why}")
     with contextlib.suppress(Exception):
         async with asyncio.timeout(1.0):
             await write_frame(writer, ACK, Ack(error=f"refused: {why}").model_dump_json().encode())

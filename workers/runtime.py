@@ -40,6 +40,7 @@ from protocol.messages import (
     why_invalid,
 )
 from protocol.mqtt_session import Session, keepalive_for
+from protocol.refusals import refusal
 from protocol.token_stream import TokenChunk
 from protocol.topics import Topics
 from protocol.worker_config import CacheReport, ModelCost, WorkerConfig, WorkerStats
@@ -309,12 +310,10 @@ class Worker:
             if sender is None:
                 self.reject(payload, why_invalid(e))
             else:  # a peer cannot fail a request it may not be part of: logged only
-                print(f"{self.cfg.name}: refused a message from {sender}: {why_invalid(e)}", file=sys.stderr,
-                      flush=True)
+                refusal(f"{self.cfg.name}: refused a message from {sender}: {why_invalid(e)}")
             return
         if sender is not None and (why := self.peer_refusal(sender, cmd)) is not None:
-            print(f"{self.cfg.name}: refused a {cmd.op} for {cmd.rid} from {sender}: {why}", file=sys.stderr,
-                  flush=True)
+            refusal(f"{self.cfg.name}: refused a {cmd.op} for {cmd.rid} from {sender}: {why}")
             return
         if self.first_delivery(cmd):
             self.spawn(self._handle(str(message.topic), cmd))
@@ -354,7 +353,7 @@ class Worker:
         """A command failed validation or could not be handled: log it and fail the request
         it names, if any."""
         rid = rid_of(payload)
-        print(f"{self.cfg.name}: rejected a command for {rid or 'no request'}: {why}", file=sys.stderr, flush=True)
+        refusal(f"{self.cfg.name}: rejected a command for {rid or 'no request'}: {why}")
         if rid is not None:
             self.emit(Failed(**self.stamp(rid), reason=f"{self.cfg.name} rejected a command: {why}"))
 
@@ -382,8 +381,11 @@ class Worker:
                 await self.publish_status(st)
                 published = st
             if (now := self.activity()) != written:
-                self.write_stats()
-                written = now
+                try:
+                    self.write_stats()
+                    written = now
+                except OSError as e:  # a full tmpfs, say: the worker serves on; the next period tries again
+                    refusal(f"{self.cfg.name}: statistics not written: {e}")
 
     def write_stats(self) -> None:
         if self.out is not None:

@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from protocol import clock
 from protocol.messages import Request, RouterStatus, why_invalid
 from protocol.mqtt_session import Session
+from protocol.refusals import refusal
 from protocol.stream_gate import StreamGate
 from protocol.token_stream import TokenStreamError
 from protocol.topics import Topics
@@ -132,7 +133,7 @@ async def replay(transport: Transport, broker: BrokerInfo, topics: Topics, specs
             # A malformed message ends the requests it names (those of ours), never the
             # reader: the other requests go on.
             why = why_invalid(e) if isinstance(e, ValidationError) else str(e)
-            print(f"client: rejected a message on {topic}: {why}", file=sys.stderr, flush=True)
+            refusal(f"client: rejected a message on {topic}: {why}")
             for rid in e.rids if isinstance(e, TokenStreamError) else []:
                 bad = live.get(rid)
                 if bad is not None and not bad.done:

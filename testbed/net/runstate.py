@@ -32,8 +32,9 @@ from typing import Any
 
 from testbed.errors import InputError
 from testbed.net import netns
-from testbed.root_paths import remove_tree
-from workers.privilege import open_regular
+from testbed.root_paths import read_nofollow, remove_tree, write_private, write_private_bytes
+
+__all__ = ["read_nofollow", "write_private", "write_private_bytes"]  # where the run's files have always been read
 
 
 def _tmpfs(path: str) -> bool:
@@ -92,32 +93,6 @@ def check_state_root(create: bool = False) -> bool:
         raise InputError(f"state folder {STATE_ROOT} {problem}: refusing to use it. Remove it if it is not "
                          f"yours, or set PDD_TESTBED_STATE to a folder of your own")
     return True
-
-
-def read_nofollow(path: Path) -> str:
-    """A regular file's text, never through a link (nor a FIFO left to block the reader)."""
-    with os.fdopen(open_regular(path)) as f:
-        return f.read()
-
-
-def write_private(path: Path, text: str) -> None:
-    """Replace ``path`` atomically with ``text`` (mode 0600): a fresh temporary file, created
-    exclusively and without following links, renamed over it."""
-    write_private_bytes(path, text.encode())
-
-
-def write_private_bytes(path: Path, data: bytes) -> None:
-    """``write_private`` for bytes."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
 
 
 @dataclass

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from pydantic import ValidationError
 
 from protocol.messages import CancelRequest, Request, RequestHints, RouterStatus, why_invalid
 from protocol.mqtt_session import Session
+from protocol.refusals import refusal
 from protocol.stream_gate import StreamGate
 from protocol.token_stream import TokenStreamError
 from protocol.topics import Topics
@@ -121,7 +121,7 @@ class Gateway:
             chunks = self._gate.read(topic, payload)
         except (ValidationError, TokenStreamError) as e:
             why = why_invalid(e) if isinstance(e, ValidationError) else str(e)
-            print(f"serve: rejected a message on {topic}: {why}", file=sys.stderr, flush=True)
+            refusal(f"serve: rejected a message on {topic}: {why}")
             for rid in e.rids if isinstance(e, TokenStreamError) else []:
                 p = self._pending.get(rid)
                 if p is not None and not p.rec.done:
