@@ -1,5 +1,7 @@
-"""The requests a router has finished: in memory while their late events may still come, then
-one JSON line each in the run's records file.
+"""The requests a router has finished: in memory while their late events may still come, and
+one JSON line each in the run's records file as each ends (a router killed loses none of
+them, only late events), written again as it leaves memory if late events came meanwhile
+(a reader keeps a request's last line).
 
 Late events come within seconds (a cut-off transfer's report, KV kept for a main decoder's
 cache, a broker restart's resent request), so a finished request stays for ``ENDED_KEEP_S``
@@ -38,6 +40,7 @@ class Ended:
         self.at: dict[str, float] = {}  # rid -> clock.monotonic() it ended, oldest first
         self.file: TextIO | None = None  # the records file, a line per request as it leaves memory
         self.cut = False  # the last write was refused: it may have left half a line
+        self.written: dict[str, int] = {}  # rid -> events its last line on disk holds
 
     def __contains__(self, rid: str) -> bool:
         return rid in self.records
@@ -46,6 +49,8 @@ class Ended:
         """``req`` ended with ``rec``; what is past the window goes to disk."""
         self.records[req.rid] = rec
         self.states[req.rid] = req
+        if self._write(req.rid):
+            self.written[req.rid] = len(rec.events)
         now = clock.monotonic()
         self.at[req.rid] = now
         horizon = now - ENDED_KEEP_S * self.dilation
@@ -57,7 +62,17 @@ class Ended:
         """The oldest finished request's record to disk, then out of memory; False (and kept)
         when the disk refused it (a full tmpfs: a record is never dropped before it is written)."""
         rid = next(iter(self.records))
-        assert self.file is not None
+        if self.written.get(rid) != len(self.records[rid].events) and not self._write(rid):
+            return False
+        self.written.pop(rid, None)
+        del self.records[rid]
+        self.states.pop(rid, None)
+        self.at.pop(rid, None)
+        return True
+
+    def _write(self, rid: str) -> bool:
+        if self.file is None:  # not open yet (a router that has not started): written as it leaves
+            return False
         try:
             # After a refused write, a fresh line: the refused one may have left half a line.
             self.file.write(("\n" if self.cut else "") + self.records[rid].model_dump_json() + "\n")
@@ -67,9 +82,6 @@ class Ended:
             refusal(f"router: the record of {rid} not written yet: {e}")
             return False
         self.cut = False
-        del self.records[rid]
-        self.states.pop(rid, None)
-        self.at.pop(rid, None)
         return True
 
     def write_all(self) -> None:

@@ -178,3 +178,10 @@ def test_the_default_scenario_has_no_faults() -> None:
     from testbed.scenario import load_scenario
 
     assert load_scenario(Path(TOPOLOGIES / "two-dc.yaml")).faults == []
+
+
+def test_a_fault_for_good_takes_no_duration() -> None:
+    assert parse_fault("broker-stop@5").kind == "broker-stop" and parse_fault("router-kill@0").duration_s is None
+    for spec in ("broker-stop@5+2", "router-kill@1+10"):
+        with pytest.raises(InputError, match="takes no duration: it lasts until the run ends"):
+            parse_fault(spec)

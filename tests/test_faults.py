@@ -132,6 +132,29 @@ def test_wan_outage_and_broker_restart_lose_nothing(spread_prompts, tmp_path: Pa
     assert all(abs(wan[rid] - calm_wan[rid]) <= 1024 for rid in wan), (wan, calm_wan)
 
 
+@pytest.mark.parametrize(("fault", "why"), [("broker-stop@2", "broker unreachable"), ("router-kill@2", "router down")])
+def test_a_broker_or_router_gone_for_good_ends_every_request_with_a_reason(spread_prompts, fault: str,
+                                                                           why: str) -> None:
+    """Killed for good: every request ends (completed, or failed naming what is gone) within
+    the client's grace, not at its timeout; no process is left behind (the teardown's check);
+    what the router finished before its death is in its records."""
+    import time
+
+    specs, refs = spread_prompts
+    t0 = time.monotonic()
+    recs, router, log, run = _run("pdd:relay_s=0", [fault], specs, timeout_s=300)
+    assert log[0].applied_s is not None and log[0].error is None, log
+    assert all(r.done and (r.ok or r.error) for r in recs.values())
+    assert time.monotonic() - t0 < 150  # not the 300 s timeout
+    failed = {rid: r.error or "" for rid, r in recs.items() if not r.ok}
+    assert failed and all(why in e for e in failed.values()), failed
+    done = [rid for rid, r in recs.items() if r.ok]
+    assert compare([s for s in specs if s.rid in done], refs, {rid: recs[rid] for rid in done}) == []
+    if fault.startswith("router"):
+        ended_before = {rid for rid in done if (recs[rid].ended or 0) - run.fault_t0_wall < 1.5}  # host seconds
+        assert ended_before <= set(router)
+
+
 def test_a_wan_outage_past_the_broker_keepalive_makes_the_decoder_unreachable_not_dead(spread_prompts,
                                                                                       tmp_path: Path) -> None:
     """14 s without a line lapses decode-b's broker session (after 7.5-9 s) and its last will goes

@@ -39,7 +39,7 @@ class _Tokenizer:
 class _Gateway:
     """Streams ``max_new`` tokens, each once ``release`` is set."""
 
-    ready, router_state = True, "ready"
+    ready, router_state, broker_up = True, "ready", True
 
     def __init__(self) -> None:
         self.release = asyncio.Event()

@@ -300,3 +300,25 @@ def test_the_router_refuses_what_no_worker_could_hold_and_serves_the_rest() -> N
     assert "token id 9000 is outside the model's vocabulary (0..8191)" in errors["vocab"], errors["vocab"]
     assert set(run.router) == {"fine"}  # the refused were never planned nor given to a worker
     assert run.component_errors == [] and run.deaths == []
+
+
+@pytest.mark.parametrize("fault", ["broker-stop@8", "router-kill@8"])
+def test_a_broker_or_router_gone_for_good_ends_every_request_with_a_reason(fault: str) -> None:
+    """Nothing hangs until the client's timeout: open requests fail once the broker has been
+    unreachable (or the router's last will has said "down") for the grace period, the later
+    ones are not sent, and what the router finished before is in its records."""
+    sc = load_scenario(TOPOLOGIES / "two-dc.yaml")
+    wl = load_trace(ROOT / "traces/agentic-quick.jsonl", "auto", 16).select(40)
+    with SimDeployment(sc, parse_policy("pdd"), emulation=sim_plan(sc, 16), timeline=[parse_fault(fault)]) as dep:
+        run = dep.run(TraceReplay(wl.specs(1.0), 1800, show_progress=False))
+    last = max(r.ended or 0 for r in run.recs.values()) - run.fault_t0_wall
+    assert all(r.done and (r.ok or r.error) for r in run.recs.values())
+    assert last < 8 + 60  # ended within the grace after the fault, not at the 1,800 s timeout
+    t0 = run.fault_t0_wall
+    done_before = {rid for rid, r in run.recs.items() if r.ok and (r.ended or 0) - t0 < 7.5}
+    failed = [r.error or "" for r in run.recs.values() if not r.ok]
+    assert done_before and failed  # (decoders streaming when the router died may still finish)
+    why = "broker unreachable" if fault.startswith("broker") else "router down"
+    assert all(why in e or e.startswith("not sent: previous turn") for e in failed), failed
+    assert done_before <= set(run.router)  # a router killed loses no record of what it finished
+    assert run.faults[0].applied_s == pytest.approx(8, abs=0.01) and run.component_errors == []

@@ -283,6 +283,20 @@ class Cluster:
         took = time.monotonic() - t0
         return f"mosquitto pid {old.pid} stopped; pid {self.broker.pid} listening {took:.2f} s after its start"
 
+    def stop_broker(self) -> str:
+        """The broker stopped for good (``broker-stop``): every component is left without it."""
+        netns.stop_child(self.broker, 10)
+        return f"mosquitto pid {self.broker.pid} stopped for good"
+
+    def kill_router(self) -> str:
+        """SIGKILL of the router (``router-kill``): its records of ended requests are on disk
+        already; its last will tells the clients."""
+        if self.router.poll() is not None:
+            return f"the router (pid {self.router.pid}) had already ended: nothing killed"
+        self.router.kill()
+        self.router.wait()
+        return f"the router (pid {self.router.pid}) ended at once (SIGKILL)"
+
     def router_records(self) -> dict[str, RequestRecord]:
         """Stop the router (it writes its records on exit) and read them."""
         if self.router.poll() is None:

@@ -132,7 +132,9 @@ class Deployment:
                                           emulation=self.emulation, alone=killed)
             self._injector = FaultInjector(self._net, self.timeline, self.dilation,
                                            self.emulation.wire_rate_bps if self.emulation else None,
-                                           self._cluster.restart_broker, self._cluster.restart_worker)
+                                           self._cluster.restart_broker, self._cluster.restart_worker,
+                                           stop_broker=self._cluster.stop_broker,
+                                           kill_router=self._cluster.kill_router)
         except BaseException:
             self._stack.close()
             raise

@@ -6,8 +6,8 @@ its end. Network faults go through the network backend (``Network.impair_wan``,
 ``Network.set_wan_rate``), in wire units mapped by the run's emulation like the scenario's
 own WAN; several faults active on one direction combine (down wins, the highest loss,
 delays add up, the lowest rate). ``kill`` sends SIGKILL to the worker's recorded PID (and, at
-its end, the cluster starts it again with empty caches); ``broker-restart`` goes through the
-cluster. Every application is logged (stderr) and kept
+its end, the cluster starts it again with empty caches); ``broker-restart``, ``broker-stop``
+and ``router-kill`` go through the cluster. Every application is logged (stderr) and kept
 as an ``AppliedFault`` (saved with the run): planned and actual emulated times, what was
 done, and any error (a fault that could not be applied is reported, never silently skipped).
 """
@@ -58,8 +58,11 @@ class FaultInjector:
                  wire_rate_bps: Callable[[float], float] | None = None,
                  restart_broker: Callable[[float], str] | None = None,
                  restart_worker: Callable[[str], str] | None = None,
-                 kill_worker: Callable[[str], str] | None = None) -> None:
+                 kill_worker: Callable[[str], str] | None = None,
+                 stop_broker: Callable[[], str] | None = None,
+                 kill_router: Callable[[], str] | None = None) -> None:
         self.net = net
+        self.stop_broker, self.kill_router = stop_broker, kill_router
         self.kill_worker = kill_worker
         self.faults = sorted(faults, key=lambda f: f.at_s)
         self.wire = _Wire(dilation, wire_rate_bps or (lambda bps: bps))
@@ -152,6 +155,11 @@ class FaultInjector:
             return self._push_network(f)
         if f.kind == "kill":
             return self.kill_worker(f.host or "") if self.kill_worker else self._kill(f.host or "")
+        if f.kind in ("broker-stop", "router-kill"):
+            act = self.stop_broker if f.kind == "broker-stop" else self.kill_router
+            if act is None:
+                raise RuntimeError(f"{f.kind}: this deployment cannot do it")
+            return act()
         if f.kind == "broker-restart":
             if self.restart_broker is None:
                 raise RuntimeError("no broker in this run")

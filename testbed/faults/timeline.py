@@ -18,6 +18,11 @@ kind                keys                                  what happens
                                                           a DURATION it is started again after it
 ``broker-restart``  none                                  the broker stops; it restarts after
                                                           DURATION (0 if none)
+``broker-stop``     none (no DURATION)                    the broker stops for good: every client
+                                                          fails its open requests once it has not
+                                                          reached it for a grace period
+``router-kill``     none (no DURATION)                    SIGKILL of the router; its last will
+                                                          tells the clients, which fail what it held
 ==================  ====================================  =======================================
 
 A fault without a duration lasts until the run ends (a killed worker stays dead). Values
@@ -37,7 +42,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from protocol.validation import first_error
 from testbed.errors import InputError
 
-FaultKind = Literal["wan-down", "loss", "delay", "rate", "partition", "kill", "broker-restart"]
+FaultKind = Literal["wan-down", "loss", "delay", "rate", "partition", "kill", "broker-restart", "broker-stop",
+                    "router-kill"]
+FOR_GOOD = ("broker-stop", "router-kill")  # nothing brings them back within the run
 Direction = Literal["a->b", "b->a", "both"]
 NETWORK_KINDS = ("wan-down", "loss", "delay", "rate", "partition")
 _KEYS: dict[str, tuple[set[str], set[str]]] = {  # kind -> (required keys, optional keys)
@@ -48,6 +55,8 @@ _KEYS: dict[str, tuple[set[str], set[str]]] = {  # kind -> (required keys, optio
     "partition": ({"dc"}, set()),
     "kill": ({"host"}, set()),
     "broker-restart": (set(), set()),
+    "broker-stop": (set(), set()),
+    "router-kill": (set(), set()),
 }
 _SPEC_RE = re.compile(r"^(?P<kind>[a-z-]+)@(?P<at>[^+:]+)(\+(?P<dur>[^:]+))?(:(?P<kv>.*))?$")
 
@@ -74,6 +83,8 @@ class Fault(BaseModel):
         given = {k for k in ("pct", "ms", "mbit", "dc", "host") if getattr(self, k) is not None}
         if self.dir != "both":
             given.add("dir")
+        if self.kind in FOR_GOOD and self.duration_s is not None:
+            raise ValueError(f"{self.kind} takes no duration: it lasts until the run ends")
         missing = sorted(required - given)
         if missing:
             raise ValueError(f"{self.kind} needs {', '.join(missing)}")

@@ -104,9 +104,10 @@ async def replay(transport: Transport, broker: BrokerInfo, topics: Topics, specs
     def router_lost(state: str) -> None:
         """The router said "down" (its last will) or "stopped" and did not come back: every
         request still open fails now, with that reason, instead of at the client's timeout."""
+        gone = f"router {state}" if session.connected.is_set() else "broker unreachable"  # its stop sent the will
         for r in recs.values():
             if not r.done:
-                r.error, r.done = f"router {state}: not answered", True
+                r.error, r.done = f"{gone}: not answered", True
                 complete(r)
 
     async def on_message(msg: aiomqtt.Message) -> None:
@@ -189,6 +190,8 @@ async def replay(transport: Transport, broker: BrokerInfo, topics: Topics, specs
         if delay > 0:
             await asyncio.sleep(delay)
         rec = recs[spec.rid]
+        if rec.done:  # failed meanwhile (the router or the broker gone): nothing to send
+            return
         rec.attempt_sent = clock.time()
         rec.sent = rec.sent or rec.attempt_sent
         try:
@@ -206,9 +209,24 @@ async def replay(transport: Transport, broker: BrokerInfo, topics: Topics, specs
     if on_start is not None:
         on_start(clock.monotonic())
 
+    lost_since: float | None = None  # the broker unreachable since (client's monotonic clock)
+
     async def ticker() -> None:
+        nonlocal lost_since
         while True:
             await asyncio.sleep(1.0)
+            # A broker gone for good (not a restart's few seconds): nothing will answer, so what
+            # is still open fails now with that reason instead of at the replay's timeout.
+            if session.connected.is_set():
+                lost_since = None
+            else:
+                lost_since = clock.monotonic() if lost_since is None else lost_since
+                if clock.monotonic() - lost_since > opts.router_grace_s:
+                    for r in recs.values():
+                        if not r.done:
+                            r.error, r.done = (f"broker unreachable for {opts.router_grace_s:g} s: "
+                                               f"{'not answered' if r.sent else 'not sent'}"), True
+                            complete(r)
             if progress:
                 failed = sum(1 for r in recs.values() if r.done and r.error)
                 progress(n_done, len(recs), failed)

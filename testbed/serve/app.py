@@ -150,8 +150,9 @@ class OpenAiFront:
         return _json(ModelList(data=[ModelCard(id=s.model, created=s.created, max_model_len=s.max_len)]))
 
     async def health(self, _request: web.Request) -> web.Response:
-        ok = self.gw.ready
-        status = "ok" if ok else "starting" if self.gw.router_state == "starting" else "router down"
+        ok = self.gw.ready and self.gw.broker_up  # the router's word, through a broker that is there
+        status = ("ok" if ok else "broker unreachable" if not self.gw.broker_up
+                  else "starting" if self.gw.router_state == "starting" else "router down")
         return _json(Health(status=status, policy=self.served.policy, model=self.served.model), 200 if ok else 503)
 
     async def prometheus(self, _request: web.Request) -> web.Response:

@@ -77,6 +77,11 @@ class Gateway:
     def ready(self) -> bool:
         return self._ready.is_set()
 
+    @property
+    def broker_up(self) -> bool:
+        """Connected to the broker now (a stopped broker leaves the router's last "ready")."""
+        return self._session.connected.is_set()
+
     async def start(self, wait_s: float = 120.0) -> None:
         """Connect and wait until the router says it is ready (its workers are up)."""
         self._task = await connect_when_ready(self._session, self._on_message, self._ready, self._stop, wait_s)

@@ -146,7 +146,8 @@ class SimDeployment:
         self.router_cfg = router_config(self.wire, RUN_ID, self.policy, self.configs, self._broker_info,
                                         self.records_path, model, self.dtype, self.emulation)
         self.injector = FaultInjector(_Wan(self.plan, self.links), self.timeline, 1.0, self.emulation.wire_rate_bps,
-                                      self._restart_broker, self._restart_worker, self._kill_worker)
+                                      self._restart_broker, self._restart_worker, self._kill_worker,
+                                      stop_broker=self._stop_broker, kill_router=self._kill_router)
         return self
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
@@ -273,6 +274,18 @@ class SimDeployment:
             raise LookupError(f"no worker on {host}")
         self._start_worker(host)
         return f"the worker on {host} started again (empty caches)"
+
+    def _stop_broker(self) -> str:
+        self.broker.stop()
+        return "the broker stopped for good"
+
+    def _kill_router(self) -> str:
+        task = self.tasks.get("router")
+        if task is None or task.done():
+            return "the router had already ended: nothing killed"
+        task.cancel()
+        self.net.kill_host(self.router_host)  # its connections end without a goodbye: its will goes out
+        return "the router ended at once (as by SIGKILL)"
 
     def _restart_broker(self, downtime_s: float) -> str:
         self.broker.stop()
