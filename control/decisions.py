@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TextIO, TypeVar
 
-from protocol.policy import PolicyContext, PolicySpec
-from testbed.policies import Policy, make_policy
+from protocol import clock
+from protocol.policy import Candidate, Decision, PolicyContext, PolicySpec
+from protocol.refusals import refusal
+from testbed.policies import Plan, Policy, make_policy
 
 T = TypeVar("T")
 
@@ -28,6 +30,20 @@ class Decisions:
     def __init__(self, spec: PolicySpec, ctx: PolicyContext) -> None:
         self.spec, self.ctx = spec, ctx
         self._policy: Policy | None = None
+        self.traced: TextIO | None = None  # ``--trace-decisions``: a line per plan
+
+    def trace(self, rid: str, plan: Plan | None, weighed: list[Candidate] | None, error: str | None = None) -> None:
+        """A plan (or why there is none) with the workers it weighed, when decisions are traced."""
+        if self.traced is None:
+            return
+        d = Decision(rid=rid, t=clock.time(), error=error, candidates=weighed or [])
+        if plan is not None:
+            d = d.model_copy(update={"pipeline": plan.pipeline, "prefill": plan.prefill, "decode": plan.decode,
+                                     "relay": plan.relay, "info": plan.info})
+        try:
+            self.traced.write(d.model_dump_json() + "\n")
+        except OSError as e:  # a trace, not a record: the request goes on
+            refusal(f"router: decision of {rid} not traced: {e}")
 
     @property
     def policy(self) -> Policy:

@@ -12,6 +12,7 @@ fails validation is logged and fails only the request it names.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import signal
@@ -27,6 +28,7 @@ from control.checks import in_plan, out_of_bounds, repeated, speaks_for
 from control.deaths import after_death
 from control.decisions import Decisions, PolicyFailed
 from control.ended import Ended
+from control.held import Held
 from control.liveness import Liveness
 from protocol import clock
 from protocol.messages import (
@@ -77,7 +79,8 @@ class Router:
         # Opened while privileged: the router writes only here once it has dropped root.
         self.out = OutDir(Path(cfg.records_path).parent)
         self.liveness = Liveness(cfg, self.view.workers, self._worker_died, self.out, transport.probe)
-        WATCH.add_holder(_Held(self))
+        WATCH.add_holder(Held(lambda: sum(q.nbytes for q in self.inflight.values()) + self.ended.nbytes
+                              + sum(i.nbytes for i in self.view.held.values()) + self.policy.nbytes))
         self.repeated_requests = 0
         self.repeated_events = 0
 
@@ -127,7 +130,11 @@ class Router:
             settled.set()
 
         name = Path(self.cfg.records_path).name
-        with os.fdopen(self.out.open(name), "w") as self.ended.file:
+        if self.cfg.trace_decisions:
+            self.decisions.traced = os.fdopen(self.out.open(name + ".decisions.jsonl"), "w")
+        with os.fdopen(self.out.open(name), "w") as self.ended.file, contextlib.ExitStack() as traced:
+            if self.decisions.traced is not None:
+                traced.enter_context(self.decisions.traced)
             sweeper = asyncio.create_task(self._sweep())
             settler = asyncio.create_task(settle())
             await self.session.run(self._on_message, on_connect, settled, on_stop)
@@ -225,20 +232,20 @@ class Router:
             return
         req = RequestState(r.rid, r.prompt, r.max_new, clock.time(), r.hints)
         self.inflight[r.rid] = req
+        self.view.weighed = [] if self.decisions.traced is not None else None
         try:
             plan = self._decided("plan", lambda: self.policy.plan(req, self.view))
+            self.decisions.trace(r.rid, plan, self.view.weighed)
             commands = [(w, self._decided("decode_command", lambda w=w: self.policy.decode_command(req, plan, w)))
                         for w in filter(None, (plan.relay, plan.decode))]
             unknown = sorted(plan.workers - set(self.view.workers))
             if unknown:
                 raise PolicyFailed(f"policy {self.cfg.policy.label}: its plan names {', '.join(unknown)}, "
                                    "no worker of this deployment")
-        except LookupError as e:
-            await self._fail(r.rid, f"no plan: {e}")
-            return
-        except PolicyFailed as e:
-            print(f"router: {e}", file=sys.stderr, flush=True)
-            await self._fail(r.rid, str(e))
+        except (LookupError, PolicyFailed) as e:
+            why = f"no plan: {e}" if isinstance(e, LookupError) else str(e)
+            self.decisions.trace(r.rid, None, self.view.weighed, why)
+            await self._fail(r.rid, why)
             return
         req.plan = plan
         for w in plan.workers:
@@ -382,18 +389,3 @@ class Router:
             for rid, req in list(self.inflight.items()):
                 if now - req.arrived > self.cfg.request_timeout_s:
                     await self._fail(rid, f"timed out after {self.cfg.request_timeout_s} s")
-
-
-class _Held:
-    """What the router holds by design, left out of its memory floor: its prefix indexes (its
-    own and its policy's) and the token lists of the requests in flight or just ended (a
-    window of requests, whose prompts grow as a session's context does)."""
-
-    def __init__(self, router: Router) -> None:
-        self.router = router
-
-    @property
-    def nbytes(self) -> int:
-        r = self.router
-        requests = sum(q.nbytes for q in r.inflight.values()) + r.ended.nbytes
-        return sum(i.nbytes for i in r.view.held.values()) + r.policy.nbytes + requests

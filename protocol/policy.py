@@ -91,3 +91,18 @@ class PolicyReport(Contract):
     wan_efficiency: float | None = None
     wan_samples: int | None = None
     options: str = ""  # the policy with every option
+
+
+class Decision(Contract):
+    """One plan as ``--trace-decisions`` records it (``decisions-<policy>.jsonl`` in the run's
+    folder): what the policy chose, why (``info``) and the workers it weighed."""
+
+    rid: str
+    t: float  # the router's clock when it planned
+    pipeline: str | None = None  # None: no plan (the reason in ``error``)
+    prefill: str | None = None
+    decode: str | None = None
+    relay: str | None = None
+    info: PlanInfo = PlanInfo()
+    candidates: list[Candidate] = []
+    error: str | None = None

@@ -26,10 +26,10 @@ from typing import Literal
 from pydantic import Field
 
 from protocol.messages import MAX_PROMPT_TOKENS, Event
-from protocol.policy import PlanInfo, PolicyContext, PolicyReport, PolicySpec
+from protocol.policy import Decision, PlanInfo, PolicyContext, PolicyReport, PolicySpec
 from protocol.worker_config import BrokerInfo, Contract, RunAs, WorkerRole
 
-__all__ = ["PlanInfo", "PolicyContext", "PolicyReport", "PolicySpec", "RequestRecord", "RouterConfig",
+__all__ = ["Decision", "PlanInfo", "PolicyContext", "PolicyReport", "PolicySpec", "RequestRecord", "RouterConfig",
            "WorkerDeath", "WorkerEndpoint"]
 
 
@@ -57,6 +57,7 @@ class RouterConfig(Contract):
     context: PolicyContext = PolicyContext()
     # What a request may ask for (the router refuses the rest before any worker hears of it):
     # prompt and output within the model's context, every id within its vocabulary.
+    trace_decisions: bool = False  # every plan with what it weighed, to ``<records>.decisions.jsonl``
     vocab_size: int = Field(default=2**31, ge=1)
     max_context: int = Field(default=MAX_PROMPT_TOKENS, ge=2, le=MAX_PROMPT_TOKENS)
 
@@ -85,4 +86,4 @@ class RequestRecord(Contract):
     events: list[Event] = []  # in arrival order at the router (late events included)
 
 
-__all__ = ["PlanInfo", "PolicyContext", "PolicyReport", "RequestRecord", "RouterConfig", "WorkerEndpoint"]
+__all__ = ["Decision", "PlanInfo", "PolicyContext", "PolicyReport", "RequestRecord", "RouterConfig", "WorkerEndpoint"]

@@ -322,3 +322,17 @@ def test_a_broker_or_router_gone_for_good_ends_every_request_with_a_reason(fault
     assert all(why in e or e.startswith("not sent: previous turn") for e in failed), failed
     assert done_before <= set(run.router)  # a router killed loses no record of what it finished
     assert run.faults[0].applied_s == pytest.approx(8, abs=0.01) and run.component_errors == []
+
+
+def test_trace_decisions_saves_each_plan_with_what_it_weighed_and_changes_nothing(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    plain, traced = tmp_path / "plain", tmp_path / "traced"
+    _sim_run(capsys, plain, "--limit", "12", "--policies", "pdd")
+    _sim_run(capsys, traced, "--limit", "12", "--policies", "pdd", "--trace-decisions")
+    assert (plain / "requests.csv").read_bytes() == (traced / "requests.csv").read_bytes()
+    lines = [json.loads(x) for x in (traced / "decisions-pdd.jsonl").read_text().splitlines()]
+    assert len(lines) == 12 and all(d["pipeline"] in ("P-MD", "P-RLD-MD") for d in lines)
+    for d in lines:
+        chosen = {c["worker"] for c in d["candidates"] if c["note"].endswith("(chosen)")}
+        assert {d["prefill"], d["decode"]} <= chosen and d["info"]["delta_tokens"] is not None
+    assert not list(plain.glob("decisions-*"))

@@ -97,6 +97,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                        f"or FILE.py:Class[:key=value,...] (default: the scenario's policies, else {policies})")
         p.set_defaults(default_policies=policies)
         p.add_argument("--limit", type=int, help="replay only the first N requests")
+        p.add_argument("--trace-decisions", action="store_true",
+                       help="save each policy's plans with the workers they weighed (decisions-<policy>.jsonl)")
         p.add_argument("--window", help="replay only requests sent in START:END seconds of the trace")
         p.add_argument("--slo-ttft", type=float, default=5.0, help="SLO for goodput: TTFT seconds (default 5)")
         p.add_argument("--slo-tpot", type=float, default=0.25, help="SLO for goodput: TPOT seconds (default 0.25)")

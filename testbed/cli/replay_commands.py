@@ -77,7 +77,7 @@ def replay_inputs(args: argparse.Namespace) -> tuple[Scenario, list[PolicySpec],
     opts = RunOptions(args.impairment, args.dilation, False, 1.0, args.limit, args.window,
                       Slo(args.slo_ttft, args.slo_tpot), args.timeout, retry=retry_policy(args), resume=args.resume,
                       engine=args.engine, jobs=_jobs(args), executor=args.executor, ray_address=args.ray_address,
-                      ray_retries=args.ray_retries)
+                      ray_retries=args.ray_retries, trace_decisions=args.trace_decisions)
     check_executor(args)
     if args.resume and args.out is None:
         raise InputError("--resume: needs --out, the folder of the run to resume")

@@ -23,6 +23,7 @@ from typing import TypeVar
 from control.ended import SETTLE_S
 from protocol.messages import MAX_PROMPT_TOKENS
 from protocol.router_config import (
+    Decision,
     PolicyContext,
     PolicyReport,
     RequestRecord,
@@ -215,7 +216,7 @@ class Cluster:
     @classmethod
     def start(cls, net: Network, policy: PolicySpec, faults: dict[str, WorkerFaults] | None = None,
               dtype: str | None = None, emulation: EmulationPlan | None = None,
-              alone: frozenset[str] = frozenset()) -> Cluster:
+              alone: frozenset[str] = frozenset(), trace_decisions: bool = False) -> Cluster:
         """Broker, workers and router on ``net`` (built from the wire scenario). ``emulation``
         gives the workers their pacing and stretches every timeout by its dilation; ``alone``:
         hosts whose worker must have a process of its own (a fault will kill it)."""
@@ -243,6 +244,7 @@ class Cluster:
             cl._start_process(name)
         rcfg = router_config(sc, net.run.run_id, policy, cl.workers, access.router, cl.records_path, model, dtype,
                              emulation, cl.accounts.of("router"))
+        rcfg = rcfg.model_copy(update={"trace_decisions": trace_decisions})
         rpath = net.run.dir / "router.cfg.json"
         runstate.write_private(rpath, rcfg.model_dump_json())
         cl.router_grace_s = 10 + SETTLE_S * rcfg.dilation  # it may wait for KV on its way (SETTLE_S)
@@ -309,6 +311,11 @@ class Cluster:
         """The policy's own counters (written by the router on exit)."""
         text = _written(Path(str(self.records_path) + ".policy.json"))
         return PolicyReport.model_validate_json(text) if text else PolicyReport()
+
+    def decisions(self) -> list[Decision]:
+        """The router's traced decisions (``--trace-decisions``; none otherwise)."""
+        text = _written(Path(str(self.records_path) + ".decisions.jsonl"))
+        return _parsed_lines(text, Decision.model_validate_json, "the router's decisions")
 
     def worker_deaths(self) -> list[WorkerDeath]:
         """The workers the router declared dead, in order (appended by the router as it happened)."""

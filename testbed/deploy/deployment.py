@@ -110,8 +110,9 @@ class Deployment:
     def __init__(self, scenario: Scenario, policy: PolicySpec, *, emulation: EmulationPlan | None = None,
                  impairment: str = "auto", dtype: str | None = None,
                  worker_faults: dict[str, WorkerFaults] | None = None, timeline: Sequence[Fault] = (),
-                 logs_to: Path | None = None) -> None:
+                 logs_to: Path | None = None, trace_decisions: bool = False) -> None:
         self.scenario, self.policy, self.emulation = scenario, policy, emulation
+        self.trace_decisions = trace_decisions
         self.impairment, self.dtype, self.worker_faults = impairment, dtype, worker_faults
         self.timeline = list(timeline)
         self.logs_to = logs_to  # the processes' logs are copied here at teardown
@@ -129,7 +130,8 @@ class Deployment:
             self._net.logs_to = self.logs_to
             killed = frozenset(f.host for f in self.timeline if f.kind == "kill" and f.host is not None)
             self._cluster = Cluster.start(self._net, self.policy, faults=self.worker_faults, dtype=self.dtype,
-                                          emulation=self.emulation, alone=killed)
+                                          emulation=self.emulation, alone=killed,
+                                          trace_decisions=self.trace_decisions)
             self._injector = FaultInjector(self._net, self.timeline, self.dilation,
                                            self.emulation.wire_rate_bps if self.emulation else None,
                                            self._cluster.restart_broker, self._cluster.restart_worker,
@@ -230,7 +232,8 @@ class Deployment:
         return PolicyRun(specs=specs, recs=recs, router=router, workers=workers, policy=policy_report,
                          verdict=verdict, impairment=f"{net.impairment} ({net.impairment_reason})",
                          faults=applied, wall_s=wall, memory=memory, rss=sampler.series if sampler else [],
-                         fault_t0_wall=injector.t0_wall, deaths=deaths, wan_line=_line_bins(final))
+                         fault_t0_wall=injector.t0_wall, deaths=deaths, wan_line=_line_bins(final),
+                        decisions=cl.decisions())
 
     def _print_log_tails(self) -> None:
         for name in ["router", *self.cluster.groups]:

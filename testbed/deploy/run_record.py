@@ -11,7 +11,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field, replace
 
-from protocol.router_config import PolicyReport, RequestRecord, WorkerDeath
+from protocol.router_config import Decision, PolicyReport, RequestRecord, WorkerDeath
 from protocol.token_stream import TokenChunk
 from protocol.worker_config import WorkerStats
 from testbed.deploy.fidelity import Verdict
@@ -197,3 +197,4 @@ class PolicyRun:
     engine: str = "emulation"  # what produced it: the emulation, or the simulator ("sim")
     wan_line: dict[str, LineBins] = field(default_factory=dict)  # "a->b" -> KV bytes as they crossed
     component_errors: list[str] = field(default_factory=list)  # uncaught in a component (the simulator)
+    decisions: list[Decision] = field(default_factory=list)  # ``--trace-decisions``: each plan, what it weighed

@@ -33,7 +33,7 @@ class EngineRuns(Protocol):
     def plan(self, sc: Scenario, wl: Workload, speed: float, dilation: float | str | None) -> EmulationPlan: ...
 
     def deployment(self, sc: Scenario, spec: PolicySpec, plan: EmulationPlan, timeline: Sequence[Fault],
-                   impairment: str, logs_to: Path) -> Run: ...
+                   impairment: str, logs_to: Path, trace_decisions: bool = False) -> Run: ...
 
 
 class Emulated:
@@ -44,8 +44,9 @@ class Emulated:
         return emulation_plan(sc, wl, wl.specs(speed), dilation, replay=probe_replay)
 
     def deployment(self, sc: Scenario, spec: PolicySpec, plan: EmulationPlan, timeline: Sequence[Fault],
-                   impairment: str, logs_to: Path) -> Run:
-        return Deployment(sc, spec, emulation=plan, impairment=impairment, timeline=timeline, logs_to=logs_to)
+                   impairment: str, logs_to: Path, trace_decisions: bool = False) -> Run:
+        return Deployment(sc, spec, emulation=plan, impairment=impairment, timeline=timeline, logs_to=logs_to,
+                          trace_decisions=trace_decisions)
 
 
 class Simulated:
@@ -55,8 +56,8 @@ class Simulated:
         return sim_plan(sc, wl.token_scale)
 
     def deployment(self, sc: Scenario, spec: PolicySpec, plan: EmulationPlan, timeline: Sequence[Fault],
-                   impairment: str, logs_to: Path) -> Run:
-        return SimDeployment(sc, spec, emulation=plan, timeline=timeline)
+                   impairment: str, logs_to: Path, trace_decisions: bool = False) -> Run:
+        return SimDeployment(sc, spec, emulation=plan, timeline=timeline, trace_decisions=trace_decisions)
 
 
 RUNS: dict[EngineKind, EngineRuns] = {EMULATION: Emulated(), SIMULATION: Simulated()}

@@ -32,7 +32,7 @@ from testbed.faults.timeline import Fault
 from testbed.faults.wan_trace import faults_of
 from testbed.load.retry import RetryPolicy
 from testbed.load.trace_replay import TraceReplay
-from testbed.outputs import new_run_dir
+from testbed.outputs import new_run_dir, write_atomic
 from testbed.policies import PolicySpec
 from testbed.scenario import Scenario
 from testbed.traces.workload import Workload
@@ -60,6 +60,7 @@ class RunOptions:
     ray_address: str | None = None  # the cluster (None: RAY_ADDRESS)
     ray_retries: int = 2  # a replay whose worker or node died, sent again at most this often
     node: str = ""  # the host that ran the replay (a Ray task names its node; "": this host)
+    trace_decisions: bool = False  # each policy's plans, with what they weighed: decisions-<policy>.jsonl
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,12 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
             continue
         t0 = time.monotonic()
         load = TraceReplay(specs, opts.timeout_s * d, spec.label, retry=opts.retry)
-        with engine.deployment(sc, spec, plan, timeline, opts.impairment, out / "logs" / spec.label) as dep:
+        with engine.deployment(sc, spec, plan, timeline, opts.impairment, out / "logs" / spec.label,
+                               opts.trace_decisions) as dep:
             run = dep.run(load)
+        if opts.trace_decisions:
+            lines = "".join(d.model_dump_json() + "\n" for d in run.decisions)
+            write_atomic(out / f"decisions-{spec.name}.jsonl", lines)
         name = spec.label
         frames[name], s = measure(sc, spec, plan, run, opts.slo)
         summaries[name] = s

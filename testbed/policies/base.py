@@ -22,7 +22,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict
 
 from protocol.messages import DecodeCmd, Event, HandoffCmd, PrefillDone, RequestHints
-from protocol.policy import PlanInfo, PolicyContext, PolicyReport, spell
+from protocol.policy import Candidate, PlanInfo, PolicyContext, PolicyReport, spell
 from testbed.policies.prefix_index import PrefixIndex
 from testbed.policies.token_ids import token_array
 
@@ -56,6 +56,14 @@ class ClusterView:
     block_size: int = 16
     cache_tokens: int = 262144
     held: dict[str, PrefixIndex] = field(default_factory=dict)
+    # While the router traces decisions: every worker a decision weighed, as it weighed it
+    # (``pick`` adds its candidates; a policy adds its own with ``weigh``); None: not traced.
+    weighed: list[Candidate] | None = None
+
+    def weigh(self, worker: str, score: float | None = None, note: str = "") -> None:
+        """Record that the decision under way weighed ``worker`` (``--trace-decisions``)."""
+        if self.weighed is not None:
+            self.weighed.append(Candidate(worker=worker, score=score, note=note))
 
     def pick(self, role: str, dc: str | None = None, prompt: Sequence[int] | None = None) -> WorkerView:
         """A live worker of a role (optionally in one datacenter): the least loaded; given a
@@ -67,12 +75,17 @@ class ClusterView:
             raise LookupError(f"no live {role} worker{where}")
         least = min(cands, key=_load)
         if prompt is None or len(cands) == 1:
-            return least
-        have = {w.name: self._index(w.name).match(prompt) for w in cands}
-        best = min(cands, key=lambda w: (-have[w.name], *_load(w)))
-        if have[best.name] == 0 or best.assigned - least.assigned > AFFINITY_SLACK:
-            return least
-        return best
+            chosen, have = least, {}
+        else:
+            have = {w.name: self._index(w.name).match(prompt) for w in cands}
+            best = min(cands, key=lambda w: (-have[w.name], *_load(w)))
+            chosen = least if have[best.name] == 0 or best.assigned - least.assigned > AFFINITY_SLACK else best
+        if self.weighed is not None:
+            for w in cands:
+                cached = f", prefix {have[w.name]} tokens" if w.name in have else ""
+                self.weigh(w.name, float(w.assigned), f"{role}: {w.assigned} assigned{cached}"
+                           + (" (chosen)" if w is chosen else ""))
+        return chosen
 
     def pick_outside(self, role: str, dc: str, prompt: Sequence[int] | None = None) -> WorkerView:
         """As ``pick``, in the first other datacenter that has a live worker of the role."""

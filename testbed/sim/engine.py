@@ -36,7 +36,7 @@ import aiomqtt
 
 from control.router import Router
 from protocol import clock
-from protocol.router_config import PolicyReport, RequestRecord, WorkerDeath
+from protocol.router_config import Decision, PolicyReport, RequestRecord, WorkerDeath
 from protocol.topics import Topics
 from protocol.worker_config import BrokerInfo, WorkerConfig, WorkerFaults, WorkerStats
 from testbed.deploy.cluster import router_config, worker_configs
@@ -106,8 +106,9 @@ class SimDeployment:
 
     def __init__(self, scenario: Scenario, policy: PolicySpec, *, emulation: EmulationPlan,
                  timeline: Sequence[Fault] = (), seed: int = 0, dtype: str | None = None,
-                 worker_faults: dict[str, WorkerFaults] | None = None) -> None:
+                 worker_faults: dict[str, WorkerFaults] | None = None, trace_decisions: bool = False) -> None:
         check_simulable(scenario, worker_faults)
+        self.trace_decisions = trace_decisions
         if emulation.dilation != 1.0:
             raise ValueError("the simulator runs in emulated time: its plan's dilation is 1")
         self.scenario, self.policy, self.emulation = scenario, policy, emulation
@@ -144,7 +145,8 @@ class SimDeployment:
         self.configs = {h: c.model_copy(update={"compute": "modeled"}) for h, c in cfgs.items()}
         self.records_path = Path(self._tmp.name) / "router-records.jsonl"
         self.router_cfg = router_config(self.wire, RUN_ID, self.policy, self.configs, self._broker_info,
-                                        self.records_path, model, self.dtype, self.emulation)
+                                        self.records_path, model, self.dtype, self.emulation).model_copy(
+            update={"trace_decisions": self.trace_decisions})
         self.injector = FaultInjector(_Wan(self.plan, self.links), self.timeline, 1.0, self.emulation.wire_rate_bps,
                                       self._restart_broker, self._restart_worker, self._kill_worker,
                                       stop_broker=self._stop_broker, kill_router=self._kill_router)
@@ -206,6 +208,7 @@ class SimDeployment:
                         verdict=verdict, impairment=f"{IMPAIRMENT}, TCP {self.congestion}", faults=applied,
                         wall_s=wall,
                         fault_t0_wall=self.injector.t0_wall, deaths=self._deaths(), engine="sim",
+                        decisions=self._decisions(),
                         wan_line={f"{a}->{b}": LineBins(EPOCH, KV_BIN_S, [round(x) for x in lk.kv_bins or []])
                                   for (a, b), lk in self.links.wan.items()},
                         component_errors=errors)
@@ -301,6 +304,10 @@ class SimDeployment:
                 rec = RequestRecord.model_validate_json(line)
                 out[rec.rid] = rec
         return out
+
+    def _decisions(self) -> list[Decision]:
+        path = Path(str(self.records_path) + ".decisions.jsonl")
+        return [Decision.model_validate_json(x) for x in path.read_text().splitlines()] if path.exists() else []
 
     def _deaths(self) -> list[WorkerDeath]:
         path = Path(str(self.records_path) + ".deaths.jsonl")
