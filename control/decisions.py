@@ -49,7 +49,7 @@ class Decisions:
     def policy(self) -> Policy:
         """Built on first use (the router's ``main`` uses it first): a plugin's class was
         imported before the router dropped root (its file root's and writable by no one else,
-        ``testbed.policies.registry.trusted``); its object runs without root."""
+        ``testbed.root_paths.trusted_code``); its object runs without root."""
         if self._policy is None:
             self._policy = make_policy(self.spec)
             self._policy.bind(self.ctx)

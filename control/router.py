@@ -230,7 +230,7 @@ class Router:
                                                                  t=clock.time(), done=True,
                                                                  error=f"router refused the request: {why}").dump())
             return
-        req = RequestState(r.rid, r.prompt, r.max_new, clock.time(), r.hints)
+        req = RequestState(r.rid, r.prompt, r.max_new, clock.monotonic(), r.hints)
         self.inflight[r.rid] = req
         self.view.weighed = [] if self.decisions.traced is not None else None
         try:
@@ -385,7 +385,7 @@ class Router:
                                           WATCH.report().model_dump_json())
                 except OSError as e:  # a full tmpfs: the sweep (and its timeouts) goes on
                     refusal(f"router: memory report not written: {e}")
-            now = clock.time()
+            now = clock.monotonic()  # a deadline: a step of the wall clock moves none
             for rid, req in list(self.inflight.items()):
                 if now - req.arrived > self.cfg.request_timeout_s:
                     await self._fail(rid, f"timed out after {self.cfg.request_timeout_s} s")

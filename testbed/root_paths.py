@@ -11,10 +11,15 @@ a run's state, where components wrote folders of their own.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import importlib.util
 import os
 import secrets
 import stat
+import sys
+import traceback
 from pathlib import Path
+from types import ModuleType
 
 from testbed.errors import InputError
 from workers.privilege import open_regular
@@ -181,3 +186,26 @@ def write_private_bytes(path: Path, data: bytes) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+
+
+def import_file(path: Path, prefix: str) -> ModuleType:
+    """Root-checked (``trusted_code``) import of the Python file ``path`` as a module of its
+    own, once per process; ``InputError`` naming the file and line where importing it failed."""
+    trusted_code(path)
+    name = prefix + hashlib.sha256(str(path).encode()).hexdigest()[:16]
+    if (module := sys.modules.get(name)) is not None:
+        return module
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise InputError(f"{path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - the user's file: say where it failed
+        del sys.modules[name]
+        line = e.lineno if isinstance(e, SyntaxError) and e.lineno else next(
+            (f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if Path(f.filename) == path), None)
+        where = f"{path}:{line}" if line else str(path)
+        raise InputError(f"{where}: importing it failed: {type(e).__name__}: {e}") from e
+    return module

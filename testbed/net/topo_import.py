@@ -22,9 +22,7 @@ A topology that breaks a rule gets an error naming the node or link (exit 2).
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +30,7 @@ from pydantic import ValidationError
 
 from protocol.validation import first_error
 from testbed.errors import InputError
-from testbed.root_paths import trusted_code
+from testbed.root_paths import import_file
 from testbed.scenario import Host, Scenario
 
 HOST_PARAMS = set(Host.model_fields)
@@ -50,23 +48,13 @@ def load_topo_class(spec: str) -> tuple[type, str]:
     if not path.is_file():
         raise InputError(f"--topo: {path}: no such file")
     try:
-        trusted_code(path.resolve())  # it is executed: as root, only a file no one else could write
-    except InputError as e:
-        raise InputError(f"--topo: {e}") from None
-    try:
         from mininet.topo import Topo
     except ImportError as e:
         raise InputError(f"--topo: Mininet is not importable ({e}); make setup installs it") from e
-    mod_name = f"_pdd_topo_{abs(hash(path.resolve()))}"
-    loader = importlib.util.spec_from_file_location(mod_name, path)
-    if loader is None or loader.loader is None:
-        raise InputError(f"--topo: {path}: not a Python file")
-    module = importlib.util.module_from_spec(loader)
-    sys.modules[mod_name] = module
     try:
-        loader.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - the user's file: say where it failed
-        raise InputError(f"--topo: {path}: importing it failed: {type(e).__name__}: {e}") from e
+        module = import_file(path.resolve(), "_pdd_topo_")  # executed: as root, only if no one else could write it
+    except InputError as e:
+        raise InputError(f"--topo: {e}") from None
     cls = getattr(module, name, None)
     if not (isinstance(cls, type) and issubclass(cls, Topo)):
         found = sorted(k for k, v in vars(module).items()

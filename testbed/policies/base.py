@@ -129,7 +129,7 @@ class RequestState:
     rid: str
     prompt: array[int]  # any sequence of ids given; held as ``token_array``
     max_new: int
-    arrived: float
+    arrived: float  # the router's monotonic clock (deadlines; a wall clock step moves none)
     hints: RequestHints = field(default_factory=RequestHints)  # held without ``answer``
     plan: Plan | None = None
     events: list[Event] = field(default_factory=list)

@@ -22,11 +22,9 @@ the router imports it only after it has dropped root (``control.router``).
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import re
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +34,7 @@ from protocol.policy import POLICY_NAME, PolicySpec, spell
 from protocol.validation import field_errors
 from testbed.errors import InputError
 from testbed.policies.base import Policy
-from testbed.root_paths import trusted_code
+from testbed.root_paths import import_file
 
 
 class PolicyError(InputError):
@@ -86,14 +84,6 @@ def _where(cls: type) -> str:
 
 
 # ------------------------------------------------------------------------ plugins
-def trusted(path: Path) -> None:
-    """Root imports no plugin another account could have written (``root_paths.trusted_code``)."""
-    try:
-        trusted_code(path)
-    except InputError as e:
-        raise PolicyError(str(e)) from None
-
-
 def load_plugin(ref: str) -> type[Policy]:
     """``FILE.py:Class`` or ``module:Class`` -> the class, loaded once and registered."""
     if ref in _LOADED:  # (the router, no longer root, may not even see the file it loaded as root)
@@ -106,24 +96,14 @@ def load_plugin(ref: str) -> type[Policy]:
     if key in _LOADED:
         _LOADED[ref] = _LOADED[key]
         return _LOADED[key]
-    trusted(path)
-    mod_name = "_pdd_policy_" + hashlib.sha256(str(path).encode()).hexdigest()[:16]
-    module = sys.modules.get(mod_name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(mod_name, path)
-        if spec is None or spec.loader is None:
-            raise PolicyError(f"{path}: not a Python file")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = module
-        try:
-            spec.loader.exec_module(module)
-        except Exception as e:  # noqa: BLE001 - the user's file: say where it failed
-            del sys.modules[mod_name]
-            raise PolicyError(f"{_raised_at(e, path)}: importing the policy failed: {type(e).__name__}: {e}") from e
+    try:
+        module = import_file(path, "_pdd_policy_")
+    except InputError as e:
+        raise PolicyError(str(e).replace(": importing it failed:", ": importing the policy failed:")) from e
     cls = getattr(module, cls_name, None)
     if not (isinstance(cls, type) and issubclass(cls, Policy)):
         found = sorted(k for k, v in vars(module).items()
-                       if isinstance(v, type) and issubclass(v, Policy) and v.__module__ == mod_name)
+                       if isinstance(v, type) and issubclass(v, Policy) and v.__module__ == module.__name__)
         raise PolicyError(f"{path}: no Policy subclass {cls_name!r} (found: {', '.join(found) or 'none'})")
     register(cls)
     _LOADED[key] = _LOADED[ref] = cls
@@ -145,14 +125,6 @@ def _file_of(target: str) -> Path:
     if found is None or not found.origin or not found.origin.endswith(".py"):
         raise PolicyError(f"{target}: no such module (a policy module is a .py file on the Python path)")
     return Path(found.origin).resolve()
-
-
-def _raised_at(e: BaseException, path: Path) -> str:
-    """``FILE:LINE`` of the deepest frame of ``e`` in ``path`` (or just the file)."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if Path(f.filename) == path]
-    if isinstance(e, SyntaxError) and e.lineno:
-        return f"{path}:{e.lineno}"
-    return f"{path}:{frames[-1].lineno}" if frames else str(path)
 
 
 # ------------------------------------------------------------------------ specs
