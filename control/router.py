@@ -63,6 +63,7 @@ from workers.transport import HOST, Transport
 MEMORY_REPORT_S = 30  # seconds between writes of the router's memory report
 T = TypeVar("T")
 
+
 class Router:
     def __init__(self, cfg: RouterConfig, transport: Transport = HOST) -> None:
         self.cfg = cfg
@@ -130,11 +131,9 @@ class Router:
             settled.set()
 
         name = Path(self.cfg.records_path).name
-        if self.cfg.trace_decisions:
-            self.decisions.traced = os.fdopen(self.out.open(name + ".decisions.jsonl"), "w")
         with os.fdopen(self.out.open(name), "w") as self.ended.file, contextlib.ExitStack() as traced:
-            if self.decisions.traced is not None:
-                traced.enter_context(self.decisions.traced)
+            if self.cfg.trace_decisions:
+                self.decisions.traced = traced.enter_context(os.fdopen(self.out.open(name + ".decisions.jsonl"), "w"))
             sweeper = asyncio.create_task(self._sweep())
             settler = asyncio.create_task(settle())
             await self.session.run(self._on_message, on_connect, settled, on_stop)
