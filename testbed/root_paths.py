@@ -1,7 +1,11 @@
-"""How root reaches and removes paths that another account may touch: a folder opened by
-descriptors one component at a time, following only links root owns, and written into
-only when root owns it and no one else can write it (``open_folder``); a tree removed at
-any depth without recursion and without following a link (``remove_tree``).
+"""How root reaches, reads, writes, removes and runs paths that another account may touch:
+a folder opened by descriptors one component at a time, following only links root owns,
+and written into only when root owns it and no one else can write it (``open_folder``); a
+tree removed at any depth without recursion and without following a link (``remove_tree``);
+a component's file read without following a link and only up to a size (``read_nofollow``),
+a private file written atomically (``write_private``); a user's Python file (a policy
+plugin, a ``--topo``) imported only when root's and writable by no one else
+(``trusted_code``, ``import_file``).
 
 Root writes results, caches and kept logs into a checkout an unprivileged account may own
 (it ran the simulator there first) and into folders named on the command line, and removes
