@@ -100,7 +100,8 @@ test-cluster:
 	$(MAKE) setup CLUSTER=1
 	$(PY) -m pytest -q tests/test_ray_executor.py
 
-# Replays the default agentic trace under each policy, prints the side-by-side table and
+# The simulator's prediction of the replay first (seconds), then the emulation (--with-sim), then
+# the two side by side. Replays the default agentic trace under each policy, prints the side-by-side table and
 # saves requests.csv/.parquet, summary.json, report.md and plots under runs/<timestamp>/ (`testbed report DIR` rebuilds them).
 # The simulator's part runs whatever the emulated run's exit; make's exit is the emulated run's.
 # (A variable: a comma inside $(if ...) would split its arguments.)
@@ -112,7 +113,7 @@ REGIME_RUN = echo; echo "== THE SIMULATOR, not this host's emulation: the report
   --prefill-cost $(REGIME_PREFILL_COST) --policies same-dc,cross-dc,pdd || rc=$$((rc ? rc : $$?));
 run-trace: setup
 	$(VENV)/bin/testbed clean
-	rc=0; $(VENV)/bin/testbed run --scenario $(SCENARIO) --trace $(TRACE) --token-scale $(TOKEN_SCALE) \
+	rc=0; $(VENV)/bin/testbed run --with-sim --scenario $(SCENARIO) --trace $(TRACE) --token-scale $(TOKEN_SCALE) \
 	  --policies $(POLICIES) $(if $(NETWORK),--network $(NETWORK)) $(RUN_ARGS) || rc=$$?; \
 	$(if $(filter 1,$(REGIME)),$(REGIME_RUN)) exit $$rc
 

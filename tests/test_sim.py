@@ -336,3 +336,35 @@ def test_trace_decisions_saves_each_plan_with_what_it_weighed_and_changes_nothin
         chosen = {c["worker"] for c in d["candidates"] if c["note"].endswith("(chosen)")}
         assert {d["prefill"], d["decode"]} <= chosen and d["info"]["delta_tokens"] is not None
     assert not list(plain.glob("decisions-*"))
+
+
+def test_a_run_with_the_simulators_prediction_prints_it_first_then_both_side_by_side(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run --with-sim`` (what ``make run-trace`` runs): the simulator's tables first, then the
+    run's, then the comparison with validate's tolerances, saved in the run's folder; the
+    exit status is the run's. (The emulation is stood in for by a second simulation: the
+    orchestration is what is tested here, the emulation by ``test_sim_validation``.)"""
+    import dataclasses
+
+    from testbed.experiments import validation
+
+    real = validation.run_trace
+    engines: list[str] = []
+
+    def stand_in(sc: Any, wl: Any, policies: Any, opts: Any) -> int:
+        engines.append(opts.engine)
+        return real(sc, wl, policies, dataclasses.replace(opts, engine="sim", dilation=None))
+
+    monkeypatch.setattr(validation, "run_trace", stand_in)
+    code, out, err = run_cli_output(["run", "--trace", "traces/agentic-quick.jsonl", "--token-scale", "16", "--limit",
+                                     "8", "--policies", "same-dc,pdd", "--with-sim", "--out", str(tmp_path)], capsys)
+    assert code == 0, err[-2000:]
+    assert engines == ["sim", "emulation"]
+    first, second = out.index("THE SIMULATOR's prediction"), out.index("== the emulation")
+    assert first < second < out.index("the simulator's prediction beside the emulation")
+    assert (tmp_path / "sim" / "summary.json").exists() and (tmp_path / "summary.json").exists()
+    result = json.loads((tmp_path / "validation.json").read_text())
+    assert result["figures"] and all(f["passed"] is not False for f in result["figures"])
+    code, out, _ = run_cli_output(["run", "--engine", "sim", "--trace", "traces/agentic-quick.jsonl", "--token-scale",
+                                   "16", "--limit", "4", "--with-sim", "--out", str(tmp_path / "s")], capsys)
+    assert code == 0 and "THE SIMULATOR's prediction" not in out  # the simulator's run is its own prediction

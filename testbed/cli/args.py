@@ -134,6 +134,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                         "X (default 1; an open-loop trace's load is then exactly X times its own)")
     p.add_argument("--allow-infidelity", action="store_true",
                    help="exit 0 even when the fidelity verdict fails (it is still printed and saved)")
+    p.add_argument("--with-sim", action="store_true",
+                   help="first the simulator's prediction of the same replay (seconds), then the emulation, then "
+                        "the two side by side with testbed validate's tolerances")
     p.add_argument("--out", help="results folder (default runs/<timestamp>)")
     p.add_argument("--fault", action="append", default=[], metavar="KIND@START[+DUR][:k=v,...]",
                    help="inject a fault at an emulated time of the replay (repeatable): wan-down, loss (pct), "

@@ -25,6 +25,7 @@ from testbed.cli.net_commands import require_root, wire_scenario
 from testbed.cli.replay_commands import check_executor, policies_for, replay_inputs
 from testbed.deploy import forkserver
 from testbed.deploy.deployment import network_session
+from testbed.engines import kind
 from testbed.errors import EXIT_INTERRUPTED, InputError, Terminated, TestbedError
 from testbed.faults.timeline import parse_faults
 from testbed.load.verify import run_verify
@@ -109,6 +110,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         if log.exists():
             print(log.read_text(), end="")
         return rc
+    if args.with_sim and not kind(opts.engine).virtual_time:  # (with --engine sim, the run is the prediction)
+        from testbed.experiments.validation import run_with_prediction
+
+        return run_with_prediction(sc, wl, policies, opts)
     return run_trace(sc, wl, policies, opts)
 
 

@@ -24,7 +24,7 @@ from scipy.stats import wasserstein_distance
 from testbed.analysis.results import SUMMARY_FILE, PolicySummary, load_run
 from testbed.experiments.parallel import Replay, run_all
 from testbed.experiments.trace_run import RunOptions, run_trace
-from testbed.outputs import write_atomic
+from testbed.outputs import new_run_dir, write_atomic
 from testbed.policies import PolicySpec
 from testbed.scenario import Scenario
 from testbed.traces.workload import Workload
@@ -228,3 +228,25 @@ def validate(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunOp
     print("\n" + text, flush=True)
     print(f"saved: {out / 'validation.md'}, {out / VALIDATION_FILE}", flush=True)
     return 1 if not result.passed else 3 if result.unjudged else 0
+
+
+def run_with_prediction(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunOptions) -> int:
+    """``testbed run --with-sim``: the simulator's prediction of this very replay first (seconds,
+    in ``sim/`` of the run's folder), then the emulation as ``run`` does, then the two side by
+    side with ``validate``'s tolerances (``validation.md``). The exit status is the
+    emulation's: a prediction that misses is reported, not an error of the run."""
+    out = opts.out or new_run_dir("")
+    print("== THE SIMULATOR's prediction of this replay (the same code in virtual time; the emulation follows)",
+          flush=True)
+    run_trace(sc, wl, policies, dataclasses.replace(opts, engine="sim", dilation=None, out=out / "sim"))
+    print("\n== the emulation", flush=True)
+    rc = run_trace(sc, wl, policies, dataclasses.replace(opts, out=out))
+    if not (out / SUMMARY_FILE).exists():
+        return rc
+    result = compare(out, out / "sim")
+    text = format_result(result)
+    write_atomic(out / "validation.md", text + "\n")
+    write_atomic(out / VALIDATION_FILE, result.model_dump_json(indent=2))
+    print("\n== the simulator's prediction beside the emulation (testbed validate's tolerances; "
+          "docs/simulation.md says what a miss was traced to)\n" + text, flush=True)
+    return rc
