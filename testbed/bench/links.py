@@ -12,7 +12,9 @@ seconds of the line's rate):
 * one whose line drops to half its rate one second in; one whose line is down 15 s from
   one second in (TCP's retransmission backoff decides when it resumes);
 * small messages on a connection of their own beside a transfer that fills the line: how
-  much of the bottleneck's buffer they wait behind (the model's ``QUEUE_FILL``).
+  much of the bottleneck's buffer they wait behind (the model's ``QUEUE_FILL``);
+* with ``--held S``: ten transfers keeping the line saturated for S seconds (30 minutes:
+  ``--held 1800``), each held to a tenth of it all along.
 
 A case passes when the model's completion time is within 10 % of the line's (the mean over
 its transfers; two at once runs three times on the line and its median counts, as how two
@@ -73,11 +75,16 @@ class Outcome:
         return abs(self.error) <= TOLERANCE
 
 
-def cases(senders: list[str], rate_bps: float, seconds: float = 3.0) -> list[Case]:
+def cases(senders: list[str], rate_bps: float, seconds: float = 3.0, held_s: float = 0.0) -> list[Case]:
     s = rate_bps / 8 * seconds
     a, b = senders
     many = [(h, 0.0, s / 20) for h in (a, b) for _ in range(20)]
-    return [
+    # Ten transfers that keep the line saturated for held_s: each held to a tenth of it for
+    # that long (windows, BBR's probes, the sharing over minutes; the model's windows were once
+    # unbounded there). The last ends when the line has carried them all.
+    held = [Case(f"10 held behind a saturated line {held_s / 60:g} min",
+                 [(h, 0.0, rate_bps / 8 * held_s / 10) for h in (a, b) for _ in range(5)])] if held_s > 0 else []
+    return held + [
         Case("one transfer, new connection", [(a, 0.0, s)]),
         Case(f"one transfer, kept connection idle {IDLE_S:g} s", [(a, 0.0, s)], kept=True),
         Case("two at once, two senders", [(a, 0.0, s), (b, 0.0, s)], repeats=3),
@@ -265,8 +272,9 @@ def on_model(net: Network, case: Case, receiver: str) -> float:
 
 
 def run_links_bench(net: Network, chosen: Callable[[Case], bool] = lambda c: True,
-                    seconds: float = 3.0) -> dict[str, Any]:
-    """Every chosen case (``S`` = ``seconds`` of the line's rate) on the line and on the model."""
+                    seconds: float = 3.0, held_s: float = 0.0) -> dict[str, Any]:
+    """Every chosen case (``S`` = ``seconds`` of the line's rate; with ``held_s``, the held
+    case too) on the line and on the model."""
     sc = net.scenario
     receiver = next(h for h in sc.hosts_with_role(Role.DECODE) if net.plan.hosts[h].dc == net.plan.wan_between[1])
     senders = [h for h in sc.hosts_with_role(Role.PREFILL) + sc.hosts_with_role(Role.RELAY_DECODE)
@@ -278,7 +286,7 @@ def run_links_bench(net: Network, chosen: Callable[[Case], bool] = lambda c: Tru
     listening = _receiver(net.ns_of(receiver), net.ip_of(receiver), stop)
     outcomes = []
     try:
-        for case in cases(senders, rate, seconds):
+        for case in cases(senders, rate, seconds, held_s):
             if chosen(case):
                 runs = [on_line(net, case, receiver) for _ in range(case.repeats)]
                 outcomes.append(Outcome(case.name, statistics.median(runs), on_model(net, case, receiver), runs))

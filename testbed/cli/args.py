@@ -352,6 +352,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                                       "40, a rate change, a 15 s outage, small messages beside a full line")
     scenario_opts(p)
     wire_opts(p)
+    p.add_argument("--held", type=float, default=0.0, metavar="S",
+                   help="also: 10 transfers holding the line saturated for S seconds (e.g. 1800)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(command="bench links")
     p = bsub.add_parser("sim", help="the simulator's speed and memory: paper.jsonl on paper.yaml at token scale 1 "
