@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -294,3 +295,44 @@ def test_request_list_prompt_ids_must_be_in_the_models_vocabulary(tmp_path: Path
     assert load_trace(_write(tmp_path, "ok.jsonl", [ok]), "requests").requests[0].input_len == 3
     with pytest.raises(InputError, match=r"r.jsonl:2: .*token id 9000 is outside the default model's vocabulary"):
         load_trace(_write(tmp_path, "r.jsonl", [ok, bad]), "requests")
+
+
+def test_a_bailian_trace_reads_as_conversation_trees_of_16_token_blocks(tmp_path: Path) -> None:
+    wl = load_trace(ROOT / "traces/bailian-sample.jsonl")
+    assert wl.format == "bailian" and wl.block_size == 16 and len(wl.requests) == 14
+    by_rid = {r.rid: r for r in wl.requests}
+    children = [r for r in wl.requests if r.after is not None]
+    assert len(children) == 8 and len({r.session for r in wl.requests}) == 6
+    for c in children:  # a turn carries its parent's prompt (its blocks) and is timed by the trace too
+        parent = by_rid[c.after]
+        assert c.prompt()[: parent.input_len] == parent.prompt() and c.at is not None and c.at > parent.at
+    root = next(r for r in wl.requests if r.after is None)
+    bad = [
+        ({**json.loads((ROOT / "traces/bailian-sample.jsonl").read_text().splitlines()[0]), "parent_chat_id": 7},
+         "parent_chat_id: '7' is no request before this line"),
+        ({"chat_id": 1, "timestamp": 0, "input_length": 100, "output_length": 1, "hash_ids": [1]},
+         "hash_ids: 1 blocks of 16 tokens for input_length 100"),
+    ]
+    for line, says in bad:
+        p = _write(tmp_path, "b.jsonl", [line])
+        with pytest.raises(InputError, match=re.escape(f"b.jsonl:1: {says}")):
+            load_trace(p)
+    assert root.hints.tag in ("text", "search")
+
+
+def test_a_bailian_child_waits_for_its_parents_answer_and_its_own_time() -> None:
+    from testbed.load.trace_replay import TraceReplay
+    from testbed.policies import parse_policy
+    from testbed.scenario import load_scenario
+    from testbed.sim.engine import SimDeployment, sim_plan
+
+    sc = load_scenario(ROOT / "topologies/two-dc.yaml")
+    wl = load_trace(ROOT / "traces/bailian-sample.jsonl", token_scale=16)
+    with SimDeployment(sc, parse_policy("same-dc"), emulation=sim_plan(sc, 16)) as dep:
+        run = dep.run(TraceReplay(wl.specs(1.0), 600, show_progress=False))
+    assert all(r.ok for r in run.recs.values())
+    t0 = min(r.sent for r in run.recs.values())
+    for r in wl.requests:
+        if r.after is not None:
+            child, parent = run.recs[r.rid], run.recs[r.after]
+            assert child.sent >= (parent.ended or 0) and child.sent - t0 >= r.at - 1e-6

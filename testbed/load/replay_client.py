@@ -178,8 +178,8 @@ async def replay(transport: Transport, broker: BrokerInfo, topics: Topics, specs
         if n_done == len(recs):
             finished.set()
         for nxt in followers.get(rec.rid, []):
-            if rec.ok:
-                later(send(nxt, nxt.delay))
+            if rec.ok:  # its delay after this answer, and not before its own time (a tree's child)
+                later(send(nxt, max(nxt.delay, t0 + nxt.at - clock.time())))
             else:
                 # An agent cannot take its next turn without this turn's answer (its retries spent).
                 f = recs[nxt.rid]

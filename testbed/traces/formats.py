@@ -11,83 +11,29 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
-import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 from pydantic import (
-    AllowInfNan,
     BaseModel,
     ConfigDict,
     Field,
     StrictBool,
-    StrictFloat,
     StrictInt,
-    ValidationError,
     model_validator,
 )
 
-from protocol.messages import MAX_PROMPT_TOKENS, SAFE_NAME, RequestHints
+from protocol.messages import SAFE_NAME, RequestHints
 from testbed.errors import InputError
-from testbed.traces.line_errors import from_validation, line_error, read_lines
+from testbed.traces.bailian import load_bailian
+from testbed.traces.line_errors import line_error, read_lines
+from testbed.traces.lines import MAX_SECONDS, MAX_TOKENS, Number, Seconds, Tokens, json_lines, parse_line
 from testbed.traces.workload import VOCAB_HIGH, Segment, TraceRequest, Workload, scale_len
 
 MOONCAKE_BLOCK = 512
-FORMATS = ("mooncake", "azure", "sessions", "requests")
+FORMATS = ("mooncake", "azure", "sessions", "requests", "bailian")
 SESSIONS_FORMAT = "pdd-sessions"
-
-# Bounds every reader applies at the line: a number outside them is a clear error naming the
-# line and field, never an overflow, a run of ten thousand years or a prompt no worker holds.
-MAX_TOKENS = MAX_PROMPT_TOKENS  # a length of tokens (input, output, prefix, a turn's)
-MAX_SECONDS = 1e9  # a time or delay in seconds (~31 years)
-Number = Annotated[StrictInt | StrictFloat, AllowInfNan(False)]
-Seconds = Annotated[Number, Field(ge=0, le=MAX_SECONDS)]
-Tokens = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS)]
-
-
-class _NotFinite(ValueError):
-    pass
-
-
-def _finite_only(name: str) -> float:
-    raise _NotFinite(f"{name} is not a number")
-
-
-def _json(line: str) -> Any:
-    """One line of JSON; raises ValueError saying why it is not (non-finite numbers, nesting
-    past what a parser should follow, integers of thousands of digits included)."""
-
-    try:
-        return json.loads(line, parse_constant=_finite_only)
-    except (json.JSONDecodeError, _NotFinite) as e:
-        raise ValueError(f"not valid JSON: {e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError)
-                         else str(e)) from e
-    except RecursionError as e:
-        raise ValueError("nested too deeply") from e
-    except ValueError as e:  # an integer of more digits than Python converts (4,300)
-        raise ValueError(f"a number too long to read ({str(e).split(':')[0]})") from e
-
-
-def _json_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    for i, line in enumerate(read_lines(path), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = _json(line)
-        except ValueError as e:
-            raise line_error(path, i, "(line)", str(e)) from e
-        if not isinstance(obj, dict):
-            raise line_error(path, i, "(line)", "expected a JSON object")
-        yield i, obj
-
-
-def _parse(model: type[BaseModel], path: Path, line: int, obj: dict[str, Any]) -> Any:
-    try:
-        return model.model_validate(obj)
-    except ValidationError as e:
-        raise from_validation(path, line, e) from e
-
 
 def _non_empty(path: Path, reqs: list[TraceRequest]) -> list[TraceRequest]:
     if not reqs:
@@ -108,8 +54,8 @@ class MooncakeLine(BaseModel):
 def load_mooncake(path: Path, token_scale: int = 1) -> Workload:
     block = max(1, MOONCAKE_BLOCK // token_scale)
     reqs, last = [], 0.0
-    for i, obj in _json_lines(path):
-        r: MooncakeLine = _parse(MooncakeLine, path, i, obj)
+    for i, obj in json_lines(path):
+        r: MooncakeLine = parse_line(MooncakeLine, path, i, obj)
         n = len(r.hash_ids)
         if n * MOONCAKE_BLOCK < r.input_length:
             raise line_error(path, i, "hash_ids", f"{n} blocks of {MOONCAKE_BLOCK} tokens cannot cover "
@@ -234,7 +180,7 @@ def _check_turn_timing(path: Path, line: int, s: Session) -> None:
 
 
 def load_sessions(path: Path, token_scale: int = 1) -> Workload:
-    return sessions_workload(path, _json_lines(path), token_scale)
+    return sessions_workload(path, json_lines(path), token_scale)
 
 
 def sessions_workload(path: Path, lines: Iterable[tuple[int, dict[str, Any]]], token_scale: int = 1) -> Workload:
@@ -245,12 +191,12 @@ def sessions_workload(path: Path, lines: Iterable[tuple[int, dict[str, Any]]], t
     last = 0.0
     for i, obj in lines:
         if "format" in obj and not reqs and not meta:
-            hdr: SessionsHeader = _parse(SessionsHeader, path, i, obj)
+            hdr: SessionsHeader = parse_line(SessionsHeader, path, i, obj)
             if hdr.format != SESSIONS_FORMAT:
                 raise line_error(path, i, "format", f"expected {SESSIONS_FORMAT!r}, got {hdr.format!r}")
             meta = {k: v for k, v in obj.items() if k not in ("format", "version")}
             continue
-        s: Session = _parse(Session, path, i, obj)
+        s: Session = parse_line(Session, path, i, obj)
         if s.session in seen:
             raise line_error(path, i, "session", f"{s.session!r} already defined on line {seen[s.session]}")
         seen[s.session] = i
@@ -318,8 +264,8 @@ def load_requests(path: Path, token_scale: int = 1) -> Workload:
     """Simple request lists: explicit ``prompt`` token IDs (never scaled) or ``input_length``
     with an optional shared ``prefix`` group."""
     reqs, last = [], 0.0
-    for i, obj in _json_lines(path):
-        r: RequestLine = _parse(RequestLine, path, i, obj)
+    for i, obj in json_lines(path):
+        r: RequestLine = parse_line(RequestLine, path, i, obj)
         if r.arrival_s < last:
             raise line_error(path, i, "arrival_s", f"goes backwards ({r.arrival_s} < {last})")
         last = r.arrival_s
@@ -341,13 +287,16 @@ def load_requests(path: Path, token_scale: int = 1) -> Workload:
 
 
 # ------------------------------------------------------------------------------ dispatch
-LOADERS = {"mooncake": load_mooncake, "azure": load_azure, "sessions": load_sessions, "requests": load_requests}
+LOADERS = {"mooncake": load_mooncake, "azure": load_azure, "sessions": load_sessions, "requests": load_requests,
+           "bailian": load_bailian}
 
 
 def detect_format(path: Path) -> str:
     if path.suffix.lower() == ".csv":
         return "azure"
-    for _, obj in _json_lines(path):
+    for _, obj in json_lines(path):
+        if "chat_id" in obj:
+            return "bailian"
         if "hash_ids" in obj:
             return "mooncake"
         if "turns" in obj or obj.get("format") == SESSIONS_FORMAT:

@@ -174,8 +174,9 @@ class Workload:
             r2 = dataclasses.replace(r)
             if r2.at is not None:
                 r2.at = r2.at - shift
-            elif r2.after not in kept:
-                r2.at, r2.after, r2.delay = max(0.0, est[r.rid] - shift), None, 0.0
+            if r2.after is not None and r2.after not in kept:  # (a tree's child keeps its own time)
+                r2.at = max(0.0, r2.at if r2.at is not None else est[r.rid] - shift)
+                r2.after, r2.delay = None, 0.0
             out.append(r2)
         return dataclasses.replace(self, requests=out)
 
