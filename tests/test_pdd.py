@@ -146,7 +146,7 @@ def test_bad_policy_options_are_rejected() -> None:
                       ("pdd:drc=maybe", "option drc='maybe': Input should be 'on' or 'off'"),
                       ("pdd:bogus=1", "unknown option 'bogus' \\(options: handoff, threshold"),
                       ("same-dc:x=1", "unknown option 'x' \\(options: none\\)"),
-                      ("pdx", "unknown policy 'pdx' \\(known: cross-dc, pdd, prefill-offload, same-dc; a plugin"),
+                      ("pdx", "unknown policy 'pdx' \\(known: .*pdd, prefill-offload.*; a plugin"),
                       ("pdd:threshold", "option 'threshold' must be key=value")]:
         with pytest.raises(InputError, match=msg):
             parse_policy(spec)
