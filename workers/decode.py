@@ -57,7 +57,7 @@ from workers.modeled import ModeledBatch, ModeledRunner
 from workers.radix_cache import RadixCache
 from workers.runtime import Worker
 from workers.seq import Seq
-from workers.transport import HOST, Transport
+from workers.transport import HOST, KvServe, Transport
 
 if TYPE_CHECKING:  # transformers: imported only where a model runs (``workers.model_config``)
     from workers.model import DecodeBatch
@@ -94,10 +94,10 @@ class DecodeWorker(HandoffMixin, Worker):
         self.admission_queue_max = 0
 
     async def start(self) -> None:
+        opts = KvServe(expect=self.runner.shape, token=self.cfg.kv_token, zeros=self._zero_kv(), netns=self.cfg.netns,
+                       timeout_s=self.cfg.kv_read_timeout_s)
         self.server = await self.transport.serve_kv(self.cfg.host_ip, self.cfg.kv_port, self._offer, self._arrived,
-                                                    self._transfer_failed, expect=self.runner.shape,
-                                                    token=self.cfg.kv_token, zeros=self._zero_kv(),
-                                                    netns=self.cfg.netns, timeout_s=self.cfg.kv_read_timeout_s)
+                                                    self._transfer_failed, opts)
         self.spawn(self._loop())
 
     def _zero_kv(self) -> Callable[[int], torch.Tensor] | None:

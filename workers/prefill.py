@@ -23,7 +23,7 @@ from workers import kv_wire
 from workers.kv_queue import PeerQueues
 from workers.radix_cache import RadixCache
 from workers.runtime import Worker
-from workers.transport import HOST, Transport
+from workers.transport import HOST, KvSend, Transport
 
 WARMS_KEPT = 256  # waiting warm commands; the oldest is dropped past this (a prefill that is never idle)
 
@@ -194,11 +194,11 @@ class PrefillWorker(Worker):
                 return
             waited = clock.time() - queued
             try:
+                opts = KvSend(cancel=cancel, corrupt_block=corrupt, token=self.cfg.kv_token, pool=self.kv_conns,
+                              zeros=self.cfg.compute == "modeled", netns=self.cfg.netns,
+                              timeout_s=self.cfg.kv_read_timeout_s, ticket=target.ticket)
                 st = await self.transport.send_kv(target.host, target.port, cmd.rid, cmd.prompt, kv, first,
-                                                  self.cfg.block_size, cancel=cancel, corrupt_block=corrupt,
-                                                  token=self.cfg.kv_token, pool=self.kv_conns,
-                                                  zeros=self.cfg.compute == "modeled", netns=self.cfg.netns,
-                                                  timeout_s=self.cfg.kv_read_timeout_s, ticket=target.ticket)
+                                                  self.cfg.block_size, opts)
             finally:
                 self.peers.release(target.worker)
         except Exception as e:  # noqa: BLE001 - that transfer's request fails, never the worker

@@ -10,7 +10,9 @@ in virtual time. Each method states one contract, whatever carries it:
   manager, ``subscribe``, ``publish``, ``messages``; ``aiomqtt.MqttError`` when it drops);
 * ``discard_session``: end whatever session the broker keeps under an identifier;
 * ``send_kv`` / ``serve_kv``: one KV transfer, sender and receiver side, with
-  ``kv_wire.send_kv``'s and ``kv_wire.serve_kv``'s arguments and results;
+  ``kv_wire.send_kv``'s and ``kv_wire.serve_kv``'s results; their options are one typed set
+  each (``KvSend``, ``KvServe``) that both transports take, each field saying what the
+  simulator makes of it;
 * ``serve_liveness``: a port that only says the process is alive (a prefill's);
 * ``probe``: "refused" when nothing listens on a worker's port (the process is gone), "no
   answer" when its host does not answer within ``timeout_s``, else "alive".
@@ -19,7 +21,9 @@ in virtual time. Each method states one contract, whatever carries it:
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import aiomqtt
 
@@ -32,6 +36,37 @@ if TYPE_CHECKING:  # the KV wire pulls in torch: the router and the command line
     from workers import kv_wire
 
 
+@dataclass(frozen=True)
+class KvSend:
+    """How one KV transfer is sent, beyond its data: the one set of options both transports
+    take. What the simulator makes of each is said beside it; none is dropped unsaid."""
+
+    cancel: asyncio.Event | None = None  # set: the transfer is cut off (both)
+    timeout_s: float | None = None  # a peer that takes nothing this long breaks it (both)
+    token: str = ""  # the run's KV token, sent as AUTH (both: the simulator prices the frame)
+    ticket: str = ""  # the request's ticket, in the HELLO (both: the receiver checks it)
+    pool: kv_wire.Connections | None = None  # kept connections; the simulator keeps one per pair of hosts
+    zeros: bool = False  # modeled KV, sent as zero blocks; the simulator copies no KV either way
+    netns: str | None = None  # the sending host's namespace; the simulator's hosts are its own
+    corrupt_block: int | None = None  # a test fault; the simulator refuses a run that sets it (sim/scope.py)
+    frame_tokens: int = 0  # tokens per BLOCK frame (0: FRAME_TOKENS); both price the framing by it
+
+
+@dataclass(frozen=True)
+class KvServe:
+    """How a receiver serves KV transfers: the one set of options both transports take."""
+
+    expect: kv_wire.ModelShape | None = None  # the only layout taken; the simulator's senders send it
+    token: str = ""  # the run's KV token a connection must open with; the simulator's senders all have it
+    zeros: Callable[[int], torch.Tensor] | None = None  # modeled KV: checked, handed on as a zero view (both)
+    netns: str | None = None  # listen in that namespace; the simulator's hosts are its own
+    timeout_s: float | None = None  # a sender silent this long breaks its transfer (both, by the sender's side)
+    max_connections: int = 256  # authenticated connections at once; the simulator's senders keep one each
+
+
+SEND_DEFAULTS, SERVE_DEFAULTS = KvSend(), KvServe()
+
+
 class Transport(Protocol):
     def mqtt_client(self, broker: BrokerInfo, identifier: str, keepalive: int,
                     will: aiomqtt.Will | None = None) -> aiomqtt.Client: ...
@@ -39,10 +74,10 @@ class Transport(Protocol):
     async def discard_session(self, broker: BrokerInfo, identifier: str) -> None: ...
 
     async def send_kv(self, host: str, port: int, request_id: str, tokens: list[int], kv: torch.Tensor,
-                      first_token: int, block_size: int, **options: Any) -> kv_wire.TransferStats: ...
+                      first_token: int, block_size: int, opts: KvSend = SEND_DEFAULTS) -> kv_wire.TransferStats: ...
 
     async def serve_kv(self, host: str, port: int, offer: kv_wire.OfferFn, done: kv_wire.DoneFn,
-                       fail: kv_wire.FailFn, **options: Any) -> object: ...
+                       fail: kv_wire.FailFn, opts: KvServe = SERVE_DEFAULTS) -> object: ...
 
     async def serve_liveness(self, host: str, port: int, netns: str | None) -> object: ...
 
@@ -61,16 +96,21 @@ class HostTransport:
         await Session.discard(broker.host, broker.port, broker.username, broker.password, identifier)
 
     async def send_kv(self, host: str, port: int, request_id: str, tokens: list[int], kv: torch.Tensor,
-                      first_token: int, block_size: int, **options: Any) -> kv_wire.TransferStats:
+                      first_token: int, block_size: int, opts: KvSend = SEND_DEFAULTS) -> kv_wire.TransferStats:
         from workers import kv_wire
 
-        return await kv_wire.send_kv(host, port, request_id, tokens, kv, first_token, block_size, **options)
+        return await kv_wire.send_kv(host, port, request_id, tokens, kv, first_token, block_size, cancel=opts.cancel,
+                                     corrupt_block=opts.corrupt_block, frame_tokens=opts.frame_tokens,
+                                     token=opts.token, ticket=opts.ticket, pool=opts.pool, zeros=opts.zeros,
+                                     netns=opts.netns, timeout_s=opts.timeout_s)
 
     async def serve_kv(self, host: str, port: int, offer: kv_wire.OfferFn, done: kv_wire.DoneFn,
-                       fail: kv_wire.FailFn, **options: Any) -> object:
+                       fail: kv_wire.FailFn, opts: KvServe = SERVE_DEFAULTS) -> object:
         from workers import kv_wire
 
-        return await kv_wire.serve_kv(host, port, offer, done, fail, **options)
+        return await kv_wire.serve_kv(host, port, offer, done, fail, expect=opts.expect, token=opts.token,
+                                      zeros=opts.zeros, netns=opts.netns, timeout_s=opts.timeout_s,
+                                      max_connections=opts.max_connections)
 
     async def serve_liveness(self, host: str, port: int, netns: str | None) -> object:
         from workers import kv_conn

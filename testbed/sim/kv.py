@@ -41,6 +41,7 @@ from testbed.sim.bus import SimBroker, SimClient
 from testbed.sim.links import Conn
 from testbed.sim.network import LinkModel
 from workers.kv_wire import DoneFn, FailFn, Incoming, OfferFn, TransferStats
+from workers.transport import SEND_DEFAULTS, SERVE_DEFAULTS, KvSend, KvServe
 
 HELLO_SAMPLE = 256  # token ids whose digits are counted to size a HELLO (the rest are like them)
 
@@ -107,9 +108,9 @@ def hello_bytes(rid: str, tokens: list[int], shape: tuple[int, int, int], dtype:
     return HDR.size + len(empty) + digits + max(0, n - 1)
 
 
-def block_frames_bytes(tokens: int, per_token: int, block_size: int) -> int:
+def block_frames_bytes(tokens: int, per_token: int, block_size: int, frame_tokens: int = 0) -> int:
     """The BLOCK frames carrying ``tokens`` tokens of KV (``kv_wire._send``'s framing)."""
-    per_frame = max(block_size, FRAME_TOKENS // block_size * block_size)
+    per_frame = max(block_size, (frame_tokens or FRAME_TOKENS) // block_size * block_size)
     frames = -(-tokens // per_frame)
     return frames * (HDR.size + BLOCK_HDR.size) + tokens * per_token
 
@@ -132,8 +133,8 @@ class SimTransport:
 
     # ----------------------------------------------------------------- ports
     async def serve_kv(self, host: str, port: int, offer: OfferFn, done: DoneFn, fail: FailFn,
-                       **options: Any) -> object:
-        lst = _Listener(self.host, offer, done, fail, options.get("zeros"))
+                       opts: KvServe = SERVE_DEFAULTS) -> object:
+        lst = _Listener(self.host, offer, done, fail, opts.zeros)
         self.net.listeners[(host, port)] = lst
         return lst
 
@@ -154,9 +155,10 @@ class SimTransport:
 
     # ----------------------------------------------------------------- a transfer
     async def send_kv(self, host: str, port: int, request_id: str, tokens: list[int], kv: torch.Tensor,
-                      first_token: int, block_size: int, **options: Any) -> TransferStats:
-        cancel: asyncio.Event | None = options.get("cancel")
-        timeout_s: float | None = options.get("timeout_s")
+                      first_token: int, block_size: int, opts: KvSend = SEND_DEFAULTS) -> TransferStats:
+        if opts.corrupt_block is not None:  # refused before a run (sim/scope.py): never silently dropped
+            raise KVTransferError("a corrupt block is the emulation's test fault")
+        cancel, timeout_s = opts.cancel, opts.timeout_s
         links = self.net.links
         dst = links.host_of_ip[host]
         path = links.path(self.host, dst)
@@ -178,11 +180,11 @@ class SimTransport:
                 raise KVTransferError(f"connect to {host}:{port}: [Errno 111] Connect call failed")
             lst.aborts.add(abort)
             await asyncio.sleep(links.prepare(conn))
-            ticket = options.get("ticket", "")
-            hello = hello_bytes(request_id, tokens, (layers, heads, head_dim), kv.dtype, block_size,
-                                options.get("token", ""), ticket)
+            ticket = opts.ticket
+            hello = hello_bytes(request_id, tokens, (layers, heads, head_dim), kv.dtype, block_size, opts.token,
+                                ticket)
             if fresh:  # a connection's first frame is its AUTH (kv_wire.send_kv)
-                hello += HDR.size + len(Auth(token=options.get("token", "")).model_dump_json())
+                hello += HDR.size + len(Auth(token=opts.token).model_dump_json())
             await self._push(conn, hello, stops, timeout_s, st)
             if any(ev.is_set() for ev in stops):
                 return self._cut(st, conn, lst, request_id, receiving)
@@ -199,7 +201,7 @@ class SimTransport:
             await asyncio.sleep(links.latency(path.back))
             st.receiver_had = have
             st.planned_payload = (n - have) * per_token
-            data = block_frames_bytes(n - have, per_token, block_size)
+            data = block_frames_bytes(n - have, per_token, block_size, opts.frame_tokens)
             end = HDR.size + len(End(first_token=first_token, n=n).model_dump_json())
             sent = await self._push(conn, data + end, stops, timeout_s, st)
             st.tokens_sent = min(n - have, int(sent // per_token))
