@@ -13,8 +13,8 @@ greedy tokens match a single-process ``generate`` exactly.
 
 from __future__ import annotations
 
-import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -58,7 +58,9 @@ def ensure_default_model(path: Path | None = None) -> Path:
         return ensure_tokenizer(path)
     torch.manual_seed(DEFAULT_SEED)
     model = LlamaForCausalLM(LlamaConfig(**DEFAULT_CONFIG))
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))  # a fresh name, no one else's
+    tmp.chmod(0o755)  # as a model directory is: readable by the accounts the components become
     model.save_pretrained(tmp)
     ensure_tokenizer(tmp)
     try:

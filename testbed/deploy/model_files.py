@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+from testbed.root_paths import open_folder
 from workers.model_dir import default_model_dir
 
 
@@ -15,5 +17,7 @@ def ensure_model(path: str | Path) -> str:
     if path == default_model_dir() and not made:  # torch only to create it (~5 s of imports)
         from workers.model import ensure_default_model  # torch
 
+        # Root writes it only where no other account could plant a link (``root_paths``).
+        os.close(open_folder(path.parent))
         ensure_default_model(path)
     return str(path)
