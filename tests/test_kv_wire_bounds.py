@@ -158,12 +158,18 @@ def test_silent_connections_hold_a_few_slots_of_their_own_and_never_a_senders() 
         server, port = await rx.start(timeout_s=30.0, max_connections=4)
         try:
             silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(300)]
-            await asyncio.sleep(0.2)
+            for _ in range(100):  # (a loaded host: until the receiver has closed what it would)
+                await asyncio.sleep(0.05)
+                if sum(r.at_eof() for r, _ in silent) >= 300 - kv_wire.MAX_UNAUTHENTICATED:
+                    break
             closed = sum(r.at_eof() for r, _ in silent)
             await kv_wire.send_kv("127.0.0.1", port, "ok", list(range(32)), torch.zeros(2, 2, 2, 32, 4), 1, 16,
                                   timeout_s=5.0)
             late = [await asyncio.open_connection("127.0.0.1", port) for _ in range(20)]
-            await asyncio.sleep(0.2)
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if sum(not r.at_eof() for r, _ in silent + late) <= kv_wire.MAX_UNAUTHENTICATED:
+                    break
             still_open = sum(not r.at_eof() for r, _ in silent + late)
             for _, w in silent + late:
                 w.close()
