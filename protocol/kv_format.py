@@ -13,8 +13,12 @@ from sender to receiver:
    ``!IIIHHHHBxxxI`` (frame index, first token, tokens, layer start, layer end, kv_heads,
    head_dim, dtype code, crc32 of the payload) and the raw tensor
    ``(layers, 2, kv_heads, tokens, head_dim)`` in C order, native little-endian.
-4. ``END`` (sender -> receiver, JSON ``End``): the first generated token and the count.
-5. ``ACK`` (receiver -> sender, JSON ``Ack``): ``{"ok": true}`` or ``{"error": ...}``.
+4. ``STATE`` (sender -> receiver), only when the HELLO announced ``state_bytes``: the
+   request's fixed-size state (a hybrid model's linear-attention states and window KV, which
+   the emulated card has and the small real model lacks: zeros of the card's size, scaled to
+   the wire like the KV), in frames of at most ``STATE_FRAME`` bytes after the last BLOCK.
+5. ``END`` (sender -> receiver, JSON ``End``): the first generated token and the count.
+6. ``ACK`` (receiver -> sender, JSON ``Ack``): ``{"ok": true}`` or ``{"error": ...}``.
 
 ``EXTEND`` (JSON token IDs to recompute) is used only by ``testbed bench handoff``, which
 compares shipping KV blocks with shipping token IDs over the same framing; blocking-socket
@@ -45,7 +49,9 @@ BLOCK_HDR = struct.Struct("!IIIHHHHBxxxI")
 # overran 3-31 ms beside its sends) but changed cross-datacenter TTFT with the dilation in
 # tests/test_fidelity.py (2.3 s at D 4 vs 1.7 s at D 8, twice): not understood yet, not used.
 FRAME_TOKENS = 16
-HELLO, OFFER, BLOCK, END, ACK, EXTEND, AUTH = 1, 2, 3, 4, 5, 6, 7
+HELLO, OFFER, BLOCK, END, ACK, EXTEND, AUTH, STATE = 1, 2, 3, 4, 5, 6, 7, 8
+STATE_FRAME = 256 * 1024
+MAX_STATE_BYTES = 1 << 30  # a request's state on the wire (the emulated card's, scaled): far above any card's
 DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3, torch.float16: 4}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 DTYPE_NAMES = {str(d): d for d in DTYPE_CODES}  # "torch.float32" -> torch.float32: the only dtypes read
@@ -101,6 +107,13 @@ class Hello(_Frame):
     # The request's ticket for this receiver: the router gave it to this transfer's sender and
     # receiver alone (their commands), so another worker of the run cannot offer this KV.
     ticket: Ticket = ""
+    # The request's fixed-size state, sent as STATE frames after the KV (0: a model without).
+    state_bytes: int = Field(default=0, ge=0, le=MAX_STATE_BYTES)
+
+    def wire(self) -> bytes:
+        """The frame's JSON; ``state_bytes`` only when there is a state (a dense model's
+        HELLO is what it was before hybrid models)."""
+        return self.model_dump_json(exclude=None if self.state_bytes else {"state_bytes"}).encode()
 
     def shape(self) -> ModelShape:
         return ModelShape(self.layers, self.kv_heads, self.head_dim, DTYPE_NAMES[self.dtype])

@@ -61,10 +61,15 @@ class PolicyContext(Contract):
     wan_rtt_s: float = 0.0
     dilation: float = Field(default=1.0, gt=0)
     kv_bytes_per_token: int = 0
+    kv_state_bytes: int = 0  # a request's fixed-size state every transfer carries (a hybrid card's)
     block_size: int = 16
     decode_cache_tokens: int = 0
     home_dc: str | None = None  # where requests enter (the router's datacenter); None: any
     token_scale: int = Field(default=1, ge=1)  # emulated tokens per replayed token (options in emulated tokens)
+
+    def transfer_bytes(self, tokens: int) -> int:
+        """Wire bytes of a transfer of ``tokens`` tokens' KV and the request's state."""
+        return tokens * self.kv_bytes_per_token + self.kv_state_bytes
 
 
 class Candidate(Contract):

@@ -64,14 +64,45 @@ class DeviceSpec(Contract):
 class ModelCost(Contract):
     """What a forward pass of the priced model costs: parameters a token passes through,
     layers, attention width (query heads x head dim), KV bytes per token, weight bytes a
-    pass reads."""
+    pass reads. A hybrid model's layers of other kinds (``testbed.hardware.ModelCard``)
+    and a mixture of experts' weights add what their defaults leave out: a dense model's
+    cost is the first six fields alone."""
 
     params: float = Field(gt=0)
     layers: int = Field(ge=1)
     hidden: int = Field(ge=1)
-    kv_bytes_per_token: int = Field(ge=1)
-    weight_bytes: float = Field(gt=0)
+    kv_bytes_per_token: int = Field(ge=1)  # of the full-attention layers: the KV that grows with the context
+    weight_bytes: float = Field(gt=0)  # what one token's pass reads (its active experts)
     dtype_bytes: int = Field(default=2, ge=1)  # of an activation value (what an all-reduce moves)
+    attention_layers: int | None = Field(default=None, ge=1)  # full attention (quadratic); None: every layer
+    window_layers: int = Field(default=0, ge=0)  # sliding-window attention over the last ``window`` tokens
+    window: int = Field(default=0, ge=0)
+    linear_flops_per_token: float = Field(default=0.0, ge=0)  # linear-attention layers' state updates
+    state_bytes: float = Field(default=0.0, ge=0)  # per request, fixed size: linear states and window KV
+    experts: int = Field(default=0, ge=0)  # routed experts per MoE layer (0: not a mixture)
+    experts_per_token: int = Field(default=0, ge=0)
+    expert_weight_bytes: float = Field(default=0.0, ge=0)  # one routed expert across every MoE layer
+
+    def pass_weight_bytes(self, rows: int) -> float:
+        """Weight bytes a pass over ``rows`` tokens reads: a mixture reads each expert its
+        tokens route to once, ``E x (1 - (1 - k/E)^rows)`` of them if routing is uniform
+        (``weight_bytes`` already holds one token's ``k``)."""
+        if not self.experts:
+            return self.weight_bytes
+        e, k = self.experts, self.experts_per_token
+        touched = e * (1.0 - (1.0 - k / e) ** rows)
+        return self.weight_bytes + (touched - k) * self.expert_weight_bytes
+
+    def attention_flops(self, rows: int, context: float) -> float:
+        """Attention FLOPs of ``rows`` tokens whose mean context is ``context`` (beyond the
+        weight GEMMs): full layers over the whole context, window layers over at most their
+        window, linear layers a fixed cost per token."""
+        flops = 4 * (self.attention_layers or self.layers) * self.hidden * rows * context
+        if self.window_layers:
+            flops += 4 * self.window_layers * self.hidden * rows * min(context, self.window)
+        if self.linear_flops_per_token:
+            flops += self.linear_flops_per_token * rows
+        return flops
 
 
 class Scales(Contract):
@@ -123,6 +154,9 @@ class WorkerConfig(Contract):
     kv_read_timeout_s: float = Field(default=60.0, gt=0)  # a KV peer silent this long broke the transfer
     kv_hello_wait_s: float = Field(default=2.0, gt=0)  # a HELLO's wait for its request's command
     kv_streams_per_peer: int = Field(default=1, ge=1)
+    # Wire bytes of a request's fixed-size state (a hybrid card's linear states and window KV,
+    # scaled like its KV) that every transfer carries after the KV; 0: a model without.
+    kv_state_bytes: int = Field(default=0, ge=0, le=1 << 30)
     device: DeviceSpec = DeviceSpec()
     cost: ModelCost | None = None  # the emulated model; None: price the real model's own work
     scales: Scales = Scales()

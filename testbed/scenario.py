@@ -24,7 +24,7 @@ from testbed.errors import InputError
 from testbed.faults.timeline import Fault, as_fault
 from testbed.faults.wan_trace import WanTrace, as_wan_trace, faults_of
 from testbed.hardware import DeviceProfile, ModelCard
-from testbed.scenario_yaml import deep_merge, extended, line_of, read_yaml
+from testbed.scenario_yaml import deep_merge, extended, line_of, read_yaml, with_card_files
 from testbed.traces.workload import VOCAB_HIGH
 from workers.model_dir import default_model_dir, read_config
 
@@ -390,6 +390,7 @@ def load_scenario(path: str | Path, overrides: dict[str, Any] | None = None) -> 
     data = extended(path, data, (path.resolve(),))
     if overrides:
         data = deep_merge(data, overrides)
+    data = with_card_files(path, data, ModelCard)
     try:
         return Scenario.model_validate({**data, "source": path})
     except ValidationError as e:

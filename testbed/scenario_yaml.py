@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel, ValidationError
 
+from protocol.validation import field_errors
 from testbed.errors import InputError
 
 
@@ -33,11 +35,11 @@ def line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
     return line
 
 
-def read_yaml(path: Path) -> tuple[yaml.Node | None, dict[str, Any]]:
+def read_yaml(path: Path, what: str = "scenario") -> tuple[yaml.Node | None, dict[str, Any]]:
     try:
         text = path.read_text()
     except OSError as e:
-        raise InputError(f"{path}: cannot read scenario: {e.strerror}") from e
+        raise InputError(f"{path}: cannot read {what}: {e.strerror}") from e
     try:
         node = yaml.compose(text)
         data = yaml.safe_load(text)
@@ -48,7 +50,7 @@ def read_yaml(path: Path) -> tuple[yaml.Node | None, dict[str, Any]]:
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         raise InputError(f"{where}: invalid YAML: {getattr(e, 'problem', e)}") from e
     if not isinstance(data, dict):
-        raise InputError(f"{path}:1: scenario must be a mapping at the top level")
+        raise InputError(f"{path}:1: {what} must be a mapping at the top level")
     return node, data
 
 
@@ -67,3 +69,26 @@ def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     for k, v in extra.items():
         out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+
+def with_card_files(path: Path, data: dict[str, Any], card_type: type[BaseModel]) -> dict[str, Any]:
+    """``data`` with each ``models:`` entry that names a file (``qwen3-next: models/qwen3-next.yaml``,
+    relative to the scenario) replaced by that file's card, validated there: an error names
+    the card's file and line."""
+    models = data.get("models")
+    if not isinstance(models, dict) or not any(isinstance(v, str) for v in models.values()):
+        return data
+    cards: dict[str, Any] = {}
+    for name, card in models.items():
+        if not isinstance(card, str):
+            cards[name] = card
+            continue
+        card_path = path.parent / card
+        node, fields = read_yaml(card_path, "model card")
+        try:
+            card_type.model_validate(fields)
+        except ValidationError as e:
+            raise InputError("\n".join(f"{card_path}:{line_of(node, err.loc) or '?'}: {err.field or '(top level)'}: "
+                                        f"{err.msg}" for err in field_errors(e))) from e
+        cards[name] = fields
+    return {**data, "models": cards}

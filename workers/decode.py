@@ -95,7 +95,7 @@ class DecodeWorker(HandoffMixin, Worker):
 
     async def start(self) -> None:
         opts = KvServe(expect=self.runner.shape, token=self.cfg.kv_token, zeros=self._zero_kv(), netns=self.cfg.netns,
-                       timeout_s=self.cfg.kv_read_timeout_s)
+                       timeout_s=self.cfg.kv_read_timeout_s, state_bytes=self.cfg.kv_state_bytes)
         self.server = await self.transport.serve_kv(self.cfg.host_ip, self.cfg.kv_port, self._offer, self._arrived,
                                                     self._transfer_failed, opts)
         self.spawn(self._loop())

@@ -95,8 +95,8 @@ class Pacer:
         total, done = 0.0, cached
         while done < cached + new:
             n = min(chunk, cached + new - done)
-            flops = 2 * m.params * n + 4 * m.layers * m.hidden * n * (done + n / 2)
-            nbytes = m.weight_bytes + m.kv_bytes_per_token * (done + n)
+            flops = 2 * m.params * n + m.attention_flops(n, done + n / 2)
+            nbytes = m.pass_weight_bytes(n) + m.kv_bytes_per_token * (done + n) + m.state_bytes
             total += self.pass_emulated(flops, nbytes, n)
             done += n
         return total
@@ -107,18 +107,22 @@ class Pacer:
         assert m is not None
         total = 0.0
         for j in range(steps):
-            ctx = sum(contexts) + j * len(contexts)
-            flops = 2 * m.params * len(contexts) + 4 * m.layers * m.hidden * ctx
-            nbytes = m.weight_bytes + m.kv_bytes_per_token * ctx
-            total += self.pass_emulated(flops, nbytes, len(contexts), self.decode_peak_flops)
+            rows = len(contexts)
+            ctx = sum(contexts) + j * rows
+            flops = 2 * m.params * rows + 4 * (m.attention_layers or m.layers) * m.hidden * ctx
+            if m.window_layers:  # each request's window layers see at most the window
+                flops += 4 * m.window_layers * m.hidden * sum(min(c + j, m.window) for c in contexts)
+            flops += m.linear_flops_per_token * rows
+            nbytes = m.pass_weight_bytes(rows) + m.kv_bytes_per_token * ctx + m.state_bytes * rows
+            total += self.pass_emulated(flops, nbytes, rows, self.decode_peak_flops)
         return total
 
     def extend_emulated(self, context: int, tokens: int) -> float:
         """Emulated seconds for one pass over ``tokens`` known tokens after ``context``."""
         m = self.cost
         assert m is not None
-        flops = 2 * m.params * tokens + 4 * m.layers * m.hidden * tokens * (context + tokens / 2)
-        nbytes = m.weight_bytes + m.kv_bytes_per_token * (context + tokens)
+        flops = 2 * m.params * tokens + m.attention_flops(tokens, context + tokens / 2)
+        nbytes = m.pass_weight_bytes(tokens) + m.kv_bytes_per_token * (context + tokens) + m.state_bytes
         return self.pass_emulated(flops, nbytes, tokens)
 
     # ----------------------------------------------------------------- real seconds to pace to

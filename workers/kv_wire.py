@@ -1,7 +1,7 @@
 """Point-to-point TCP transfer of KV between workers (the format: ``protocol/kv_format.py``).
 
 ``send_kv`` sends what the receiver lacks, block by block; ``serve_kv`` / ``receive_kv``
-take transfers. The receiver trusts nothing its peer sends: every frame's length is capped
+(``workers/kv_receive.py``) take transfers. The receiver trusts nothing its peer sends: every frame's length is capped
 before it is read (control frames ``MAX_CONTROL_FRAME``, HELLO ``MAX_HELLO``, a BLOCK at
 most the KV still missing), HELLO is a validated ``Hello`` (request id alphabet, at most
 ``MAX_PROMPT_TOKENS`` token ids, a dtype from a whitelist, the run's KV token, the request's
@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
+import functools
 import socket
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +64,8 @@ from protocol.kv_format import (  # noqa: F401 - the format's names are part of 
     MAX_PROMPT_TOKENS,
     MAX_TOKEN_ID,
     OFFER,
+    STATE,
+    STATE_FRAME,
     VERSION,
     Ack,
     Auth,
@@ -99,6 +101,7 @@ from workers.kv_conn import (  # noqa: F401 - Connections and the limits are par
     tune_socket,
     write_frame,
 )
+from workers.kv_receive import DoneFn, FailFn, Incoming, OfferFn, receive_kv, serve_kv  # noqa: F401 - its interface
 
 
 @dataclass
@@ -118,6 +121,12 @@ class TransferStats:
     error: str | None = None
 
 
+@functools.cache
+def _state_zeros(size: int) -> bytes:
+    """A state frame's payload: the small real model has no such state; zeros stand in."""
+    return bytes(size)
+
+
 class _StaleConnection(Exception):
     """A reused connection was dead before the receiver answered HELLO."""
 
@@ -127,7 +136,7 @@ async def send_kv(
     block_size: int, cancel: asyncio.Event | None = None, corrupt_block: int | None = None,
     on_progress: Callable[[TransferStats], None] | None = None, frame_tokens: int = 0, token: str = "",
     ticket: str = "", pool: Connections | None = None, zeros: bool = False, netns: str | None = None,
-    timeout_s: float | None = None,
+    timeout_s: float | None = None, state_bytes: int = 0,
 ) -> TransferStats:
     """Send the part of ``kv`` (for ``tokens``) the receiver lacks, in frames of whole blocks
     (``frame_tokens``, default ``FRAME_TOKENS``), over a connection from ``pool`` if it has
@@ -135,11 +144,13 @@ async def send_kv(
     (its frames are built from cached payloads); ``netns``: the sender's namespace, when its
     process stands for several hosts; ``timeout_s``: how long the receiver may take nothing
     (or answer nothing) before the transfer is broken; ``ticket``: the request's ticket for
-    this receiver (``KVTarget.ticket``). Raises KVTransferError."""
+    this receiver (``KVTarget.ticket``); ``state_bytes``: the request's fixed-size state sent
+    after the KV (STATE frames, ``protocol.kv_format``). Raises KVTransferError."""
     if pool is not None and (conn := pool.take(host, port)) is not None:
         try:
             return await _send(conn, host, port, request_id, tokens, kv, first_token, block_size, cancel,
-                               corrupt_block, on_progress, frame_tokens, token, ticket, pool, zeros, True, timeout_s)
+                               corrupt_block, on_progress, frame_tokens, token, ticket, pool, zeros, True, timeout_s,
+                               state_bytes=state_bytes)
         except _StaleConnection:
             pass  # the receiver closed it while idle: one fresh connection
     try:
@@ -155,7 +166,8 @@ async def send_kv(
         raise KVTransferError(f"transfer to {host}:{port} broke: {e}") from e
     try:
         return await _send(conn, host, port, request_id, tokens, kv, first_token, block_size, cancel, corrupt_block,
-                           on_progress, frame_tokens, token, ticket, pool, zeros, False, timeout_s, auth)
+                           on_progress, frame_tokens, token, ticket, pool, zeros, False, timeout_s, auth,
+                           state_bytes=state_bytes)
     except _StaleConnection as e:  # not reused: a plain broken transfer
         raise KVTransferError(f"transfer to {host}:{port} broke: {e}") from e
 
@@ -165,6 +177,7 @@ async def _send(
     block_size: int, cancel: asyncio.Event | None, corrupt_block: int | None,
     on_progress: Callable[[TransferStats], None] | None, frame_tokens: int, token: str, ticket: str,
     pool: Connections | None, zeros: bool, reused: bool, timeout_s: float | None, preamble: int = 0,
+    state_bytes: int = 0,
 ) -> TransferStats:
     # The sender's event loop runs beside a compute thread that needs the GIL after every
     # torch op: Python work per frame is time taken from a paced step (see FRAME_TOKENS).
@@ -200,9 +213,10 @@ async def _send(
     watcher = asyncio.create_task(cut_off()) if cancel is not None else None
     try:
         hello = Hello(rid=request_id, tokens=tokens, dtype=str(kv.dtype), layers=layers,  # type: ignore[arg-type]
-                      kv_heads=heads, head_dim=head_dim, block_size=block_size, token=token, ticket=ticket)
+                      kv_heads=heads, head_dim=head_dim, block_size=block_size, token=token, ticket=ticket,
+                      state_bytes=state_bytes)
         try:
-            await _write(st, writer, HELLO, hello.model_dump_json().encode(), timeout_s)
+            await _write(st, writer, HELLO, hello.wire(), timeout_s)
             ftype, payload = await read_frame(reader, timeout_s=timeout_s)
         except (OSError, asyncio.IncompleteReadError) as e:
             if reused and not st.cancelled:
@@ -217,7 +231,7 @@ async def _send(
             raise KVTransferError(f"receiver offered {offer.have} cached tokens of {n} (block {block_size})")
         have = offer.have
         st.receiver_had = have
-        st.planned_payload = (n - have) * kv[:, :, :, :1].numel() * kv.element_size()
+        st.planned_payload = (n - have) * kv[:, :, :, :1].numel() * kv.element_size() + state_bytes
         for idx, start in enumerate(range(have, n, per_frame)):
             if st.cancelled:
                 break
@@ -231,6 +245,13 @@ async def _send(
             if on_progress:
                 on_progress(st)
             await asyncio.sleep(0)  # drain() returns at once below the buffer's mark: yield (see the receiver)
+        for off in range(0, state_bytes, STATE_FRAME):
+            if st.cancelled:
+                break
+            size = min(STATE_FRAME, state_bytes - off)
+            await _write(st, writer, STATE, _state_zeros(size), timeout_s)
+            st.payload_bytes += size
+            await asyncio.sleep(0)
         if not st.cancelled:
             end = End(first_token=first_token, n=n).model_dump_json().encode()
             await _write(st, writer, END, end, timeout_s)
@@ -262,135 +283,3 @@ async def _write(st: TransferStats, writer: asyncio.StreamWriter, ftype: int, pa
     st.bytes_sent += HDR.size + len(payload)
     await write_frame(writer, ftype, payload, timeout_s)
 
-
-@dataclass
-class Incoming:
-    """What a receiver got: the KV of tokens ``[have, n)`` plus the first token."""
-
-    request_id: str
-    tokens: list[int]
-    have: int
-    kv: torch.Tensor
-    first_token: int
-    bytes_received: int
-    start: float
-    end: float
-
-
-OfferFn = Callable[[str, list[int], str], Awaitable[int]]
-DoneFn = Callable[[Incoming], Awaitable[None]]
-FailFn = Callable[[str, str], Awaitable[None]]
-
-
-async def serve_kv(host: str, port: int, offer: OfferFn, done: DoneFn, fail: FailFn,
-                   expect: ModelShape | None = None, token: str = "",
-                   zeros: Callable[[int], torch.Tensor] | None = None, netns: str | None = None,
-                   timeout_s: float | None = None, max_connections: int = MAX_CONNECTIONS) -> asyncio.Server:
-    """Accept transfers (``receive_kv`` for each connection, at most ``max_connections``
-    authenticated at once, and ``MAX_UNAUTHENTICATED`` still to authenticate: the oldest of
-    those is closed for a new one); ``netns``: listen inside that namespace (a process
-    standing for several hosts)."""
-    gate = Admission(max_connections, token, timeout_s)
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if not await gate.admit(reader, writer):
-            return
-        try:
-            while await receive_kv(reader, writer, offer, done, fail, expect, token, keep_open=True, zeros=zeros,
-                                   timeout_s=timeout_s):
-                pass  # the sender may send its next transfer on this connection
-        finally:
-            gate.release()
-            writer.close()
-
-    return await listen(handle, host, port, netns)
-
-
-
-async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, offer: OfferFn, done: DoneFn,
-                     fail: FailFn, expect: ModelShape | None = None, token: str = "", keep_open: bool = False,
-                     zeros: Callable[[int], torch.Tensor] | None = None, timeout_s: float | None = None) -> bool:
-    """One transfer, receiver side. ``offer(rid, tokens, ticket)`` returns the cached prefix
-    length to claim (or refuses the sender, ``KVRefused``, and the request is not failed);
-    ``expect`` (the receiver's own model) is the only KV layout accepted, and with a
-    ``token`` only a HELLO carrying it (a sender of this run) is served. Never raises:
-    whatever the peer sends, the transfer ends with ``done`` or with ``fail`` and a reason
-    (``fail`` only once the request id is known). True when it ended cleanly and, with
-    ``keep_open``, the connection stays open for the sender's next transfer; otherwise the
-    connection is closed. A sender that closes an idle connection is no failure. A modeled
-    receiver passes ``zeros`` (KV of n tokens as a zero view): every block is checked as
-    always, but its content is not copied, and the transfer hands over ``zeros(n)``. With
-    ``timeout_s`` every frame of a transfer must come within it, and a kept connection idle
-    for ``IDLE_FACTOR`` times as long is closed."""
-    rid: str | None = None
-    received = 0
-    ok = False
-    try:
-        try:
-            ftype, payload = await read_frame(reader, MAX_HELLO, None if timeout_s is None else IDLE_FACTOR * timeout_s)
-        except asyncio.IncompleteReadError as e:
-            if e.partial:
-                raise
-            return False  # the sender closed the connection between transfers
-        except PeerSilent:
-            return False  # idle too long: closed without a word (a sender finds it closed and reconnects)
-        start = clock.time()  # the transfer's start (a kept connection may idle before it)
-        received += HDR.size + len(payload)
-        if ftype != HELLO:
-            raise KVTransferError(f"expected HELLO, got frame type {ftype}")
-        hello = parse_frame(Hello, payload, "HELLO")
-        if token and not hmac.compare_digest(hello.token.encode(), token.encode()):
-            raise KVTransferError("HELLO without this run's KV token")  # a stranger: no request is failed
-        rid, tokens, shape = hello.rid, hello.tokens, hello.shape()
-        if expect is not None and shape != expect:
-            raise KVTransferError(f"KV layout {shape} is not this worker's {expect}")
-        try:
-            have = await offer(rid, tokens, hello.ticket)
-        except Exception as e:  # noqa: BLE001 - reported to the sender
-            rid = None if isinstance(e, KVRefused) else rid  # not its sender: the request waits on for its own
-            await write_frame(writer, OFFER, Offer(error=str(e)).model_dump_json().encode())
-            raise KVTransferError(str(e)) from e
-        await write_frame(writer, OFFER, Offer(have=have).model_dump_json().encode(), timeout_s)
-        n = len(tokens)
-        kv = (zeros(n - have) if zeros is not None
-              else torch.empty((shape.layers, 2, shape.kv_heads, n - have, shape.head_dim), dtype=shape.dtype))
-        pos = have
-        while True:
-            # A block holds at most the KV still missing.
-            limit = BLOCK_HDR.size + (n - pos) * shape.kv_bytes_per_token if pos < n else MAX_CONTROL_FRAME
-            ftype, payload = await read_frame(reader, max(limit, MAX_CONTROL_FRAME), timeout_s)
-            received += HDR.size + len(payload)
-            if ftype == END:
-                end = parse_frame(End, payload, "END")
-                if pos != n or end.n != n:
-                    raise KVTransferError(f"transfer ended at token {pos} of {n}")
-                await write_frame(writer, ACK, b'{"ok": true}', timeout_s)
-                ok = True
-                await done(Incoming(rid, tokens, have, kv, end.first_token, received, start, clock.time()))
-                return keep_open
-            if ftype != BLOCK:
-                raise KVTransferError(f"unexpected frame type {ftype}")
-            if zeros is None:
-                blk = decode_block(payload, shape.layers, shape.kv_heads, shape.head_dim, shape.dtype)
-                first, count = blk.first, blk.kv.shape[3]
-            else:
-                first, count = check_block(payload, shape.layers, shape.kv_heads, shape.head_dim, shape.dtype)
-            if first != pos or pos + count > n:
-                raise KVTransferError(f"block at token {first}: expected token {pos}")
-            if zeros is None:
-                kv[:, :, :, pos - have : pos - have + count] = blk.kv
-            pos += count
-            # Frames already buffered are read without waiting: yield after each, or a
-            # transfer holds the loop (and the paced steps' timers) for its whole length.
-            await asyncio.sleep(0)
-    except Exception as e:  # noqa: BLE001 - a bad peer fails its transfer, never the server
-        msg = f"KV transfer for {rid or '?'} failed: {e or type(e).__name__}"
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(1.0):  # a courtesy: a peer that takes nothing is not waited for
-                await write_frame(writer, ACK, Ack(error=msg).model_dump_json().encode())
-        if rid is not None:
-            await fail(rid, msg)
-        return False
-    finally:
-        if not (ok and keep_open):
-            writer.close()

@@ -196,7 +196,8 @@ class PrefillWorker(Worker):
             try:
                 opts = KvSend(cancel=cancel, corrupt_block=corrupt, token=self.cfg.kv_token, pool=self.kv_conns,
                               zeros=self.cfg.compute == "modeled", netns=self.cfg.netns,
-                              timeout_s=self.cfg.kv_read_timeout_s, ticket=target.ticket)
+                              timeout_s=self.cfg.kv_read_timeout_s, ticket=target.ticket,
+                              state_bytes=self.cfg.kv_state_bytes)
                 st = await self.transport.send_kv(target.host, target.port, cmd.rid, cmd.prompt, kv, first,
                                                   self.cfg.block_size, opts)
             finally:

@@ -50,6 +50,7 @@ class KvSend:
     netns: str | None = None  # the sending host's namespace; the simulator's hosts are its own
     corrupt_block: int | None = None  # a test fault; the simulator refuses a run that sets it (sim/scope.py)
     frame_tokens: int = 0  # tokens per BLOCK frame (0: FRAME_TOKENS); both price the framing by it
+    state_bytes: int = 0  # the request's fixed-size state after its KV (a hybrid card's; both send it)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class KvServe:
     netns: str | None = None  # listen in that namespace; the simulator's hosts are its own
     timeout_s: float | None = None  # a sender silent this long breaks its transfer (both, by the sender's side)
     max_connections: int = 256  # authenticated connections at once; the simulator's senders keep one each
+    state_bytes: int = 0  # the request state a transfer must carry; another size is refused (both)
 
 
 SEND_DEFAULTS, SERVE_DEFAULTS = KvSend(), KvServe()
@@ -102,7 +104,7 @@ class HostTransport:
         return await kv_wire.send_kv(host, port, request_id, tokens, kv, first_token, block_size, cancel=opts.cancel,
                                      corrupt_block=opts.corrupt_block, frame_tokens=opts.frame_tokens,
                                      token=opts.token, ticket=opts.ticket, pool=opts.pool, zeros=opts.zeros,
-                                     netns=opts.netns, timeout_s=opts.timeout_s)
+                                     netns=opts.netns, timeout_s=opts.timeout_s, state_bytes=opts.state_bytes)
 
     async def serve_kv(self, host: str, port: int, offer: kv_wire.OfferFn, done: kv_wire.DoneFn,
                        fail: kv_wire.FailFn, opts: KvServe = SERVE_DEFAULTS) -> object:
@@ -110,7 +112,7 @@ class HostTransport:
 
         return await kv_wire.serve_kv(host, port, offer, done, fail, expect=opts.expect, token=opts.token,
                                       zeros=opts.zeros, netns=opts.netns, timeout_s=opts.timeout_s,
-                                      max_connections=opts.max_connections)
+                                      max_connections=opts.max_connections, state_bytes=opts.state_bytes)
 
     async def serve_liveness(self, host: str, port: int, netns: str | None) -> object:
         from workers import kv_conn

@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 
 from testbed.cli.policy_commands import add_policy_parser
+from testbed.cli.profile_commands import add_profile_parser
 from testbed.load.retry import SOAK_RETRY
 from testbed.traces.formats import FORMATS
 
@@ -316,20 +317,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="results folder (default runs/serve-<timestamp>)")
     p.set_defaults(command="serve")
 
-    profile = sub.add_parser("profile", help="device profiles: fit one to measured step times, check fitted ones")
-    psub = profile.add_subparsers(dest="profile_cmd", required=True)
-    p = psub.add_parser("fit", help="fit a device's efficiencies and overhead to MEASUREMENTS.csv (columns: kind, "
-                                    "tokens, context, batch, devices, ms[, dtype_bytes, source]); print the residuals")
-    p.add_argument("measurements", type=Path, metavar="MEASUREMENTS.csv")
-    p.add_argument("--scenario", type=Path, default=Path("topologies/paper.yaml"),
-                   help="where the device profile and model card are (default topologies/paper.yaml)")
-    p.add_argument("--device", required=True, help="a key of the scenario's devices: its datasheet peak and bandwidth")
-    p.add_argument("--model", help="a key of the scenario's models: what the measurements ran "
-                                   "(default: the profile's fitted_to model, else the emulated model)")
-    p.set_defaults(command="profile fit")
-    p = psub.add_parser("check", help="every fitted profile of a scenario against its measurements (within 15 %%)")
-    p.add_argument("--scenario", type=Path, default=Path("topologies/paper.yaml"))
-    p.set_defaults(command="profile check")
+    add_profile_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks (slow; not part of make test)")
     bsub = bench.add_subparsers(dest="bench_cmd", required=True)

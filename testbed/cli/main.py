@@ -188,6 +188,7 @@ COMMANDS = {
     "bench scale": cmd_bench_scale, "bench sim": cmd_bench_sim,
     "serve": serve_commands.cmd_serve, "bench client": serve_commands.cmd_bench_client,
     "profile fit": profile_commands.cmd_profile_fit, "profile check": profile_commands.cmd_profile_check,
+    "profile kv-rate": profile_commands.cmd_profile_kv_rate,
     "policy check": policy_commands.cmd_policy_check,
 }  # fmt: skip
 # Commands that build namespaces need root (``clean`` decides for itself: nothing to clean needs none).

@@ -1,9 +1,13 @@
-"""``testbed profile fit|check``: device profiles against measured step times (``docs/devices.md``)."""
+"""``testbed profile fit|check|kv-rate``: device profiles against measured step times (``docs/devices.md``),
+and the KV a prefill instance makes per model card (``docs/models.md``)."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import Any
 
+from testbed.analysis.kv_rate import format_kv_rates, kv_rates, load_cards
 from testbed.errors import InputError
 from testbed.hardware import DeviceProfile, ModelCard
 from testbed.profile.fit import TOLERANCE, check, fit, table
@@ -12,6 +16,33 @@ from testbed.scenario import Scenario, load_scenario
 
 FITTED = ("compute_efficiency", "decode_compute_efficiency", "bandwidth_efficiency", "step_overhead_ms",
           "allreduce_us")
+
+
+def add_profile_parser(sub: Any) -> None:
+    profile = sub.add_parser("profile", help="device profiles: fit one to measured step times, check fitted ones")
+    psub = profile.add_subparsers(dest="profile_cmd", required=True)
+    p = psub.add_parser("fit", help="fit a device's efficiencies and overhead to MEASUREMENTS.csv (columns: kind, "
+                                    "tokens, context, batch, devices, ms[, dtype_bytes, source]); print the residuals")
+    p.add_argument("measurements", type=Path, metavar="MEASUREMENTS.csv")
+    p.add_argument("--scenario", type=Path, default=Path("topologies/paper.yaml"),
+                   help="where the device profile and model card are (default topologies/paper.yaml)")
+    p.add_argument("--device", required=True, help="a key of the scenario's devices: its datasheet peak and bandwidth")
+    p.add_argument("--model", help="a key of the scenario's models: what the measurements ran "
+                                   "(default: the profile's fitted_to model, else the emulated model)")
+    p.set_defaults(command="profile fit")
+    p = psub.add_parser("check", help="every fitted profile of a scenario against its measurements (within 15 %%)")
+    p.add_argument("--scenario", type=Path, default=Path("topologies/paper.yaml"))
+    p.set_defaults(command="profile check")
+    p = psub.add_parser("kv-rate", help="the KV one prefill instance makes per second, per model card "
+                                        "(docs/models.md), beside Prefill-as-a-Service's figures")
+    p.add_argument("cards", type=Path, nargs="*", metavar="CARD.yaml",
+                   help="model cards (default: every file of topologies/models/)")
+    p.add_argument("--scenario", type=Path, default=Path("topologies/paper.yaml"),
+                   help="where the device profile is (default topologies/paper.yaml)")
+    p.add_argument("--device", default="h200", help="a key of the scenario's devices (default h200)")
+    p.add_argument("--devices", type=int, default=8, help="accelerators of the instance (default 8)")
+    p.add_argument("--tokens", type=int, default=32768, help="prompt tokens of a prefill (default 32,768)")
+    p.set_defaults(command="profile kv-rate")
 
 
 def _device(sc: Scenario, name: str) -> DeviceProfile:
@@ -70,3 +101,16 @@ def cmd_profile_check(args: argparse.Namespace) -> int:
     if not checked:
         print(f"{args.scenario}: no device profile names the measurements it was fitted to (fitted_to)")
     return 1 if failed else 0
+
+
+def cmd_profile_kv_rate(args: argparse.Namespace) -> int:
+    sc = load_scenario(args.scenario)
+    dev = _device(sc, args.device)
+    if args.devices < 1:
+        raise InputError(f"--devices: must be at least 1, got {args.devices}")
+    paths = args.cards or sorted(Path("topologies/models").glob("*.yaml"))
+    if not paths:
+        raise InputError("no model card given, and none in topologies/models/")
+    rates = kv_rates(load_cards(paths), dev, args.devices, args.tokens)
+    print(format_kv_rates(rates, args.device, args.devices, args.tokens))
+    return 0

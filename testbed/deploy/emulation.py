@@ -102,6 +102,12 @@ class EmulationPlan:
         """Wire bytes per emulated byte of KV: ``b_r / (s_in x b_e)``."""
         return self.b_r / (self.scales.s_in * self.b_e) if self.card else 1.0
 
+    @property
+    def state_wire_bytes(self) -> int:
+        """Wire bytes of a request's fixed-size state (a hybrid card's): its emulated bytes
+        times ``byte_factor``, so that it takes the emulated time on the scaled line."""
+        return round(self.card.state_bytes * self.byte_factor) if self.card else 0
+
     def wire_rate_bps(self, rate_bps: float) -> float:
         return rate_bps * self.byte_factor / self.dilation
 

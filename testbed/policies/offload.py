@@ -87,7 +87,7 @@ class PrefillOffload(Policy):
             if r is not None:
                 have = self._index(d.name).match(req.prompt)
                 delta = max(0, req.prompt_len - have)
-                delta_bytes = delta * self.ctx.kv_bytes_per_token
+                delta_bytes = self.ctx.transfer_bytes(delta)
                 wait = self.wan.wait_s(delta_bytes) / self.ctx.dilation  # emulated seconds, as wan_s
                 info = PlanInfo(md_have_tokens=have, delta_tokens=delta, delta_bytes=delta_bytes,
                                 est_wan_wait_s=wait, wan_backlog_bytes=self.wan.backlog_bytes(),

@@ -115,7 +115,7 @@ class Pdd(Policy):
         index = self.indexes.setdefault(md.name, PrefixIndex(self.ctx.block_size, self.ctx.decode_cache_tokens))
         have = index.match(req.prompt) if self.drc else 0
         delta = max(0, req.prompt_len - have)
-        delta_bytes = delta * self.ctx.kv_bytes_per_token
+        delta_bytes = self.ctx.transfer_bytes(delta)
         wait = self.wan.wait_s(delta_bytes) / self.ctx.dilation  # emulated seconds, as relay_s
         info = PlanInfo(md_have_tokens=have, delta_tokens=delta, delta_bytes=delta_bytes, est_wan_wait_s=wait,
                         wan_backlog_bytes=self.wan.backlog_bytes(), wan_efficiency=self.wan.efficiency)

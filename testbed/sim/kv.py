@@ -35,7 +35,17 @@ import aiomqtt
 import torch
 
 from protocol import clock
-from protocol.kv_format import BLOCK_HDR, FRAME_TOKENS, HDR, Auth, End, Hello, KVRefused, KVTransferError
+from protocol.kv_format import (
+    BLOCK_HDR,
+    FRAME_TOKENS,
+    HDR,
+    STATE_FRAME,
+    Auth,
+    End,
+    Hello,
+    KVRefused,
+    KVTransferError,
+)
 from protocol.worker_config import BrokerInfo
 from testbed.sim.bus import SimBroker, SimClient
 from testbed.sim.links import Conn
@@ -53,6 +63,7 @@ class _Listener:
     done: DoneFn | None = None
     fail: FailFn | None = None
     zeros: Callable[[int], torch.Tensor] | None = None
+    state_bytes: int = 0  # the request state every transfer must carry (``KvServe.state_bytes``)
     open: bool = True
     aborts: set[asyncio.Event] = field(default_factory=set)  # transfers in progress: reset when it closes
 
@@ -95,12 +106,12 @@ class SimNet:
 
 
 def hello_bytes(rid: str, tokens: list[int], shape: tuple[int, int, int], dtype: torch.dtype, block_size: int,
-                token: str, ticket: str) -> int:
+                token: str, ticket: str, state_bytes: int = 0) -> int:
     """The HELLO frame's size: its JSON with the token ids' digits counted on a sample."""
     layers, heads, head_dim = shape
     empty = Hello.model_construct(rid=rid, tokens=[], dtype=str(dtype), layers=layers, kv_heads=heads,
                                   head_dim=head_dim, block_size=block_size, token=token,
-                                  ticket=ticket).model_dump_json()
+                                  ticket=ticket, state_bytes=state_bytes).wire()
     n = len(tokens)
     step = max(1, n // HELLO_SAMPLE)
     sample = tokens[::step]
@@ -113,6 +124,11 @@ def block_frames_bytes(tokens: int, per_token: int, block_size: int, frame_token
     per_frame = max(block_size, (frame_tokens or FRAME_TOKENS) // block_size * block_size)
     frames = -(-tokens // per_frame)
     return frames * (HDR.size + BLOCK_HDR.size) + tokens * per_token
+
+
+def state_frames_bytes(state_bytes: int) -> int:
+    """The STATE frames carrying a request's fixed-size state (``kv_wire._send``'s framing)."""
+    return -(-state_bytes // STATE_FRAME) * HDR.size + state_bytes
 
 
 class SimTransport:
@@ -134,7 +150,7 @@ class SimTransport:
     # ----------------------------------------------------------------- ports
     async def serve_kv(self, host: str, port: int, offer: OfferFn, done: DoneFn, fail: FailFn,
                        opts: KvServe = SERVE_DEFAULTS) -> object:
-        lst = _Listener(self.host, offer, done, fail, opts.zeros)
+        lst = _Listener(self.host, offer, done, fail, opts.zeros, opts.state_bytes)
         self.net.listeners[(host, port)] = lst
         return lst
 
@@ -182,7 +198,7 @@ class SimTransport:
             await asyncio.sleep(links.prepare(conn))
             ticket = opts.ticket
             hello = hello_bytes(request_id, tokens, (layers, heads, head_dim), kv.dtype, block_size, opts.token,
-                                ticket)
+                                ticket, opts.state_bytes)
             if fresh:  # a connection's first frame is its AUTH (kv_wire.send_kv)
                 hello += HDR.size + len(Auth(token=opts.token).model_dump_json())
             await self._push(conn, hello, stops, timeout_s, st)
@@ -191,6 +207,11 @@ class SimTransport:
             await asyncio.sleep(links.latency(path.links))
             receiving = True  # the receiver has the request id: a broken transfer fails it there
             start = clock.time()
+            if opts.state_bytes != lst.state_bytes:  # the receiver refuses the HELLO (kv_wire.receive_kv)
+                why = f"request state of {opts.state_bytes} bytes announced, this worker takes {lst.state_bytes}"
+                self.net.spawn(lst.fail, request_id, f"KV transfer for {request_id} failed: {why}")  # type: ignore[arg-type]
+                await asyncio.sleep(links.latency(path.back))
+                raise KVTransferError(f"receiver refused: KV transfer for {request_id} failed: {why}")
             try:
                 have = await lst.offer(request_id, tokens, ticket)
             except Exception as e:  # noqa: BLE001 - the receiver refuses: both sides fail the request,
@@ -200,15 +221,16 @@ class SimTransport:
                 raise KVTransferError(f"receiver refused: {e}") from None
             await asyncio.sleep(links.latency(path.back))
             st.receiver_had = have
-            st.planned_payload = (n - have) * per_token
-            data = block_frames_bytes(n - have, per_token, block_size, opts.frame_tokens)
+            state = opts.state_bytes
+            st.planned_payload = (n - have) * per_token + state
+            data = block_frames_bytes(n - have, per_token, block_size, opts.frame_tokens) + state_frames_bytes(state)
             end = HDR.size + len(End(first_token=first_token, n=n).model_dump_json())
             sent = await self._push(conn, data + end, stops, timeout_s, st)
             st.tokens_sent = min(n - have, int(sent // per_token))
             st.payload_bytes = st.tokens_sent * per_token
             if any(ev.is_set() for ev in stops) or not lst.open:
                 return self._cut(st, conn, lst, request_id, receiving)
-            st.tokens_sent, st.payload_bytes = n - have, (n - have) * per_token
+            st.tokens_sent, st.payload_bytes = n - have, (n - have) * per_token + state
             await asyncio.sleep(links.latency(path.links))
             if not lst.open:
                 raise KVTransferError(f"transfer to {host}:{port} broke: Connection reset by peer")
