@@ -79,6 +79,7 @@ class ModelCost(Contract):
     window: int = Field(default=0, ge=0)
     linear_flops_per_token: float = Field(default=0.0, ge=0)  # linear-attention layers' state updates
     state_bytes: float = Field(default=0.0, ge=0)  # per request, fixed size: linear states and window KV
+    linear_layers: int = Field(default=0, ge=0)  # their states serve a cached prefix only where kept
     experts: int = Field(default=0, ge=0)  # routed experts per MoE layer (0: not a mixture)
     experts_per_token: int = Field(default=0, ge=0)
     expert_weight_bytes: float = Field(default=0.0, ge=0)  # one routed expert across every MoE layer
@@ -213,6 +214,8 @@ class CacheReport(Contract):
     hit_tokens: int
     lookup_tokens: int
     evicted_blocks: int = 0
+    # A hybrid model's cache: matched KV past the last kept recurrent state, recomputed (not a hit).
+    state_miss_tokens: int = 0
     series: list[tuple[float, int, int]] = []
 
 

@@ -171,6 +171,7 @@ class ModelCard(_Strict):
                          attention_layers=card.full_layers if card.full_layers != card.layers else None,
                          window_layers=card.window_layers, window=card.window or 0,
                          linear_flops_per_token=4 * card.linear_layers * state_values,
-                         state_bytes=card.state_bytes, experts=card.experts or 0,
+                         state_bytes=card.state_bytes, linear_layers=card.linear_layers,
+                         experts=card.experts or 0,
                          experts_per_token=card.experts_per_token or 0,
                          expert_weight_bytes=card.expert_params * card.dtype_bytes)

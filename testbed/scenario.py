@@ -80,8 +80,9 @@ class Emulation(_Strict):
     """What the testbed emulates: the model, and how emulated time maps to real time."""
 
     model: str = Field(description="a key of `models`")
-    time_dilation: float | Literal["auto"] = Field(
-        default="auto", description="real seconds per emulated second (>= 0.1), or auto")
+    kv_of: str | None = Field(default=None, description="a key of `models` whose KV and state cross the line "
+                              "in place of the model's, compute unchanged (a what-if); null: the model's own")
+    time_dilation: float | Literal["auto"] = Field(default="auto", description="real s per emulated s, or auto")
 
     @field_validator("time_dilation")
     @classmethod
@@ -275,8 +276,9 @@ class Scenario(_Strict):
         for name, dev in self.devices.items():
             if dev.fitted_to is not None and dev.fitted_to.model not in self.models:
                 raise ValueError(f"devices.{name}.fitted_to.model names unknown model {dev.fitted_to.model!r}")
-        if self.emulation is not None and self.emulation.model not in self.models:
-            raise ValueError(f"emulation.model names unknown model {self.emulation.model!r}")
+        for key, name in (self.emulation.model_dump(include={"model", "kv_of"}) if self.emulation else {}).items():
+            if name is not None and name not in self.models:
+                raise ValueError(f"emulation.{key} names unknown model {name!r}")
         a, b = self.wan.between
         for dc in (a, b):
             if dc not in self.datacenters:

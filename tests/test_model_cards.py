@@ -14,7 +14,10 @@ import torch
 from protocol.kv_format import AUTH, HDR, HELLO, MAGIC, STATE, VERSION, Auth, End
 from protocol.worker_config import Scales
 from testbed.analysis.kv_rate import PRFAAS_GBPS, kv_rates, load_cards
+from testbed.cli.main import main
+from testbed.deploy.emulation import EmulationPlan
 from testbed.errors import InputError
+from testbed.experiments.model_whatif import WhatIfResult, with_card
 from testbed.hardware import ModelCard
 from testbed.scenario import load_scenario
 from testbed.sim.kv import block_frames_bytes, hello_bytes, state_frames_bytes
@@ -181,3 +184,39 @@ def test_a_peer_that_sends_more_state_than_announced_fails_only_its_transfer() -
 
     rx = asyncio.run(main())
     assert "state 0 of 10" in rx.failed["r9"] and not rx.done
+
+
+def test_whatif_runs_each_card_and_line_and_fewer_kv_bytes_cross_the_line(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "wi"
+    assert main(["whatif", "--scenario", "topologies/paper.yaml", "--trace", "traces/agentic-quick.jsonl",
+                 "--token-scale", "16", "--limit", "25", "--rates", "10",
+                 "--cards", "topologies/models/minimax-m2.5.yaml", "topologies/models/hybrid-1t.yaml",
+                 "--out", str(out)]) == 0
+    r = WhatIfResult.model_validate_json((out / "whatif.json").read_text())
+    rows = {row.card: row for row in r.rows}
+    assert set(rows) == {"minimax-m2.5", "hybrid-1t"} and r.compute_of == "qwen2.5-7b"
+    dense, hybrid = rows["minimax-m2.5"], rows["hybrid-1t"]
+    assert dense.wan_kv_gb["same-dc"] == 0 and 0 < hybrid.wan_kv_gb["cross-dc"] < dense.wan_kv_gb["cross-dc"]
+    assert dense.gap_p50_s is not None and hybrid.gap_p50_s is not None and hybrid.gap_p50_s < dense.gap_p50_s
+    assert (out / "gap_vs_kv.png").stat().st_size > 0 and "| hybrid-1t | 10 |" in capsys.readouterr().out
+
+
+def test_kv_of_keeps_the_models_compute_and_puts_the_other_cards_kv_on_the_line() -> None:
+    sc = load_scenario(Path("topologies/paper.yaml"))
+    own = EmulationPlan.make(sc, 16, 1.0, 1024)
+    hybrid = _card("qwen3-next-80b-a3b")
+    plan = EmulationPlan.make(with_card(sc, "qwen3-next-80b-a3b", hybrid, whole=False), 16, 1.0, 1024)
+    a, b = own.cost(), plan.cost()
+    assert a is not None and b is not None
+    assert (b.params, b.layers, b.hidden, b.weight_bytes) == (a.params, a.layers, a.hidden, a.weight_bytes)
+    assert b.linear_flops_per_token == a.linear_flops_per_token == 0  # compute is the model's own
+    assert (b.kv_bytes_per_token, b.state_bytes, b.linear_layers) == (24_576, hybrid.state_bytes, 36)
+    assert plan.b_e == 24_576 and plan.state_wire_bytes == round(hybrid.state_bytes * 1024 / (16 * 24_576))
+    assert "with the KV of qwen3-next-80b-a3b" in plan.describe(with_card(sc, "qwen3-next-80b-a3b", hybrid, False))
+    whole = EmulationPlan.make(with_card(sc, "qwen3-next-80b-a3b", hybrid, whole=True), 16, 1.0, 1024).cost()
+    assert whole is not None and whole.params == hybrid.compute_params != a.params
+    bad = sc.model_dump(mode="python") | {"source": sc.source}
+    bad["emulation"]["kv_of"] = "nope"
+    with pytest.raises(ValueError, match="emulation.kv_of names unknown model 'nope'"):
+        type(sc).model_validate(bad)

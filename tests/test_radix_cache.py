@@ -143,3 +143,18 @@ def test_keys_widen_once_an_id_needs_more_than_16_bits() -> None:
         assert all(torch.equal(x.kv, y.kv) for x, y in zip(a, b, strict=True))
     with pytest.raises(OverflowError):  # an id no key can hold is refused, nothing widened
         RadixCache(block_size=2, capacity_tokens=8).match_prefix([1, -1])
+
+
+def test_a_hybrid_models_prefix_serves_only_up_to_a_kept_state() -> None:
+    """Linear attention keeps one state per request: a prefill resumes only where an earlier
+    prompt ended (its last full block); KV matched past it is recomputed and counted."""
+    a = list(range(1, 41))  # 2 full blocks of 16 (and 8 tokens more)
+    for exact in (False, True):
+        c = RadixCache(16, 1024, exact_states=exact)
+        c.insert(a, _kv(40))
+        assert len(c.match_prefix(a[:32] + [99] * 20)) == 2  # a prompt's end: its state is there
+        shared_system_prompt = a[:16] + [77] * 30  # diverges after the first block of a
+        assert len(c.match_prefix(shared_system_prompt)) == (0 if exact else 1)
+        assert c.state_miss_tokens == (16 if exact else 0) and c.hit_tokens == (32 if exact else 48)
+        c.insert(shared_system_prompt, _kv(46))  # its own state, at its last full block (32 tokens)
+        assert len(c.match_prefix(shared_system_prompt[:32] + [5] * 16)) == 2

@@ -73,6 +73,8 @@ class DecodeWorker(HandoffMixin, Worker):
 
     def __init__(self, cfg: WorkerConfig, transport: Transport = HOST) -> None:
         super().__init__(cfg, transport)
+        # Any cached prefix serves here, a hybrid model's too: the request's state at the
+        # prompt's end comes with its transfer; only a prefill restarts from a kept state.
         self.cache: RadixCache = RadixCache(cfg.block_size, cfg.cache_tokens, keeps_kv=cfg.compute != "modeled")
         self.waiting: dict[str, Seq] = {}
         self.running: dict[str, Seq] = {}

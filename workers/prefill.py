@@ -31,7 +31,9 @@ WARMS_KEPT = 256  # waiting warm commands; the oldest is dropped past this (a pr
 class PrefillWorker(Worker):
     def __init__(self, cfg: WorkerConfig, transport: Transport = HOST) -> None:
         super().__init__(cfg, transport)
-        self.cache: RadixCache = RadixCache(cfg.block_size, cfg.cache_tokens, keeps_kv=cfg.compute != "modeled")
+        # A hybrid model's prefill resumes only where a request's recurrent state was kept.
+        self.cache: RadixCache = RadixCache(cfg.block_size, cfg.cache_tokens, keeps_kv=cfg.compute != "modeled",
+                                            exact_states=cfg.cost is not None and cfg.cost.linear_layers > 0)
         self.queue: asyncio.Queue[PrefillCmd] = asyncio.Queue()
         self.warms: deque[WarmCmd] = deque()
         self.work = asyncio.Event()  # a prefill or a warm command is waiting
@@ -147,7 +149,7 @@ class PrefillWorker(Worker):
         path = self.cache.match_prefix(tokens)
         # Keep at least one token to compute: its logits give the first output token.
         while path and len(path) * self.cfg.block_size >= len(tokens):
-            path = path[:-1]
+            path = self.cache.resumable(path[:-1])
         self.cache.lock(path)
         try:
             cached = self.cache.blocks_of(path)  # the runner copies them in once

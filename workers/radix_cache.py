@@ -14,7 +14,13 @@ One concept, one module (after SGLang's RadixCache). The tree's edges are full b
   stale entries (touched, locked or grown since) skipped when they surface and the heap
   rebuilt when they outnumber live blocks (a full 16K-block cache evicts and inserts a
   block in microseconds, where a walk of the tree per block took milliseconds);
-* hit/miss counters (tokens) and evicted blocks are kept for reporting.
+* hit/miss counters (tokens) and evicted blocks are kept for reporting;
+* with ``exact_states`` (a hybrid model's cache: ``testbed/hardware.py``), a match ends
+  where a request's recurrent state was kept: at the last full block of a prompt (or of a
+  prompt and its answer) that was inserted whole. Full-attention KV serves any prefix, a
+  linear layer's state only the position it was taken at (Prefill-as-a-Service keeps the
+  two apart the same way); KV matched beyond the last state is counted in
+  ``state_miss_tokens``, not in the hits.
 
 A block's key is its token ids as bytes, 2 per id while every id seen fits in 16 bits (the
 testbed's vocabulary is 8,192) and 4 once one does not (every key is widened then, once):
@@ -47,6 +53,7 @@ class Node:
     kids: Node | dict[bytes, Node] | None = None
     lock: int = 0
     last_used: int = 0
+    state: bool = False  # a request's recurrent state is kept at this block's end (exact_states)
 
     @property
     def leaf(self) -> bool:
@@ -94,9 +101,11 @@ class Node:
 
 
 class RadixCache:
-    def __init__(self, block_size: int, capacity_tokens: int, keeps_kv: bool = True) -> None:
+    def __init__(self, block_size: int, capacity_tokens: int, keeps_kv: bool = True,
+                 exact_states: bool = False) -> None:
         """``keeps_kv`` False keeps the tree and no KV (a modeled worker's cache: its KV is
-        zeros nobody reads; ``blocks_of`` then gives nothing)."""
+        zeros nobody reads; ``blocks_of`` then gives nothing); ``exact_states``: a prefix
+        serves only up to a kept state (the module docstring)."""
         if block_size < 1 or capacity_tokens < 0:
             raise ValueError("block_size must be >= 1 and capacity >= 0")
         self.block_size = block_size
@@ -109,6 +118,8 @@ class RadixCache:
         self.hit_tokens = 0
         self.lookup_tokens = 0
         self.evicted_blocks = 0
+        self.exact_states = exact_states
+        self.state_miss_tokens = 0  # matched KV past the last kept state (exact_states): recomputed
         # (last_used when pushed, tie-break, node): candidates for eviction, possibly stale.
         self._leaves: list[tuple[int, int, Node]] = []
         self._tie = itertools.count()
@@ -162,10 +173,21 @@ class RadixCache:
             node = child
         if path:
             self._candidate(path[-1])
+        if self.exact_states:
+            usable = self.resumable(path)
+            if count:
+                self.state_miss_tokens += (len(path) - len(usable)) * self.block_size
+            path = usable
         if count:
             self.lookup_tokens += len(tokens)
             self.hit_tokens += len(path) * self.block_size
         return path
+
+    def resumable(self, path: list[Node]) -> list[Node]:
+        """``path`` up to its last kept state (``exact_states``), else all of it."""
+        if not self.exact_states:
+            return path
+        return path[: next((i + 1 for i in range(len(path) - 1, -1, -1) if path[i].state), 0)]
 
     @staticmethod
     def kv_of(path: list[Node]) -> torch.Tensor | None:
@@ -223,6 +245,8 @@ class RadixCache:
             depth += 1
         if node is not self.root:
             self._candidate(node)
+            if self.exact_states and depth == len(keys):  # the whole prompt is in: its state is kept
+                node.state = True
         return depth
 
     def evict(self, n_tokens: int) -> int:

@@ -242,7 +242,7 @@ class Worker:
             return None
         return CacheReport(hit_rate=c.hit_rate, blocks=c.blocks, hit_tokens=c.hit_tokens,
                            lookup_tokens=c.lookup_tokens, evicted_blocks=c.evicted_blocks,
-                           series=list(self.cache_series))
+                           state_miss_tokens=c.state_miss_tokens, series=list(self.cache_series))
 
     def _sample_cache(self) -> None:
         c = self.cache

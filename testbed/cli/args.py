@@ -188,6 +188,16 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                    help="the baseline load, x the trace's rate (the calibrated one: calibration.json's load)")
     p.add_argument("--out", type=Path, help="results folder (default runs/sensitivity-<timestamp>)")
     p.set_defaults(command="sensitivity")
+    p = sub.add_parser("whatif", help="the gap decode across the line adds, per model card and line rate "
+                                      "(the simulator; docs/models.md)")
+    replay_opts(p, "same-dc,cross-dc,pdd")
+    p.add_argument("--cards", type=Path, nargs="+", metavar="CARD.yaml", help="default: topologies/models/*.yaml")
+    p.add_argument("--rates", default="10,100", metavar="GBIT,..", help="line rates (default 10,100)")
+    p.add_argument("--whole-cards", action="store_true",
+                   help="each card as the emulated model, compute too (default: its KV and state only)")
+    p.add_argument("--load", type=float, default=1.0, metavar="X", help="x the trace's rate (default 1)")
+    p.add_argument("--out", type=Path, help="results folder (default runs/whatif-<timestamp>)")
+    p.set_defaults(command="whatif")
 
     p = sub.add_parser("tune", help="search a policy's knobs for the most SLA goodput per price (Optuna's TPE): "
                                     "every trial a saved run, the Pareto front, the best and the defaults over draws")

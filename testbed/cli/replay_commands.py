@@ -8,6 +8,7 @@ the policies, the trace (file:line: field on error), ``--limit``/``--window`` an
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from pydantic import ValidationError
 
 from protocol.messages import why_invalid
 from testbed.analysis.cost import missing_for
+from testbed.analysis.kv_rate import load_cards
 from testbed.cli.arg_values import retry_policy, scenario_from_args
 from testbed.engines import EMULATION, kind
 from testbed.errors import InputError
@@ -330,4 +332,24 @@ def cmd_sensitivity(args: argparse.Namespace) -> int:
     sensitivity(sc, wl, args.load, opts, out, policies=policies)
     print("\n" + (out / "sensitivity.md").read_text())
     print(f"written: {out}/sensitivity.json, sensitivity.md, tornado.png; each row's run under {out}/<row>/")
+    return 0
+
+
+def cmd_whatif(args: argparse.Namespace) -> int:
+    from testbed.experiments.model_whatif import model_whatif
+
+    args.engine = "sim"  # the simulator's question; a row is confirmed with testbed validate
+    sc, policies, wl, opts = replay_inputs(args)
+    if args.load <= 0:
+        raise InputError(f"--load: must be positive, got {args.load}")
+    opts = dataclasses.replace(opts, speed=args.load)
+    try:
+        rates = [float(r) for r in args.rates.split(",")]
+    except ValueError:
+        raise InputError(f"--rates: comma-separated Gbit/s, got {args.rates!r}") from None
+    cards = load_cards(args.cards or sorted(Path("topologies/models").glob("*.yaml")))
+    out = _out(args, "whatif")
+    model_whatif(sc, wl, cards, rates, opts, out, policies, whole=args.whole_cards)
+    print("\n" + (out / "whatif.md").read_text())
+    print(f"written: {out}/whatif.json, whatif.md, gap_vs_kv.png; each row's run under {out}/<card>-<rate>g/")
     return 0

@@ -74,6 +74,7 @@ class EmulationPlan:
     b_r: int  # KV bytes per replayed token of the real model, as the workers run it
     dilation_reason: str = "given"
     auto_key: str | None = None  # chosen by ``auto``: its key in the dilation cache (``dilation_cache.py``)
+    kv_card: ModelCard | None = None  # whose KV and state cross the line (``Emulation.kv_of``); None: ``card``
 
     @classmethod
     def make(cls, sc: Scenario, token_scale: int, dilation: float, b_r: int, reason: str = "given",
@@ -83,7 +84,7 @@ class EmulationPlan:
             return cls(None, None, Scales(), b_r, "no emulation in the scenario: host time")
         card = sc.models[em.model]
         return cls(em.model, card, Scales(s_in=token_scale, s_out=token_scale, dilation=dilation), b_r, reason,
-                   auto_key)
+                   auto_key, sc.models[em.kv_of] if em.kv_of else None)
 
     @property
     def emulating(self) -> bool:
@@ -94,8 +95,13 @@ class EmulationPlan:
         return self.scales.dilation
 
     @property
+    def wire_card(self) -> ModelCard | None:
+        """The card whose KV and state cross the line: ``kv_of``'s, or the model's own."""
+        return self.kv_card or self.card
+
+    @property
     def b_e(self) -> int:
-        return self.card.kv_bytes_per_token if self.card else self.b_r
+        return self.wire_card.kv_bytes_per_token if self.wire_card else self.b_r
 
     @property
     def byte_factor(self) -> float:
@@ -106,7 +112,7 @@ class EmulationPlan:
     def state_wire_bytes(self) -> int:
         """Wire bytes of a request's fixed-size state (a hybrid card's): its emulated bytes
         times ``byte_factor``, so that it takes the emulated time on the scaled line."""
-        return round(self.card.state_bytes * self.byte_factor) if self.card else 0
+        return round(self.wire_card.state_bytes * self.byte_factor) if self.wire_card else 0
 
     def wire_rate_bps(self, rate_bps: float) -> float:
         return rate_bps * self.byte_factor / self.dilation
@@ -118,8 +124,17 @@ class EmulationPlan:
         return real_s / self.dilation
 
     def cost(self) -> ModelCost | None:
-        """What a forward pass of the emulated model costs (None: price the real model)."""
-        return None if self.card is None else self.card.cost()
+        """What a forward pass of the emulated model costs (None: price the real model). With
+        ``kv_of``, the model's compute and weights with the other card's KV: the bytes a decode
+        step reads, the state, and where a prefix cache may resume (its linear layers)."""
+        if self.card is None:
+            return None
+        cost = self.card.cost()
+        if self.kv_card is None:
+            return cost
+        kv = self.kv_card.cost()
+        return cost.model_copy(update={"kv_bytes_per_token": kv.kv_bytes_per_token, "state_bytes": kv.state_bytes,
+                                       "linear_layers": kv.linear_layers})
 
     # ----------------------------------------------------------------- the wire scenario
     def wire_scenario(self, sc: Scenario) -> Scenario:
@@ -186,14 +201,20 @@ class EmulationPlan:
             return "unshaped" if v is None else (f"{v / 1000:g} Gbit/s" if v >= 1000 else f"{v:.3g} Mbit/s")
 
         f = s.wan_forward
+        kv_of = f" with the KV of {sc.emulation.kv_of}" if sc.emulation and sc.emulation.kv_of else ""
         lines = [
-            f"emulation: model {self.card_name} (KV {self.b_e} B/token) on the small model (KV {self.b_r} B/token); "
+            f"emulation: model {self.card_name}{kv_of} (KV {self.b_e} B/token) on the small model "
+            f"(KV {self.b_r} B/token); "
             f"s_in = s_out = {self.scales.s_in}, dilation D = {self.dilation:g} ({self.dilation_reason})",
             f"  {s.formula}: WAN {mbit(f.rate_mbit)} -> wire {mbit(f.wire_rate_mbit)}, "
             f"delay {f.delay_ms:g} -> {f.wire_delay_ms:g} ms, WAN MTU {s.wan_mtu}",
         ]
         for dc, lan in s.lan.items():
             lines.append(f"  LAN {dc}: {mbit(lan.rate_mbit)} -> wire {mbit(lan.wire_rate_mbit)}")
+        if self.wire_card is not None and self.wire_card.state_bytes:
+            lines.append(f"  a request's fixed-size state (linear layers, window KV): "
+                         f"{self.wire_card.state_bytes / 1e6:.1f} MB "
+                         f"-> {self.state_wire_bytes:,} wire bytes after each transfer's KV")
         return "\n".join(lines)
 
 
