@@ -76,6 +76,20 @@ def test_options_are_emulated_tokens_and_a_busy_line_or_no_pool_keeps_prefill_ho
     assert alone.stats().counts == {"local (no remote prefill)": 1, "local": 1}
 
 
+def test_a_pool_away_busier_than_home_keeps_the_prefill_home_unless_balance_is_off() -> None:
+    cl = _cluster()
+    cl.workers["prefill-b"].assigned = 3  # three offloaded prefills still in flight away
+    cl.workers["prefill"].assigned = 2
+    pol = _policy("prefill-offload:threshold=1000,wan_s=5")
+    assert pol.plan(_req("a", synth_tokens("a", 2000)), cl).prefill == "prefill"
+    assert pol.stats().counts == {"local (away busier)": 1, "local": 1}
+    cl.workers["prefill"].assigned = 3  # as busy: away takes it
+    assert pol.plan(_req("b", synth_tokens("b", 2000)), cl).prefill == "prefill-b"
+    cl.workers["prefill"].assigned = 0
+    blind = _policy("prefill-offload:threshold=1000,wan_s=5,balance=false")
+    assert blind.plan(_req("c", synth_tokens("c", 2000)), cl).prefill == "prefill-b"
+
+
 def test_a_scenario_without_a_remote_prefill_pool_is_refused_for_offload() -> None:
     offload = make_policy(parse_policy("prefill-offload"))
     assert missing_for(load_scenario(TOPOLOGIES / "two-dc.yaml"), offload) == [

@@ -124,17 +124,9 @@ class EmulationPlan:
         return real_s / self.dilation
 
     def cost(self) -> ModelCost | None:
-        """What a forward pass of the emulated model costs (None: price the real model). With
-        ``kv_of``, the model's compute and weights with the other card's KV: the bytes a decode
-        step reads, the state, and where a prefix cache may resume (its linear layers)."""
-        if self.card is None:
-            return None
-        cost = self.card.cost()
-        if self.kv_card is None:
-            return cost
-        kv = self.kv_card.cost()
-        return cost.model_copy(update={"kv_bytes_per_token": kv.kv_bytes_per_token, "state_bytes": kv.state_bytes,
-                                       "linear_layers": kv.linear_layers})
+        """What a forward pass of the emulated model costs (None: price the real model): the
+        model's own, with ``kv_of`` too (only the line carries the other card's KV)."""
+        return None if self.card is None else self.card.cost()
 
     # ----------------------------------------------------------------- the wire scenario
     def wire_scenario(self, sc: Scenario) -> Scenario:

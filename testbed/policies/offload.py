@@ -12,12 +12,16 @@ Per request, from what the local prefill would have to compute and what the line
   routing): the remote pool prefills (its own cache may hold the session's prefix from an
   earlier offloaded turn) and ships the KV to the local decoder;
 * **P-D(home)** otherwise: prefill and decode in the home datacenter, as same-dc. A busy
-  line keeps a request home (counted as ``local (line busy)``); so does a dead or
-  unreachable remote pool (``local (no remote prefill)``).
+  line keeps a request home (counted as ``local (line busy)``); so does a pool away that is
+  busier than the home prefill (``local (away busier)``: requests in flight on each, with
+  ``balance``; without it a fast line sends every long prefill away and its queue, not the
+  line, becomes the tail), and a dead or unreachable remote pool (``local (no remote
+  prefill)``).
 
 Options (``prefill-offload:key=value,...``, ``OffloadOptions`` below): ``threshold``
 (uncached emulated tokens, default 19,456: PrfaaS's reported break-even of ~19.4K, a starting
-point that ``testbed tune`` can move) and ``wan_s`` (default 2.0 emulated s).
+point that ``testbed tune`` can move), ``wan_s`` (default 2.0 emulated s) and ``balance``
+(default true).
 """
 
 from __future__ import annotations
@@ -27,7 +31,16 @@ from collections import Counter
 from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.messages import DecodeCmd, Event, Failed, KvReceived, KvSent
-from testbed.policies.base import ClusterView, Plan, PlanInfo, Policy, PolicyContext, PolicyReport, RequestState
+from testbed.policies.base import (
+    ClusterView,
+    Plan,
+    PlanInfo,
+    Policy,
+    PolicyContext,
+    PolicyReport,
+    RequestState,
+    WorkerView,
+)
 from testbed.policies.prefix_index import PrefixIndex
 from testbed.policies.registry import register
 from testbed.policies.wan import WanEstimator
@@ -44,6 +57,12 @@ class OffloadOptions(BaseModel):
                            json_schema_extra={"tune": {"low": 0, "high": 65536, "step": 1024}})
     wan_s: float = Field(default=2.0, ge=0, description="offload only while the line carries the KV within this",
                          json_schema_extra={"tune": {"low": 0.0, "high": 5.0}})
+    balance: bool = Field(default=True, description="offload only while the pool away is no busier than home")
+
+
+def _busy(w: WorkerView) -> tuple[int, int]:
+    """Requests in flight on a worker: the router's count (fresher), then its own report."""
+    return (w.assigned, w.active + w.queued)
 
 
 @register
@@ -84,6 +103,9 @@ class PrefillOffload(Policy):
             except LookupError:
                 r = None
                 self.counts["local (no remote prefill)"] += 1
+            if r is not None and self.opts.balance and _busy(r) > _busy(p):
+                r = None
+                self.counts["local (away busier)"] += 1
             if r is not None:
                 have = self._index(d.name).match(req.prompt)
                 delta = max(0, req.prompt_len - have)
