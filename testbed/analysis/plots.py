@@ -297,23 +297,25 @@ def _save(fig: Any, path: Path, dpi: int) -> None:
         fig.savefig(tmp, dpi=dpi)
 
 
-def plot_gap_vs_kv(rows: list[tuple[str, float, int, float | None]], path: Path) -> None:
-    """Cross-dc minus same-dc TTFT P50 against KV bytes per token, one line per line rate
-    (``rows``: card, rate Gbit/s, KV bytes per token, gap), each point named by its card."""
+def plot_gap_vs_kv(rows: list[tuple[str, float, float | None, float | None]], path: Path) -> None:
+    """Cross-dc minus same-dc TTFT P50 against the MB a request puts on the line (its KV
+    and its state), one line per line rate (``rows``: card, rate Gbit/s, MB, gap), each
+    point named by its card."""
     fig, ax = plt.subplots(figsize=(8, 5))
     for rate in sorted({r for _, r, _, _ in rows}):
-        pts = sorted((kv, gap, card) for card, r, kv, gap in rows if r == rate and gap is not None)
+        pts = sorted((mb, gap, card) for card, r, mb, gap in rows if r == rate and gap is not None and mb)
         if not pts:
             continue
-        ax.plot([p[0] / 1024 for p in pts], [p[1] for p in pts], marker="o", label=f"{rate:g} Gbit/s")
-        for kv, gap, card in pts:
-            ax.annotate(card, (kv / 1024, gap), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{rate:g} Gbit/s")
+        for mb, gap, card in pts:
+            ax.annotate(card, (mb, gap), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.axhline(2.5, color="grey", linestyle=":", label="the report's +2.5 s")
-    ax.set_xlabel("KV per token of the full-attention layers (KB, emulated)")
+    ax.set_xscale("log")
+    ax.set_xlabel("KV and state a request puts on the line (MB, emulated, mean)")
     ax.set_ylabel("cross-dc minus same-dc TTFT P50 (s)")
     ax.set_title("What decode across the line adds, per model and line")
     ax.legend()
-    ax.grid(alpha=0.3)
+    ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     _save(fig, path, 110)
     plt.close(fig)

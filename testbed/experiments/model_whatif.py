@@ -45,6 +45,7 @@ class Row(BaseModel):
     cross_p99_s: float | None
     best_p99_s: dict[str, float]  # every other policy's TTFT P99
     wan_kv_gb: dict[str, float]  # by policy
+    request_mb: float | None  # cross-dc's WAN KV per completed request: what a request puts on the line
 
 
 class WhatIfResult(BaseModel):
@@ -102,7 +103,8 @@ def _row(name: str, rate: float, card: ModelCard, folder: Path, s: RunSummary) -
                gap_p50_s=None if same is None or cross is None else cross - same,
                cross_p99_s=by["cross-dc"].ttft_p99_s,
                best_p99_s={k: v.ttft_p99_s for k, v in by.items() if k != "cross-dc" and v.ttft_p99_s is not None},
-               wan_kv_gb={k: v.wan_gb for k, v in by.items()})
+               wan_kv_gb={k: v.wan_gb for k, v in by.items()},
+               request_mb=by["cross-dc"].wan_gb * 1e3 / by["cross-dc"].completed if by["cross-dc"].completed else None)
 
 
 def save(r: WhatIfResult, out: Path) -> None:
@@ -110,8 +112,15 @@ def save(r: WhatIfResult, out: Path) -> None:
 
     write_atomic(out / "whatif.json", r.model_dump_json(indent=2))
     write_atomic(out / "whatif.md", markdown(r))
-    plot_gap_vs_kv([(row.card, row.rate_gbit, row.kv_bytes_per_token, row.gap_p50_s) for row in r.rows],
+    plot_gap_vs_kv([(row.card, row.rate_gbit, request_mb(r, row.card), row.gap_p50_s) for row in r.rows],
                    out / "gap_vs_kv.png")
+
+
+def request_mb(r: WhatIfResult, card: str) -> float | None:
+    """A card's bytes per request on the line, from its fastest line's cross-dc run (where
+    the fewest transfers were cut off by their deadline)."""
+    rows = [row for row in r.rows if row.card == card and row.request_mb is not None]
+    return max(rows, key=lambda row: row.rate_gbit).request_mb if rows else None
 
 
 def _s(v: float | None) -> str:
@@ -123,12 +132,14 @@ def markdown(r: WhatIfResult) -> str:
     weights = (f"{r.compute_of}'s compute with each card's KV and state on the line" if r.compute_of
                else "each card whole (compute and KV)")
     lines = [f"# Cross-datacenter decode per model and line ({r.requests} requests per policy, the simulator)", "",
-             f"Scenario `{r.scenario}`, trace `{r.trace}`, {weights}. Times in emulated seconds.", "",
+             f"Scenario `{r.scenario}`, trace `{r.trace}`, {weights}. Times in emulated seconds; MB per "
+             "request: cross-dc's KV and state on the line per completed request, at the card's fastest line.", "",
              *table_head(["model", "line Gbit/s", "KV B/token", "state MB", "gap P50 s", "cross-dc P99 s",
-                          *[f"{p} P99 s" for p in others], "cross-dc WAN KV GB"], "l" + "r" * (6 + len(others)))]
+                          *[f"{p} P99 s" for p in others], "cross-dc WAN KV GB", "MB per request"],
+                         "l" + "r" * (7 + len(others)))]
     for row in r.rows:
         cells = [_s(row.best_p99_s.get(p)) for p in others]
         lines.append(f"| {row.card} | {row.rate_gbit:g} | {row.kv_bytes_per_token:,} | {row.state_mb:.1f} | "
                      f"{_s(row.gap_p50_s)} | {_s(row.cross_p99_s)} | {' | '.join(cells)} | "
-                     f"{row.wan_kv_gb.get('cross-dc', 0.0):.1f} |")
+                     f"{row.wan_kv_gb.get('cross-dc', 0.0):.1f} | {_s(request_mb(r, row.card))} |")
     return "\n".join(lines) + "\n"
