@@ -14,15 +14,25 @@ import torch
 from protocol.kv_format import AUTH, HDR, HELLO, MAGIC, STATE, VERSION, Auth, End
 from protocol.worker_config import Scales
 from testbed.analysis.kv_rate import PRFAAS_GBPS, kv_rates, load_cards
+from testbed.analysis.metrics import request_rows
 from testbed.cli.main import main
+from testbed.deploy.deployment import Deployment
 from testbed.deploy.emulation import EmulationPlan
 from testbed.errors import InputError
 from testbed.experiments.model_whatif import WhatIfResult, with_card
 from testbed.hardware import ModelCard
+from testbed.load.trace_replay import TraceReplay
+from testbed.load.verify import compare, verification_prompts
+from testbed.policies import parse_policy
 from testbed.scenario import load_scenario
+from testbed.sim.engine import sim_plan
 from testbed.sim.kv import block_frames_bytes, hello_bytes, state_frames_bytes
 from workers import kv_wire
 from workers.device import make_pacer
+from workers.model import ModelRunner, ensure_default_model
+from workers.model_dir import kv_bytes_per_token
+
+from .conftest import needs_root, scenario_with
 
 CARDS = sorted(Path("topologies/models").glob("*.yaml"))
 
@@ -96,8 +106,6 @@ def test_a_bad_card_file_is_refused_naming_its_file_line_and_field(tmp_path: Pat
 
 
 def test_a_scenario_may_name_a_card_file_and_its_wire_carries_the_state() -> None:
-    from testbed.sim.engine import sim_plan
-
     sc = load_scenario("topologies/paper-hybrid.yaml")
     assert sc.emulation is not None and sc.models[sc.emulation.model].linear_layers == 36
     plan = sim_plan(sc, 16)
@@ -222,3 +230,27 @@ def test_kv_of_keeps_the_models_compute_and_puts_the_other_cards_kv_on_the_line(
     bad["emulation"]["kv_of"] = "nope"
     with pytest.raises(ValueError, match="emulation.kv_of names unknown model 'nope'"):
         type(sc).model_validate(bad)
+
+
+# A hybrid small enough that its state crosses in a blink: 2 linear layers of 64 KiB.
+TINY_HYBRID = {"layers": 4, "heads": 4, "kv_heads": 2, "head_dim": 64, "params": 1e9,
+               "linear_layers": 2, "linear_state_bytes": 65536}
+
+
+@needs_root
+def test_a_hybrid_cards_requests_give_the_reference_tokens_through_pdd_and_carry_the_state() -> None:
+    specs = verification_prompts(8, seed=5)
+    runner = ModelRunner(ensure_default_model(), "float64")
+    refs = {s.rid: runner.reference(s.prompt, s.max_new) for s in specs}
+    sc = scenario_with({"models": {"tiny-hybrid": TINY_HYBRID},
+                        "emulation": {"model": "tiny-hybrid", "time_dilation": 1}})
+    plan = EmulationPlan.make(sc, 1, 1.0, kv_bytes_per_token(ensure_default_model(), "float64"))
+    with Deployment(sc, parse_policy("pdd"), emulation=plan, dtype="float64") as dep:
+        states = {w.kv_state_bytes for w in dep.cluster.workers.values()}
+        run = dep.run(TraceReplay(specs, timeout_s=120))
+    [state] = states  # every worker sends and takes the same state
+    assert state > 0
+    assert compare(specs, refs, run.recs) == []
+    df = request_rows(run.recs, run.router, specs)
+    crossed = df[df.wan_kv_bytes > 0]
+    assert len(crossed) > 0 and (crossed.wan_kv_bytes >= state).all()  # the state crossed with every transfer

@@ -43,7 +43,7 @@ class Row(BaseModel):
     run_dir: str
     gap_p50_s: float | None  # cross-dc minus same-dc TTFT P50
     cross_p99_s: float | None
-    best_p99_s: dict[str, float]  # every other policy's TTFT P99
+    p99_s: dict[str, float]  # TTFT P99 of every policy but cross-dc
     wan_kv_gb: dict[str, float]  # by policy
     request_mb: float | None  # cross-dc's WAN KV per completed request: what a request puts on the line
 
@@ -102,7 +102,7 @@ def _row(name: str, rate: float, card: ModelCard, folder: Path, s: RunSummary) -
                state_mb=card.state_bytes / 1e6, run_dir=str(folder),
                gap_p50_s=None if same is None or cross is None else cross - same,
                cross_p99_s=by["cross-dc"].ttft_p99_s,
-               best_p99_s={k: v.ttft_p99_s for k, v in by.items() if k != "cross-dc" and v.ttft_p99_s is not None},
+               p99_s={k: v.ttft_p99_s for k, v in by.items() if k != "cross-dc" and v.ttft_p99_s is not None},
                wan_kv_gb={k: v.wan_gb for k, v in by.items()},
                request_mb=by["cross-dc"].wan_gb * 1e3 / by["cross-dc"].completed if by["cross-dc"].completed else None)
 
@@ -128,7 +128,7 @@ def _s(v: float | None) -> str:
 
 
 def markdown(r: WhatIfResult) -> str:
-    others = sorted({k for row in r.rows for k in row.best_p99_s})
+    others = sorted({k for row in r.rows for k in row.p99_s})
     weights = (f"{r.compute_of}'s compute with each card's KV and state on the line" if r.compute_of
                else "each card whole (compute and KV)")
     lines = [f"# Cross-datacenter decode per model and line ({r.requests} requests per policy, the simulator)", "",
@@ -138,7 +138,7 @@ def markdown(r: WhatIfResult) -> str:
                           *[f"{p} P99 s" for p in others], "cross-dc WAN KV GB", "MB per request"],
                          "l" + "r" * (7 + len(others)))]
     for row in r.rows:
-        cells = [_s(row.best_p99_s.get(p)) for p in others]
+        cells = [_s(row.p99_s.get(p)) for p in others]
         lines.append(f"| {row.card} | {row.rate_gbit:g} | {row.kv_bytes_per_token:,} | {row.state_mb:.1f} | "
                      f"{_s(row.gap_p50_s)} | {_s(row.cross_p99_s)} | {' | '.join(cells)} | "
                      f"{row.wan_kv_gb.get('cross-dc', 0.0):.1f} | {_s(request_mb(r, row.card))} |")
