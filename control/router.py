@@ -72,7 +72,8 @@ class Router:
         self.decisions = Decisions(cfg.policy, cfg.context)  # the policy, built once the router dropped root
         self.view = ClusterView({n: WorkerView(n, w.role, w.dc, w.host, w.kv_port) for n, w in cfg.workers.items()},
                                 block_size=cfg.context.block_size,
-                                cache_tokens=cfg.context.decode_cache_tokens or 262144)
+                                cache_tokens=cfg.context.decode_cache_tokens or 262144,
+                                exact_roles=frozenset({"prefill"} if cfg.context.prefill_exact_states else ()))
         self.inflight: dict[str, RequestState] = {}
         self.ended = Ended(cfg.dilation)  # finished: kept for their late events, then on disk
         self.session: Session | None = None

@@ -66,6 +66,8 @@ class PolicyContext(Contract):
     decode_cache_tokens: int = 0
     home_dc: str | None = None  # where requests enter (the router's datacenter); None: any
     token_scale: int = Field(default=1, ge=1)  # emulated tokens per replayed token (options in emulated tokens)
+    # A hybrid model: a prefill's cache resumes only where a prompt ended (its linear states).
+    prefill_exact_states: bool = False
 
     def transfer_bytes(self, tokens: int) -> int:
         """Wire bytes of a transfer of ``tokens`` tokens' KV and the request's state."""

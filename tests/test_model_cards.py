@@ -239,18 +239,19 @@ TINY_HYBRID = {"layers": 4, "heads": 4, "kv_heads": 2, "head_dim": 64, "params":
 
 @needs_root
 def test_a_hybrid_cards_requests_give_the_reference_tokens_through_pdd_and_carry_the_state() -> None:
-    specs = verification_prompts(8, seed=5)
+    specs = verification_prompts(8, seed=5, max_len=512)
     runner = ModelRunner(ensure_default_model(), "float64")
     refs = {s.rid: runner.reference(s.prompt, s.max_new) for s in specs}
     sc = scenario_with({"models": {"tiny-hybrid": TINY_HYBRID},
                         "emulation": {"model": "tiny-hybrid", "time_dilation": 1}})
     plan = EmulationPlan.make(sc, 1, 1.0, kv_bytes_per_token(ensure_default_model(), "float64"))
-    with Deployment(sc, parse_policy("pdd"), emulation=plan, dtype="float64") as dep:
+    with Deployment(sc, parse_policy("pdd:relay_s=0"), emulation=plan, dtype="float64") as dep:
         states = {w.kv_state_bytes for w in dep.cluster.workers.values()}
         run = dep.run(TraceReplay(specs, timeout_s=120))
     [state] = states  # every worker sends and takes the same state
     assert state > 0
     assert compare(specs, refs, run.recs) == []
     df = request_rows(run.recs, run.router, specs)
-    crossed = df[df.wan_kv_bytes > 0]
+    assert (df.pipeline == "P-RLD-MD").any() and (df.handoffs > 0).any()  # the relay and its handoff too
+    crossed = df[(df.wan_kv_bytes > 0) & ~df.wan_cut_off.astype(bool)]  # a transfer cut off sends part of it
     assert len(crossed) > 0 and (crossed.wan_kv_bytes >= state).all()  # the state crossed with every transfer

@@ -114,3 +114,19 @@ def test_offloaded_and_local_prefills_give_the_reference_tokens() -> None:
     assert (df.wan_kv_bytes[away] > 0).all() and (df.wan_kv_bytes[~away] == 0).all()
     long = {s.rid for s in specs if len(s.prompt) >= 512}
     assert set(df.rid[away]) <= long
+
+
+def test_a_hybrid_models_shared_head_is_uncached_at_the_local_prefill() -> None:
+    """A hybrid prefill resumes only where an earlier prompt ended: a long prompt that shares
+    a head with one sent before, then diverges, is all uncached (offloaded); with a dense
+    model the head counts as cached (kept home)."""
+    head = synth_tokens("system", 512)
+    for exact, where in ((False, "prefill"), (True, "prefill-b")):
+        pol = make_policy(parse_policy("prefill-offload:threshold=1000,wan_s=5"))
+        pol.bind(PolicyContext(wan_rate_bps=1e9, wan_back_rate_bps=1e9, wan_rtt_s=0.03, kv_bytes_per_token=4096,
+                               block_size=16, decode_cache_tokens=100_000, home_dc="a",
+                               prefill_exact_states=exact))
+        cl = _cluster()
+        assert pol.plan(_req("first", head + synth_tokens("q1", 100)), cl).prefill == "prefill"  # short: home
+        # 1,112 tokens: 600 beyond the head (home), or all of them (away)
+        assert pol.plan(_req("second", head + synth_tokens("q2", 600)), cl).prefill == where

@@ -6,7 +6,10 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 
+import torch
+
 from testbed.policies.prefix_index import PrefixIndex
+from workers.radix_cache import RadixCache
 
 
 class _Reference:
@@ -63,3 +66,26 @@ def test_a_prompt_used_again_and_again_keeps_the_order_of_use_bounded() -> None:
         idx.insert(prompt)
     assert len(idx) == 1000 and idx.match(prompt) == 16 * 1000
     assert sum(len(h) for _, h in idx._uses) <= 2 * 1000 + 4096
+
+
+def test_a_hybrid_prefills_shadow_matches_only_where_its_cache_kept_a_state() -> None:
+    """With ``exact_states`` the index says what a hybrid model's prefill cache would resume
+    from (``RadixCache(exact_states=True)``): sessions that grow, prompts that share a head
+    and diverge, in a random order; every match equals the cache's."""
+    rng = random.Random(3)
+    heads = [[rng.randrange(1, 8000) for _ in range(rng.choice([16, 40, 100]))] for _ in range(4)]
+    sessions = [list(rng.choice(heads)) for _ in range(12)]
+    index, cache = PrefixIndex(16, 1 << 20, exact_states=True), RadixCache(16, 1 << 20, keeps_kv=False,
+                                                                             exact_states=True)
+    plain = PrefixIndex(16, 1 << 20)
+    shorter = 0
+    for _ in range(300):
+        s = rng.randrange(len(sessions))
+        sessions[s] = sessions[s] + [rng.randrange(1, 8000) for _ in range(rng.randrange(1, 60))]
+        prompt = sessions[s]
+        assert index.match(prompt) == len(cache.match_prefix(prompt, count=False)) * 16
+        shorter += index.match(prompt) < plain.match(prompt)
+        index.insert(prompt)
+        plain.insert(prompt)
+        cache.insert(prompt, torch.zeros(1, 2, 1, len(prompt), 1))
+    assert shorter > 0  # some shared heads matched in the plain index and not at a kept state

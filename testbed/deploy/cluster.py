@@ -145,6 +145,7 @@ def router_config(sc: Scenario, run_id: str, policy: PolicySpec, workers: dict[s
     d = emulation.dilation if emulation else 1.0
     router = sc.hosts_with_role(Role.ROUTER)[0]
     fwd = sc.wan.forward
+    cost = emulation.cost() if emulation else None
     context = PolicyContext(
         wan_rate_bps=fwd.rate_mbit * 1e6 if fwd.rate_mbit else None, wan_rtt_s=2 * fwd.delay_ms / 1000, dilation=d,
         wan_back_rate_bps=sc.wan.reverse.rate_mbit * 1e6 if sc.wan.reverse.rate_mbit else None,
@@ -153,6 +154,7 @@ def router_config(sc: Scenario, run_id: str, policy: PolicySpec, workers: dict[s
         decode_cache_tokens=-(-ws.decode_cache_tokens // (emulation.scales.s_in if emulation else 1)),
         home_dc=sc.datacenter_of(router),
         token_scale=emulation.scales.s_in if emulation else 1,
+        prefill_exact_states=cost is not None and cost.linear_layers > 0,
     )  # fmt: skip
     endpoints = {h: WorkerEndpoint(role=c.role, dc=sc.datacenter_of(h), host=c.host_ip, kv_port=c.kv_port)
                  for h, c in workers.items()}

@@ -56,6 +56,7 @@ class ClusterView:
     block_size: int = 16
     cache_tokens: int = 262144
     held: dict[str, PrefixIndex] = field(default_factory=dict)
+    exact_roles: frozenset[str] = frozenset()  # roles whose caches resume only at kept states (a hybrid's prefill)
     # While the router traces decisions: every worker a decision weighed, as it weighed it
     # (``pick`` adds its candidates; a policy adds its own with ``weigh``); None: not traced.
     weighed: list[Candidate] | None = None
@@ -102,7 +103,10 @@ class ClusterView:
             self._index(worker).insert(prompt)
 
     def _index(self, worker: str) -> PrefixIndex:
-        return self.held.setdefault(worker, PrefixIndex(self.block_size, self.cache_tokens))
+        if worker not in self.held:
+            exact = self.workers[worker].role in self.exact_roles
+            self.held[worker] = PrefixIndex(self.block_size, self.cache_tokens, exact_states=exact)
+        return self.held[worker]
 
 
 @dataclass(frozen=True)

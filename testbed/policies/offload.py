@@ -89,14 +89,18 @@ class PrefillOffload(Policy):
         # The KV of an offloaded prefill comes back: the line's reverse direction.
         self.wan = WanEstimator(ctx.wan_back_rate_bps or UNSHAPED_RATE_BPS, ctx.wan_rtt_s)
 
-    def _index(self, worker: str) -> PrefixIndex:
-        return self.indexes.setdefault(worker, PrefixIndex(self.ctx.block_size, self.ctx.decode_cache_tokens))
+    def _index(self, worker: str, prefill: bool = False) -> PrefixIndex:
+        """The shadow of a worker's cache (a prefill's resumes only at kept states: a hybrid)."""
+        if worker not in self.indexes:
+            exact = prefill and self.ctx.prefill_exact_states
+            self.indexes[worker] = PrefixIndex(self.ctx.block_size, self.ctx.decode_cache_tokens, exact_states=exact)
+        return self.indexes[worker]
 
     def plan(self, req: RequestState, cluster: ClusterView) -> Plan:
         home = self.ctx.home_dc
         p = cluster.pick("prefill", dc=home, prompt=req.prompt)
         d = cluster.pick("decode", dc=p.dc, prompt=req.prompt)
-        uncached = (req.prompt_len - self._index(p.name).match(req.prompt)) * self.ctx.token_scale
+        uncached = (req.prompt_len - self._index(p.name, prefill=True).match(req.prompt)) * self.ctx.token_scale
         if uncached >= self.opts.threshold:
             try:
                 r = cluster.pick_outside("prefill", p.dc, prompt=req.prompt)
@@ -116,11 +120,11 @@ class PrefillOffload(Policy):
                                 wan_efficiency=self.wan.efficiency)
                 if wait <= self.opts.wan_s:
                     self.wan.started(req.rid, delta_bytes)
-                    self._index(r.name).insert(req.prompt)
+                    self._index(r.name, prefill=True).insert(req.prompt)
                     self.counts["offloaded"] += 1
                     return Plan(f"P({r.dc})-D({d.dc})", r.name, d.name, info=info)
                 self.counts["local (line busy)"] += 1
-        self._index(p.name).insert(req.prompt)
+        self._index(p.name, prefill=True).insert(req.prompt)
         self.counts["local"] += 1
         return Plan(f"P-D({d.dc})", p.name, d.name)
 

@@ -17,6 +17,10 @@ live blocks they are rewritten without them. An ordered dict of 16-byte digests 
 bytes a block by Python's count (199 on the C allocator); this takes 97 (121). A 60-bit
 collision (about one in 10^5 emulated hours of the report's load) would only make a match
 a block too long: the index guides routing, it holds no KV.
+
+With ``exact_states`` it shadows a hybrid model's prefill cache (``workers/radix_cache.py``):
+a match ends at the last block where an inserted prompt ended, the only places a linear
+layer's state is kept.
 """
 
 from __future__ import annotations
@@ -38,8 +42,10 @@ ENTRY_BYTES = 121
 
 
 class PrefixIndex:
-    def __init__(self, block_size: int, capacity_tokens: int) -> None:
+    def __init__(self, block_size: int, capacity_tokens: int, exact_states: bool = False) -> None:
         self.block_size = block_size
+        self.exact_states = exact_states
+        self._states: set[int] = set()  # blocks an inserted prompt ended on (exact_states)
         self.capacity_blocks = capacity_tokens // block_size
         self._last: dict[int, int] = {}  # block hash -> the insert that last used it
         self._uses: deque[tuple[int, array[int]]] = deque()  # (insert, its hashes), oldest first
@@ -57,13 +63,15 @@ class PrefixIndex:
         """Leading tokens the decoder probably holds. A look only: a policy compares every
         candidate's, and only the one that gets the prompt uses (and refreshes) its blocks,
         which ``insert`` records."""
-        n = 0
-        last = self._last
+        n = kept = 0
+        last, states = self._last, self._states
         for h in self._hashes(tokens):
             if h not in last:
                 break
             n += 1
-        return n * self.block_size
+            if h in states:
+                kept = n
+        return (kept if self.exact_states else n) * self.block_size
 
     def insert(self, tokens: Sequence[int]) -> None:
         hashes = self._hashes(tokens)
@@ -73,6 +81,8 @@ class PrefixIndex:
         last = self._last
         for h in hashes:
             last[h] = now
+        if self.exact_states:
+            self._states.add(hashes[-1])
         self._uses.append((now, hashes))
         self._listed += len(hashes)
         while len(last) > self.capacity_blocks:
@@ -92,6 +102,7 @@ class PrefixIndex:
                 self._front = 0
             if last.get(h) == when:
                 del last[h]
+                self._states.discard(h)
                 return
 
     def _rewrite(self) -> None:
