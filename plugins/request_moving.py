@@ -60,8 +60,7 @@ class RequestMoving(Policy):
                 d = cluster.pick("decode", dc=dc, prompt=req.prompt)
             except LookupError:
                 continue  # no live stack there
-            index = self.indexes.setdefault(p.name, PrefixIndex(self.ctx.block_size, self.ctx.decode_cache_tokens,
-                                                                exact_states=self.ctx.prefill_exact_states))
+            index = self.indexes.setdefault(p.name, PrefixIndex.shadowing(self.ctx, "prefill"))
             uncached = (req.prompt_len - index.match(req.prompt)) * self.ctx.token_scale
             away = dc != self.ctx.home_dc
             score = uncached + self.opts.load_tokens * (p.assigned + d.assigned) + self.opts.rtt_tokens * away

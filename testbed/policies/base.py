@@ -43,8 +43,13 @@ class WorkerView:
 AFFINITY_SLACK = 4  # requests more than the least-loaded worker that a prefix match may cost
 
 
+def busy(w: WorkerView) -> tuple[int, int]:
+    """Requests in flight on a worker: the router's count (fresher), then the worker's own."""
+    return (w.assigned, w.active + w.queued)
+
+
 def _load(w: WorkerView) -> tuple[int, int, str]:
-    return (w.assigned, w.active + w.queued, w.name)
+    return (*busy(w), w.name)
 
 
 @dataclass

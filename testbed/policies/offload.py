@@ -31,16 +31,7 @@ from collections import Counter
 from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.messages import DecodeCmd, Event, Failed, KvReceived, KvSent
-from testbed.policies.base import (
-    ClusterView,
-    Plan,
-    PlanInfo,
-    Policy,
-    PolicyContext,
-    PolicyReport,
-    RequestState,
-    WorkerView,
-)
+from testbed.policies.base import ClusterView, Plan, PlanInfo, Policy, PolicyContext, PolicyReport, RequestState, busy
 from testbed.policies.prefix_index import PrefixIndex
 from testbed.policies.registry import register
 from testbed.policies.wan import WanEstimator
@@ -58,11 +49,6 @@ class OffloadOptions(BaseModel):
     wan_s: float = Field(default=2.0, ge=0, description="offload only while the line carries the KV within this",
                          json_schema_extra={"tune": {"low": 0.0, "high": 5.0}})
     balance: bool = Field(default=True, description="offload only while the pool away is no busier than home")
-
-
-def _busy(w: WorkerView) -> tuple[int, int]:
-    """Requests in flight on a worker: the router's count (fresher), then its own report."""
-    return (w.assigned, w.active + w.queued)
 
 
 @register
@@ -89,25 +75,23 @@ class PrefillOffload(Policy):
         # The KV of an offloaded prefill comes back: the line's reverse direction.
         self.wan = WanEstimator(ctx.wan_back_rate_bps or UNSHAPED_RATE_BPS, ctx.wan_rtt_s)
 
-    def _index(self, worker: str, prefill: bool = False) -> PrefixIndex:
-        """The shadow of a worker's cache (a prefill's resumes only at kept states: a hybrid)."""
+    def _index(self, worker: str, role: str = "decode") -> PrefixIndex:
         if worker not in self.indexes:
-            exact = prefill and self.ctx.prefill_exact_states
-            self.indexes[worker] = PrefixIndex(self.ctx.block_size, self.ctx.decode_cache_tokens, exact_states=exact)
+            self.indexes[worker] = PrefixIndex.shadowing(self.ctx, role)
         return self.indexes[worker]
 
     def plan(self, req: RequestState, cluster: ClusterView) -> Plan:
         home = self.ctx.home_dc
         p = cluster.pick("prefill", dc=home, prompt=req.prompt)
         d = cluster.pick("decode", dc=p.dc, prompt=req.prompt)
-        uncached = (req.prompt_len - self._index(p.name, prefill=True).match(req.prompt)) * self.ctx.token_scale
+        uncached = (req.prompt_len - self._index(p.name, "prefill").match(req.prompt)) * self.ctx.token_scale
         if uncached >= self.opts.threshold:
             try:
                 r = cluster.pick_outside("prefill", p.dc, prompt=req.prompt)
             except LookupError:
                 r = None
                 self.counts["local (no remote prefill)"] += 1
-            if r is not None and self.opts.balance and _busy(r) > _busy(p):
+            if r is not None and self.opts.balance and busy(r) > busy(p):
                 r = None
                 self.counts["local (away busier)"] += 1
             if r is not None:
@@ -120,11 +104,11 @@ class PrefillOffload(Policy):
                                 wan_efficiency=self.wan.efficiency)
                 if wait <= self.opts.wan_s:
                     self.wan.started(req.rid, delta_bytes)
-                    self._index(r.name, prefill=True).insert(req.prompt)
+                    self._index(r.name, "prefill").insert(req.prompt)
                     self.counts["offloaded"] += 1
                     return Plan(f"P({r.dc})-D({d.dc})", r.name, d.name, info=info)
                 self.counts["local (line busy)"] += 1
-        self._index(p.name, prefill=True).insert(req.prompt)
+        self._index(p.name, "prefill").insert(req.prompt)
         self.counts["local"] += 1
         return Plan(f"P-D({d.dc})", p.name, d.name)
 

@@ -112,7 +112,7 @@ class Pdd(Policy):
             rld = cluster.pick("relay-decode", dc=p.dc)
             self.counts["P-RLD (no main decoder)"] += 1
             return Plan("P-RLD", p.name, rld.name)
-        index = self.indexes.setdefault(md.name, PrefixIndex(self.ctx.block_size, self.ctx.decode_cache_tokens))
+        index = self.indexes.setdefault(md.name, PrefixIndex.shadowing(self.ctx, "decode"))
         have = index.match(req.prompt) if self.drc else 0
         delta = max(0, req.prompt_len - have)
         delta_bytes = self.ctx.transfer_bytes(delta)

@@ -32,6 +32,7 @@ from array import array
 from collections import deque
 from collections.abc import Sequence
 
+from protocol.policy import PolicyContext
 from testbed.policies.token_ids import TOKEN_BYTES, token_array
 
 # Memory one indexed block costs with eviction going on (its dict entry and hash, its place
@@ -52,6 +53,12 @@ class PrefixIndex:
         self._front = 0  # entries of the oldest insert already evicted or passed
         self._listed = 0  # entries in ``_uses`` from ``_front`` on
         self._inserts = itertools.count()
+
+    @classmethod
+    def shadowing(cls, ctx: PolicyContext, role: str) -> PrefixIndex:
+        """An index of what a worker of ``role`` caches, sized as the deployment's caches (a
+        hybrid's prefill: matched only where a prompt ended)."""
+        return cls(ctx.block_size, ctx.decode_cache_tokens, exact_states=role == "prefill" and ctx.prefill_exact_states)
 
     def _hashes(self, tokens: Sequence[int]) -> array[int]:
         # Over the ids as 4-byte integers, whatever sequence holds them: a list and the
