@@ -33,6 +33,7 @@ from .conftest import ROOT, built, needs_root, scenario_with, small_wan
 pytestmark = needs_root
 
 
+@pytest.mark.serial  # times the delay line's round trips to +-3 ms: no neighbour on the cores
 def test_delay_line_takes_a_direction_down_adds_delay_and_loss_and_restores() -> None:
     with built(small_wan(5.0, None)) as net:
         src, dst = net.ns_of("ha"), net.ip_of("hc")
