@@ -36,7 +36,7 @@ class Decisions:
         """A plan (or why there is none) with the workers it weighed, when decisions are traced."""
         if self.traced is None:
             return
-        d = Decision(rid=rid, t=clock.time(), error=error, candidates=weighed or [])
+        d = Decision(rid=rid, t=clock.now(), error=error, candidates=weighed or [])
         if plan is not None:
             d = d.model_copy(update={"pipeline": plan.pipeline, "prefill": plan.prefill, "decode": plan.decode,
                                      "relay": plan.relay, "info": plan.info})

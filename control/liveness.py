@@ -63,7 +63,7 @@ class Liveness:
             # Still routable until confirmed: a request planned onto it meanwhile fails with
             # the others if the death is real.
             self.suspects.add(st.worker)
-            task = asyncio.create_task(self._confirm_death(st.worker, clock.monotonic(), clock.time()))
+            task = asyncio.create_task(self._confirm_death(st.worker, clock.monotonic(), clock.now()))
             self.pending.add(task)
             task.add_done_callback(self.pending.discard)
 
@@ -106,7 +106,7 @@ class Liveness:
                       flush=True)
             return
         w.up = False
-        death = WorkerDeath(worker=name, news_t=news_t, t=clock.time(), why=why)
+        death = WorkerDeath(worker=name, news_t=news_t, t=clock.now(), why=why)
         self.out.append_line(self.deaths_name, death.model_dump_json())  # one line per death, as it happens
         await self.on_dead(name, why)
 

@@ -181,7 +181,7 @@ class Router:
             await self._fail(rid, reason)
         elif topic == self.topics.requests:  # never admitted: the client still waits for an answer
             await self.publish(self.topics.tokens(rid), Tokens(rid=rid, start=0, tokens=[], worker="router",
-                                                               t=clock.time(), done=True, error=reason).dump())
+                                                               t=clock.now(), done=True, error=reason).dump())
 
     async def _on_status(self, st: Status) -> None:
         self.liveness.on_status(st)
@@ -227,7 +227,7 @@ class Router:
         if (why := out_of_bounds(r, self.cfg.vocab_size, self.cfg.max_context)) is not None:
             refusal(f"router: refused request {r.rid}: {why}")
             await self.publish(self.topics.tokens(r.rid), Tokens(rid=r.rid, start=0, tokens=[], worker="router",
-                                                                 t=clock.time(), done=True,
+                                                                 t=clock.now(), done=True,
                                                                  error=f"router refused the request: {why}").dump())
             return
         req = RequestState(r.rid, r.prompt, r.max_new, clock.monotonic(), r.hints)
@@ -255,7 +255,7 @@ class Router:
         # tokens from those alone: ``protocol.stream_gate``).
         streamers = sorted(w for w in {plan.relay, plan.decode} if w)
         await self.publish(self.topics.tokens(r.rid), Tokens(rid=r.rid, start=0, tokens=[], worker="router",
-                                                             t=clock.time(), streamers=streamers).dump())
+                                                             t=clock.now(), streamers=streamers).dump())
         # Decoders first: they must know the request before its KV arrives. Each decoder and the
         # prefill (on their command topics, which only they read) get a ticket of their own for
         # this transfer: another worker of the run, which has the run's KV token and may know the
@@ -347,7 +347,7 @@ class Router:
             for w in req.plan.workers:
                 await self.publish(self.topics.cmd(w), CancelCmd(rid=rid).dump())
         await self.publish(self.topics.tokens(rid), Tokens(rid=rid, start=0, tokens=[], worker="router",
-                                                           t=clock.time(), done=True, error=reason).dump())
+                                                           t=clock.now(), done=True, error=reason).dump())
         self._finish(req, reason)
 
     def _finish(self, req: RequestState, error: str | None) -> None:

@@ -178,11 +178,18 @@ def write_private(path: Path, text: str) -> None:
     write_private_bytes(path, text.encode())
 
 
-def write_private_bytes(path: Path, data: bytes) -> None:
+def write_readable(path: Path, text: str) -> None:
+    """``write_private``, but every account may read it (mode 0644): what root tells an
+    unprivileged component through a file in a folder only root writes."""
+    write_private_bytes(path, text.encode(), 0o644)
+
+
+def write_private_bytes(path: Path, data: bytes, mode: int = 0o600) -> None:
     """``write_private`` for bytes."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
+        os.fchmod(fd, mode)  # whatever the umask
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)

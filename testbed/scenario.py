@@ -288,14 +288,14 @@ class Scenario(_Strict):
         return self
 
     def check_fault(self, fault: Fault) -> None:
-        """A fault names this scenario's datacenters, worker hosts and shaped directions
-        (ValueError otherwise)."""
-        workers = {h: str(spec.role) for dc in self.datacenters.values() for h, spec in dc.hosts.items()
-                   if spec.role in (Role.PREFILL, Role.DECODE, Role.RELAY_DECODE)}
+        """A fault names this scenario's datacenters, hosts of components and shaped
+        directions (ValueError otherwise)."""
+        components = {h: str(spec.role) for dc in self.datacenters.values() for h, spec in dc.hosts.items()
+                      if spec.role in (Role.PREFILL, Role.DECODE, Role.RELAY_DECODE, Role.ROUTER, Role.CLIENT)}
         a, b = self.wan.between
         unshaped = {name for name, d in ((f"{a}->{b}", self.wan.forward), (f"{b}->{a}", self.wan.reverse))
                     if d.rate_mbit is None}
-        fault.check_against(list(self.datacenters), workers, unshaped)
+        fault.check_against(list(self.datacenters), components, unshaped)
 
     def resolved_policies(self) -> list[str]:
         """``policies`` with a plugin's relative file made relative to this scenario's folder."""

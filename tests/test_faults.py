@@ -152,7 +152,7 @@ def test_a_broker_or_router_gone_for_good_ends_every_request_with_a_reason(sprea
     done = [rid for rid, r in recs.items() if r.ok]
     assert compare([s for s in specs if s.rid in done], refs, {rid: recs[rid] for rid in done}) == []
     if fault.startswith("router"):
-        ended_before = {rid for rid in done if (recs[rid].ended or 0) - run.fault_t0_wall < 1.5}  # host seconds
+        ended_before = {rid for rid in done if (recs[rid].ended or 0) - run.fault_t0 < 1.5}  # host seconds
         assert ended_before <= set(router)
 
 
@@ -252,22 +252,34 @@ def test_run_with_faults_accounts_for_every_request_and_saves_the_timeline(tmp_p
     out = tmp_path / "out"
     res = subprocess.run([sys.executable, "-m", "testbed", "run", "--trace", str(trace), "--policies", "pdd",
                           "--token-scale", "4", "--dilation", "1", "--allow-infidelity", "--out", str(out),
-                          "--fault", "wan-down@1+1", "--fault", "kill@2:host=relay"],
+                          "--fault", "wan-down@1+1", "--fault", "kill@2:host=relay",
+                          # Every component's wall clock an hour back, then decode-b's a day ahead
+                          # for a second: no latency may move (they are on the monotonic clock).
+                          "--fault", "clock-step@0.5:s=-3600", "--fault", "clock-step@1.5+1:host=decode-b,s=86400"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode in (0, 1), res.stdout + res.stderr
     assert "fault wan-down@1+1: applied at" in res.stderr and "fault kill@2:host=relay: applied at" in res.stderr
     summary = json.loads((out / "summary.json").read_text())
     applied = summary["policies"]["pdd"]["faults"]
-    assert [f["fault"] for f in applied] == ["wan-down@1+1", "kill@2:host=relay"]
+    assert [f["fault"] for f in applied] == ["clock-step@0.5:s=-3600", "wan-down@1+1",
+                                             "clock-step@1.5+1:host=decode-b,s=86400", "kill@2:host=relay"]
     assert all(f["applied_s"] is not None and f["error"] is None for f in applied)
-    assert applied[0]["cleared_s"] == pytest.approx(2.0, abs=0.5)
+    steps = {f["fault"]: f["detail"] for f in applied if f["kind"] == "clock-step"}
+    assert all(f"{p} -3600 s" in steps["clock-step@0.5:s=-3600"] for p in ("client", "router", "worker-relay")), steps
+    assert "worker-decode-b +82800 s" in steps["clock-step@1.5+1:host=decode-b,s=86400"], steps
+    logs = out / "logs" / "pdd"
+    assert "wall clock stepped: -3600 s" in (logs / "client.log").read_text()
+    assert "wall clock stepped: +82800 s" in (logs / "worker-decode-b.log").read_text()
+    assert applied[1]["cleared_s"] == pytest.approx(2.0, abs=0.5)
     # What each fault cost: the killed relay declared dead within an emulated second.
     impact = {m["fault"]: m for m in summary["policies"]["pdd"]["fault_impact"]}
-    assert set(impact) == {"wan-down@1+1", "kill@2:host=relay"}
+    assert {"wan-down@1+1", "kill@2:host=relay"} <= set(impact)
     assert 0 < impact["kill@2:host=relay"]["detected_s"] < 1.0 and impact["wan-down@1+1"]["detected_s"] is None
     assert "What each fault cost" in (out / "report.md").read_text()
     rows = pd.read_csv(out / "requests.csv")
     assert len(rows) == 16
+    done = rows[rows.ok]
+    assert len(done) and (done.ttft_s > 0).all() and (done.e2e_s < 120).all(), done[["ttft_s", "e2e_s"]]
     assert (rows.ok | rows.error.astype("string").fillna("").str.len().gt(0)).all()  # completed, or failed: why
     for why in rows.error.dropna():
         assert "(during fault" in why or why.startswith("not sent: previous turn"), why

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import pandas as pd
 import pytest
 
 from control.router import Router
+from protocol import clock
 from protocol.messages import KvSent
 from protocol.worker_config import WorkerFaults
 from testbed.errors import InputError
@@ -140,7 +142,7 @@ def test_faults_act_in_emulated_time_and_the_line_outage_costs_pdd_nothing() -> 
     assert applied["wan-down@10+15"].applied_s == pytest.approx(10, abs=0.01)
     assert applied["wan-down@10+15"].cleared_s == pytest.approx(25, abs=0.01)
     assert applied["broker-restart@40+2"].applied_s == pytest.approx(40, abs=0.01)
-    t0 = run.fault_t0_wall
+    t0 = run.fault_t0
     wan = [(e.start - t0, e.end - t0) for rec in run.router.values() for e in rec.events
            if isinstance(e, KvSent) and e.to == "decode-b" and not e.cancelled]
     assert not [w for w in wan if 10 < w[1] < 25], wan  # nothing crossed the line while it was down
@@ -311,10 +313,10 @@ def test_a_broker_or_router_gone_for_good_ends_every_request_with_a_reason(fault
     wl = load_trace(ROOT / "traces/agentic-quick.jsonl", "auto", 16).select(40)
     with SimDeployment(sc, parse_policy("pdd"), emulation=sim_plan(sc, 16), timeline=[parse_fault(fault)]) as dep:
         run = dep.run(TraceReplay(wl.specs(1.0), 1800, show_progress=False))
-    last = max(r.ended or 0 for r in run.recs.values()) - run.fault_t0_wall
+    last = max(r.ended or 0 for r in run.recs.values()) - run.fault_t0
     assert all(r.done and (r.ok or r.error) for r in run.recs.values())
     assert last < 8 + 60  # ended within the grace after the fault, not at the 1,800 s timeout
-    t0 = run.fault_t0_wall
+    t0 = run.fault_t0
     done_before = {rid for rid, r in run.recs.items() if r.ok and (r.ended or 0) - t0 < 7.5}
     failed = [r.error or "" for r in run.recs.values() if not r.ok]
     assert done_before and failed  # (decoders streaming when the router died may still finish)
@@ -322,6 +324,49 @@ def test_a_broker_or_router_gone_for_good_ends_every_request_with_a_reason(fault
     assert all(why in e or e.startswith("not sent: previous turn") for e in failed), failed
     assert done_before <= set(run.router)  # a router killed loses no record of what it finished
     assert run.faults[0].applied_s == pytest.approx(8, abs=0.01) and run.component_errors == []
+
+
+def test_a_components_wall_clock_stepped_either_way_changes_no_figure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every latency, deadline and stamp is on a clock no wall-clock step moves: the same
+    replay with the client's clock an hour back, the router's a day ahead and decode-b's
+    stepped and stepped back gives the same records, to the bit; each component read its
+    own stepped clock meanwhile (``protocol.clock.wall``)."""
+    seen: dict[str, list[tuple[float, float]]] = {}
+
+    def spy(cls: Any, name: str, who: Callable[[Any], str]) -> None:
+        original = getattr(cls, name)
+
+        async def wrapped(self: Any, *a: Any, **k: Any) -> Any:
+            seen.setdefault(who(self), []).append((clock.now(), clock.wall()))
+            return await original(self, *a, **k)
+        monkeypatch.setattr(cls, name, wrapped)
+
+    spy(Router, "_admit", lambda _: "router")
+    spy(DecodeWorker, "handle", lambda w: w.cfg.name)
+    sc = load_scenario(TOPOLOGIES / "two-dc.yaml")
+    wl = load_trace(ROOT / "traces/agentic-quick.jsonl", "auto", 16).select(40)
+    runs = []
+    for timeline in ([], ["clock-step@1:host=client,s=-3600", "clock-step@2:host=router,s=86400",
+                          "clock-step@5+10:host=decode-b,s=-7200", "clock-step@20:s=30"]):
+        seen.clear()
+        with SimDeployment(sc, parse_policy("pdd"), emulation=sim_plan(sc, 16),
+                           timeline=[parse_fault(f) for f in timeline]) as dep:
+            runs.append(dep.run(TraceReplay(wl.specs(1.0), 600, show_progress=False)))
+            t0 = dep.injector.t0_stamp
+    plain, stepped = runs
+    assert all(f.applied_s is not None and f.error is None for f in stepped.faults), stepped.faults
+    assert "router +86400 s" in stepped.faults[1].detail and "decode-b +30 s" in stepped.faults[3].detail
+    assert all(r.ok for r in stepped.recs.values())
+    for rid, a in plain.recs.items():
+        b = stepped.recs[rid]
+        assert (a.sent, a.ended, list(a.token_times), list(a.tokens)) == (b.sent, b.ended, list(b.token_times),
+                                                                           list(b.tokens)), rid
+        assert plain.router[rid] == stepped.router[rid], rid
+    # What decode-b read off its own wall clock while stepped, and after it was stepped back.
+    skew = {round(w - now) for now, w in seen["decode-b"] if 6 < now - t0 < 14}
+    after = {round(w - now) for now, w in seen["decode-b"] if now - t0 > 21}
+    assert skew == {-7200} and after == {30}, (skew, after)
+    assert {round(w - now) for now, w in seen["router"] if 3 < now - t0 < 19} == {86400}
 
 
 def test_trace_decisions_saves_each_plan_with_what_it_weighed_and_changes_nothing(

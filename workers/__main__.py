@@ -22,6 +22,7 @@ from pathlib import Path
 
 from pydantic import TypeAdapter
 
+from protocol import clock
 from protocol.worker_config import WorkerConfig
 from workers.decode import DecodeWorker
 from workers.event_loop import new_event_loop
@@ -98,6 +99,7 @@ def main(config_path: str) -> None:
     cfgs = load_configs(Path(config_path).read_text())
     who = set_up_privileges(cfgs)  # before the model: its child is a copy of a small process
     workers: list[Worker] = [PrefillWorker(c) if c.role == "prefill" else DecodeWorker(c) for c in cfgs]
+    clock.follow_steps(clock.steps_file(config_path), Path(config_path).name.removesuffix(".cfg.json"))
     # Root no longer: set up (configuration read, model loaded, statistics folder open),
     # the worker now takes what arrives from the broker and from KV peers.
     drop_privileges(who)

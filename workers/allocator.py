@@ -80,7 +80,7 @@ class MemoryWatch:
         self.trims = 0
         self.trim_s = 0.0
         self.released = 0  # bytes of RSS given back, summed over trims
-        self.floor: list[tuple[float, int]] = []  # (minute's unix start, lowest RSS - KV held)
+        self.floor: list[tuple[float, int]] = []  # (minute's start on the monotonic clock, lowest RSS - KV held)
         self._last_trim = time.monotonic()
 
     def add_holder(self, holder: _Holder) -> None:
@@ -94,7 +94,8 @@ class MemoryWatch:
         if not self.enabled:
             return
         net = rss_bytes() - self.held_bytes()
-        minute = float(int(time.time()) // FLOOR_BUCKET_S * FLOOR_BUCKET_S)
+        # Monotonic: a step of the wall clock would disorder the series.
+        minute = float(int(time.monotonic()) // FLOOR_BUCKET_S * FLOOR_BUCKET_S)
         if self.floor and (self.floor[-1][0] == minute or len(self.floor) >= MAX_FLOOR_POINTS):
             self.floor[-1] = (self.floor[-1][0], min(self.floor[-1][1], net))
         else:

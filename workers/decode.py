@@ -141,7 +141,7 @@ class DecodeWorker(HandoffMixin, Worker):
             if not self._has_room(seq):
                 return
             del self.admission[rid]
-            self.admission_wait_max_s = max(self.admission_wait_max_s, clock.time() - since)
+            self.admission_wait_max_s = max(self.admission_wait_max_s, clock.now() - since)
             await self._start(seq)
 
     def activity(self) -> tuple[int, ...]:
@@ -164,7 +164,7 @@ class DecodeWorker(HandoffMixin, Worker):
     # ----------------------------------------------------------------- commands
     async def handle(self, cmd: Command) -> None:
         if isinstance(cmd, DecodeCmd):
-            seq = Seq(cmd.rid, cmd.prompt, cmd.max_new, clock.time(), drc=cmd.drc, ignore_eos=cmd.ignore_eos,
+            seq = Seq(cmd.rid, cmd.prompt, cmd.max_new, clock.now(), drc=cmd.drc, ignore_eos=cmd.ignore_eos,
                       zeros=self._zero_kv())
             seq.ticket = cmd.ticket
             self.setup_handoff(seq, cmd)
@@ -241,7 +241,7 @@ class DecodeWorker(HandoffMixin, Worker):
             return
         seq.load(kv)
         seq.out = [inc.first_token]
-        seq.kv_arrived = clock.time()
+        seq.kv_arrived = clock.now()
         seq.kv_bytes = inc.bytes_received
         self.emit(received)
         if seq.main is not None:  # the relay streams; wait for its eager tokens
@@ -254,7 +254,7 @@ class DecodeWorker(HandoffMixin, Worker):
                                      f"capacity of {cap}")
             return
         if self.admission or not self._has_room(seq):
-            self.admission[seq.rid] = (seq, clock.time())
+            self.admission[seq.rid] = (seq, clock.now())
             self.admission_waits += 1
             self.admission_queue_max = max(self.admission_queue_max, len(self.admission))
             return

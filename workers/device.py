@@ -157,7 +157,7 @@ class Pacer:
             counts[1] += 1
             self.overrun_s += real_s - modeled_s
             # The largest few, with when they happened: what a reader needs to find the cause.
-            heapq.heappush(self.worst, (real_s - modeled_s, kind, real_s, modeled_s, clock.time(), detail))
+            heapq.heappush(self.worst, (real_s - modeled_s, kind, real_s, modeled_s, clock.now(), detail))
             if len(self.worst) > WORST_KEPT:
                 heapq.heappop(self.worst)
             return 0.0

@@ -211,7 +211,7 @@ class HandoffMixin:
         # must not extend the same tokens twice.
         ms.claimed += len(toks)
         ms.final_claimed = cmd.final
-        t0 = clock.time()
+        t0 = clock.now()
         real = 0.0
         if toks:
             async with self.device:
@@ -230,7 +230,7 @@ class HandoffMixin:
         self.extends_done += 1
         self.emit(Extended(**self.stamp(cmd.rid), tokens=len(toks), start=cmd.start, final=cmd.final,
                            mismatches=ms.mismatches, compute_s=real, t_start=t0,
-                           since_kv_s=clock.time() - seq.kv_arrived))
+                           since_kv_s=clock.now() - seq.kv_arrived))
         if not cmd.final:
             # Spawned, not awaited: the ack crosses the WAN and must not hold this worker up.
             self.send(self.topics.peer(ms.relay, self.cfg.name), HandoffAck(rid=cmd.rid, extended=ms.extended).dump())

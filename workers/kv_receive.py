@@ -114,7 +114,7 @@ async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
             return False  # the sender closed the connection between transfers
         except PeerSilent:
             return False  # idle too long: closed without a word (a sender finds it closed and reconnects)
-        start = clock.time()  # the transfer's start (a kept connection may idle before it)
+        start = clock.now()  # the transfer's start (a kept connection may idle before it)
         received += HDR.size + len(payload)
         if ftype != HELLO:
             raise KVTransferError(f"expected HELLO, got frame type {ftype}")
@@ -153,7 +153,7 @@ async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                     raise KVTransferError(f"transfer ended with {state} of {state_bytes} state bytes")
                 await write_frame(writer, ACK, b'{"ok": true}', timeout_s)
                 ok = True
-                await done(Incoming(rid, tokens, have, kv, end.first_token, received, start, clock.time()))
+                await done(Incoming(rid, tokens, have, kv, end.first_token, received, start, clock.now()))
                 return keep_open
             if ftype == STATE:
                 if pos != n or not payload or state + len(payload) > state_bytes:

@@ -182,7 +182,7 @@ async def _send(
     # The sender's event loop runs beside a compute thread that needs the GIL after every
     # torch op: Python work per frame is time taken from a paced step (see FRAME_TOKENS).
     per_frame = max(block_size, (frame_tokens or FRAME_TOKENS) // block_size * block_size)
-    st = TransferStats(request_id, f"{host}:{port}", clock.time(), bytes_sent=preamble)  # its AUTH, if fresh
+    st = TransferStats(request_id, f"{host}:{port}", clock.now(), bytes_sent=preamble)  # its AUTH, if fresh
     layers, _, heads, n, head_dim = kv.shape
     reader, writer = conn
     sock = writer.get_extra_info("socket")
@@ -265,7 +265,7 @@ async def _send(
         if not st.cancelled:
             raise KVTransferError(f"transfer to {host}:{port} broke: {e}") from e
     finally:
-        st.end = clock.time()
+        st.end = clock.now()
         if watcher is not None:
             watcher.cancel()
         if clean and not st.cancelled and pool is not None:

@@ -154,7 +154,7 @@ class PrefillWorker(Worker):
         try:
             cached = self.cache.blocks_of(path)  # the runner copies them in once
             hit = len(path) * self.cfg.block_size
-            t0 = clock.time()
+            t0 = clock.now()
             (kv, first), real = await self.run_compute(self.runner.prefill, tokens, cached, self.cfg.prefill_chunk)
             modeled = None if self.pacer.native else self.pacer.prefill_time(len(tokens) - hit, hit)
             await self.pace("prefill", real, modeled, f"{len(tokens) - hit} tokens after {hit}")
@@ -164,7 +164,7 @@ class PrefillWorker(Worker):
         finally:
             self.cache.unlock(path)
         self.emit(PrefillDone(**self.stamp(cmd.rid), hit_tokens=hit, computed=len(tokens) - hit,
-                              first_token=first, start=t0, end=clock.time(), real_s=real, modeled_s=modeled))
+                              first_token=first, start=t0, end=clock.now(), real_s=real, modeled_s=modeled))
         self.pending_ships[cmd.rid] = len(cmd.kv_to)
         if not cmd.kv_to:
             self.cancels.pop(cmd.rid, None)
@@ -186,15 +186,15 @@ class PrefillWorker(Worker):
             cancel.set()
 
         watcher = asyncio.ensure_future(relay_cancel())
-        queued = clock.time()
+        queued = clock.now()
         try:
             if not await self.peers.turn(target.worker, cancel):
                 self._count_transfer(0, cancelled=True)
                 self.emit(KvSent(**self.stamp(cmd.rid), to=target.worker, bytes=0, written=0, payload=0,
-                                 planned_payload=0, tokens=0, had=0, start=queued, end=clock.time(),
-                                 queued_s=clock.time() - queued, cancelled=True))
+                                 planned_payload=0, tokens=0, had=0, start=queued, end=clock.now(),
+                                 queued_s=clock.now() - queued, cancelled=True))
                 return
-            waited = clock.time() - queued
+            waited = clock.now() - queued
             try:
                 opts = KvSend(cancel=cancel, corrupt_block=corrupt, token=self.cfg.kv_token, pool=self.kv_conns,
                               zeros=self.cfg.compute == "modeled", netns=self.cfg.netns,

@@ -141,7 +141,7 @@ class Worker:
 
     def stamp(self, rid: str) -> dict[str, Any]:
         """The fields every event carries: request, this worker, now."""
-        return {"rid": rid, "worker": self.cfg.name, "t": clock.time()}
+        return {"rid": rid, "worker": self.cfg.name, "t": clock.now()}
 
     # Events, tokens and commands are published without waiting for the broker's
     # acknowledgement: a QoS-1 ack is a round trip to the broker (across the WAN from
@@ -168,7 +168,7 @@ class Worker:
         if self.outbox:
             batch, self.outbox = self.outbox, []
             for i in range(0, len(batch), token_stream.MAX_CHUNKS):
-                payload = token_stream.encode(self.cfg.name, clock.time(), batch[i : i + token_stream.MAX_CHUNKS])
+                payload = token_stream.encode(self.cfg.name, clock.now(), batch[i : i + token_stream.MAX_CHUNKS])
                 self.spawn(self.publish(self.topics.stream(self.cfg.name), payload))
 
     def spawn(self, coro: Any) -> asyncio.Task[Any]:
@@ -249,7 +249,7 @@ class Worker:
         if c is None or len(self.cache_series) >= 7200:
             return
         if not self.cache_series or self.cache_series[-1][2] != c.lookup_tokens:
-            self.cache_series.append((round(clock.time(), 3), c.hit_tokens, c.lookup_tokens))
+            self.cache_series.append((round(clock.now(), 3), c.hit_tokens, c.lookup_tokens))
 
     # ----------------------------------------------------------------- main loop
     def warm_up(self) -> None:

@@ -40,7 +40,7 @@ def _attempts(r: ClientRecord) -> list[tuple[float, float | None, str | None]]:
 def fault_impacts(run: PolicyRun, dilation: float) -> list[FaultImpact]:
     applied = sorted((f for f in run.faults if f.applied_s is not None and f.error is None),
                      key=lambda f: f.applied_s or 0.0)
-    t0, d = run.fault_t0_wall, dilation
+    t0, d = run.fault_t0, dilation
     out = []
     for i, f in enumerate(applied):
         assert f.applied_s is not None

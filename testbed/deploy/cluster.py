@@ -11,7 +11,9 @@ recorded in the run, so teardown (and ``testbed clean`` after a crash) ends them
 from __future__ import annotations
 
 import contextlib
+import json
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from control.ended import SETTLE_S
+from protocol import clock
 from protocol.messages import MAX_PROMPT_TOKENS
 from protocol.router_config import (
     Decision,
@@ -207,6 +210,7 @@ class Cluster:
     router: subprocess.Popen[bytes] = field(init=False)
     router_grace_s: float = 10.0  # how long the router may take to stop
     accounts: Accounts = field(init=False)  # each component's identity and folder
+    skews: dict[str, float] = field(default_factory=dict)  # process -> its wall clock's steps so far (clock-step)
 
     @property
     def topics(self) -> Topics:
@@ -302,6 +306,29 @@ class Cluster:
         self.router.kill()
         self.router.wait()
         return f"the router (pid {self.router.pid}) ended at once (SIGKILL)"
+
+    def step_clock(self, host: str | None, s: float) -> str:
+        """Step the wall clock of the component on ``host`` (None: every component) by ``s``
+        seconds (``clock-step``): root writes the process's skew beside its configuration
+        (``protocol.clock.steps_file``, readable, in root's folder) and sends it SIGUSR2; the
+        host's clock is not touched."""
+        sc = self.net.scenario
+        names = {h: self.process_of(h) for h in self.workers}
+        names[self.broker_host] = "router"
+        names.update({h: "client" for h in sc.hosts_with_role(Role.CLIENT)})
+        targets = sorted(set(names.values())) if host is None else [names[host]]
+        done = []
+        for name in targets:
+            proc = next((p for p in reversed(self.net.run.processes) if p.name == name), None)
+            if proc is None or proc.starttime is None:
+                done.append(f"{name}: not running")
+                continue
+            self.skews[name] = self.skews.get(name, 0.0) + s
+            path = clock.steps_file(self.net.run.dir / f"{name}.cfg.json")
+            runstate.write_readable(path, json.dumps({"skew_s": self.skews[name]}))
+            sent = netns.signal_exact(proc.pid, proc.starttime, signal.SIGUSR2)
+            done.append(f"{name} {self.skews[name]:+g} s" if sent else f"{name}: had ended")
+        return "wall clock stepped: " + ", ".join(done)
 
     def router_records(self) -> dict[str, RequestRecord]:
         """Stop the router (it writes its records on exit) and read them."""

@@ -128,7 +128,8 @@ class Deployment:
             wire = self.emulation.wire_scenario(self.scenario) if self.emulation else self.scenario
             self._net = self._stack.enter_context(network_session(wire, self.impairment))
             self._net.logs_to = self.logs_to
-            killed = frozenset(f.host for f in self.timeline if f.kind == "kill" and f.host is not None)
+            # A worker a fault kills, or whose clock it steps, is a process of its own.
+            killed = frozenset(f.host for f in self.timeline if f.kind in ("kill", "clock-step") and f.host is not None)
             self._cluster = Cluster.start(self._net, self.policy, faults=self.worker_faults, dtype=self.dtype,
                                           emulation=self.emulation, alone=killed,
                                           trace_decisions=self.trace_decisions)
@@ -136,7 +137,8 @@ class Deployment:
                                            self.emulation.wire_rate_bps if self.emulation else None,
                                            self._cluster.restart_broker, self._cluster.restart_worker,
                                            stop_broker=self._cluster.stop_broker,
-                                           kill_router=self._cluster.kill_router)
+                                           kill_router=self._cluster.kill_router,
+                                           step_clock=self._cluster.step_clock)
         except BaseException:
             self._stack.close()
             raise
@@ -218,7 +220,7 @@ class Deployment:
         wall = time.monotonic() - t0
         if applied:
             d = self.dilation
-            failed = {r.rid: ((r.sent - injector.t0_wall) / d, ((r.ended or r.sent) - injector.t0_wall) / d, r.error)
+            failed = {r.rid: ((r.sent - injector.t0_stamp) / d, ((r.ended or r.sent) - injector.t0_stamp) / d, r.error)
                       for r in recs.values() if r.error is not None and r.sent}  # sent: it lived
             for rid, why in annotate_failures(failed, applied).items():
                 recs[rid].error = why
@@ -232,7 +234,7 @@ class Deployment:
         return PolicyRun(specs=specs, recs=recs, router=router, workers=workers, policy=policy_report,
                          verdict=verdict, impairment=f"{net.impairment} ({net.impairment_reason})",
                          faults=applied, wall_s=wall, memory=memory, rss=sampler.series if sampler else [],
-                         fault_t0_wall=injector.t0_wall, deaths=deaths, wan_line=_line_bins(final),
+                         fault_t0=injector.t0_stamp, deaths=deaths, wan_line=_line_bins(final),
                         decisions=cl.decisions())
 
     def _print_log_tails(self) -> None:

@@ -6,8 +6,8 @@ its end. Network faults go through the network backend (``Network.impair_wan``,
 ``Network.set_wan_rate``), in wire units mapped by the run's emulation like the scenario's
 own WAN; several faults active on one direction combine (down wins, the highest loss,
 delays add up, the lowest rate). ``kill`` sends SIGKILL to the worker's recorded PID (and, at
-its end, the cluster starts it again with empty caches); ``broker-restart``, ``broker-stop``
-and ``router-kill`` go through the cluster. Every application is logged (stderr) and kept
+its end, the cluster starts it again with empty caches); ``broker-restart``, ``broker-stop``,
+``router-kill`` and ``clock-step`` go through the cluster. Every application is logged (stderr) and kept
 as an ``AppliedFault`` (saved with the run): planned and actual emulated times, what was
 done, and any error (a fault that could not be applied is reported, never silently skipped).
 """
@@ -60,9 +60,10 @@ class FaultInjector:
                  restart_worker: Callable[[str], str] | None = None,
                  kill_worker: Callable[[str], str] | None = None,
                  stop_broker: Callable[[], str] | None = None,
-                 kill_router: Callable[[], str] | None = None) -> None:
+                 kill_router: Callable[[], str] | None = None,
+                 step_clock: Callable[[str | None, float], str] | None = None) -> None:
         self.net = net
-        self.stop_broker, self.kill_router = stop_broker, kill_router
+        self.stop_broker, self.kill_router, self.step_clock = stop_broker, kill_router, step_clock
         self.kill_worker = kill_worker
         self.faults = sorted(faults, key=lambda f: f.at_s)
         self.wire = _Wire(dilation, wire_rate_bps or (lambda bps: bps))
@@ -73,7 +74,7 @@ class FaultInjector:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
-        self.t0_wall = clock.time()  # emulated time 0 on the wall clock (the client's records)
+        self.t0_stamp = clock.now()  # emulated time 0 on the stamp clock (``clock.now``: the client's records)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, t0: float | None = None) -> None:
@@ -98,7 +99,7 @@ class FaultInjector:
 
     def _set_t0(self, t0: float | None) -> None:
         self._t0 = clock.monotonic() if t0 is None else t0
-        self.t0_wall = clock.time() - (clock.monotonic() - self._t0)
+        self.t0_stamp = clock.now() - (clock.monotonic() - self._t0)
 
     def emulated_now(self) -> float:
         return (clock.monotonic() - self._t0) / self.wire.dilation
@@ -160,6 +161,8 @@ class FaultInjector:
             if act is None:
                 raise RuntimeError(f"{f.kind}: this deployment cannot do it")
             return act()
+        if f.kind == "clock-step":
+            return self._step(f, f.s or 0.0)
         if f.kind == "broker-restart":
             if self.restart_broker is None:
                 raise RuntimeError("no broker in this run")
@@ -175,6 +178,8 @@ class FaultInjector:
             if self.restart_worker is None:
                 raise RuntimeError("no cluster to restart the worker in")
             return self.restart_worker(f.host or "")
+        if f.kind == "clock-step":
+            return self._step(f, -(f.s or 0.0))  # the step taken back
         return ""  # broker-restart's duration is its downtime, inside _apply
 
     # ------------------------------------------------------------------ kinds
@@ -217,6 +222,11 @@ class FaultInjector:
         what = {"wan-down": "down", "loss": f"loss {changed.pct} %", "delay": f"+{changed.ms} ms",
                 "rate": f"at {changed.mbit} Mbit/s"}[changed.kind]
         return f"{dirs} {what}"
+
+    def _step(self, f: Fault, s: float) -> str:
+        if self.step_clock is None:
+            raise RuntimeError("clock-step: this deployment cannot do it")
+        return self.step_clock(f.host, s)
 
     def _kill(self, host: str) -> str:
         name = f"worker-{host}"

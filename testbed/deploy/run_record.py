@@ -192,7 +192,7 @@ class PolicyRun:
     wall_s: float = 0.0  # from the load's start to its end
     memory: list[ProcessMemory] = field(default_factory=list)  # when the driver asked for RSS samples
     rss: list[tuple[float, str, int, float]] = field(default_factory=list)  # (t, process, pid, MB)
-    fault_t0_wall: float = 0.0  # emulated time 0 of the fault timeline, on the client's clock
+    fault_t0: float = 0.0  # emulated time 0 of the fault timeline, on the stamp clock (``clock.now``)
     deaths: list[WorkerDeath] = field(default_factory=list)  # workers the router declared dead, in order
     engine: str = "emulation"  # what produced it: the emulation, or the simulator ("sim")
     wan_line: dict[str, LineBins] = field(default_factory=dict)  # "a->b" -> KV bytes as they crossed

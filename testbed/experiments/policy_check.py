@@ -82,7 +82,7 @@ def check_policy(sc: Scenario, spec: PolicySpec, wl: Workload, verify_sc: Scenar
     kill_end = next((c for k, c in cleared.items() if k.startswith("kill@")), None)
     dead_planned = []
     for death in run.deaths:
-        until = run.fault_t0_wall + (kill_end if kill_end is not None else float("inf"))
+        until = run.fault_t0 + (kill_end if kill_end is not None else float("inf"))
         for rid, r in run.router.items():
             sent = run.recs[rid].sent if rid in run.recs else None
             if sent is not None and death.t < sent < until and death.worker in (r.prefill, r.decode, r.relay):

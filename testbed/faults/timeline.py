@@ -23,6 +23,12 @@ kind                keys                                  what happens
                                                           reached it for a grace period
 ``router-kill``     none (no DURATION)                    SIGKILL of the router; its last will
                                                           tells the clients, which fail what it held
+``clock-step``      ``s`` (required), ``host``             the wall clock of the component on
+                    (default: every component)            ``host`` (a worker, the router or the
+                                                          client) jumps ``s`` seconds (negative:
+                                                          back); with a DURATION it jumps back
+                                                          after it. Only the component's own clock
+                                                          (``protocol.clock``), never the host's
 ==================  ====================================  =======================================
 
 A fault without a duration lasts until the run ends (a killed worker stays dead). Values
@@ -39,11 +45,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from protocol.clock import MAX_STEP_S
 from protocol.validation import first_error
 from testbed.errors import InputError
 
 FaultKind = Literal["wan-down", "loss", "delay", "rate", "partition", "kill", "broker-restart", "broker-stop",
-                    "router-kill"]
+                    "router-kill", "clock-step"]
 FOR_GOOD = ("broker-stop", "router-kill")  # nothing brings them back within the run
 Direction = Literal["a->b", "b->a", "both"]
 NETWORK_KINDS = ("wan-down", "loss", "delay", "rate", "partition")
@@ -57,7 +64,10 @@ _KEYS: dict[str, tuple[set[str], set[str]]] = {  # kind -> (required keys, optio
     "broker-restart": (set(), set()),
     "broker-stop": (set(), set()),
     "router-kill": (set(), set()),
+    "clock-step": ({"s"}, {"host"}),
 }
+WORKER_ROLES = ("prefill", "decode", "relay-decode")  # the roles a kill may name
+_VALUED = ("pct", "ms", "mbit", "dc", "host", "s")  # the keys with a value of their own
 _SPEC_RE = re.compile(r"^(?P<kind>[a-z-]+)@(?P<at>[^+:]+)(\+(?P<dur>[^:]+))?(:(?P<kv>.*))?$")
 
 
@@ -76,11 +86,12 @@ class Fault(BaseModel):
     mbit: float | None = Field(default=None, gt=0)
     dc: str | None = None
     host: str | None = None
+    s: float | None = Field(default=None, ge=-MAX_STEP_S, le=MAX_STEP_S, description="a clock step, seconds")
 
     @model_validator(mode="after")
     def _keys_of_kind(self) -> Fault:
         required, optional = _KEYS[self.kind]
-        given = {k for k in ("pct", "ms", "mbit", "dc", "host") if getattr(self, k) is not None}
+        given = {k for k in _VALUED if getattr(self, k) is not None}
         if self.dir != "both":
             given.add("dir")
         if self.kind in FOR_GOOD and self.duration_s is not None:
@@ -88,6 +99,8 @@ class Fault(BaseModel):
         missing = sorted(required - given)
         if missing:
             raise ValueError(f"{self.kind} needs {', '.join(missing)}")
+        if self.s == 0:
+            raise ValueError("s: a clock step of 0 s changes nothing")
         extra = sorted(given - required - optional)
         if extra:
             raise ValueError(f"{self.kind} takes no {', '.join(extra)}")
@@ -104,21 +117,25 @@ class Fault(BaseModel):
         """The fault as it would be written on the command line."""
         text = f"{self.kind}@{self.at_s:g}" + (f"+{self.duration_s:g}" if self.duration_s is not None else "")
         keys = [f"{k}={getattr(self, k):g}" if isinstance(getattr(self, k), float) else f"{k}={getattr(self, k)}"
-                for k in ("dir", "pct", "ms", "mbit", "dc", "host")
+                for k in ("dir", *_VALUED)
                 if getattr(self, k) is not None and not (k == "dir" and self.dir == "both")]
         return text + (":" + ",".join(keys) if keys else "")
 
     def check_against(self, datacenters: list[str], hosts: dict[str, str], unshaped: set[str] | None = None) -> None:
-        """Names the scenario must have (``hosts``: worker host -> role; ``unshaped``: WAN
-        directions without a rate, which a rate fault cannot change). Raises ValueError."""
+        """Names the scenario must have (``hosts``: host of a component -> its role;
+        ``unshaped``: WAN directions without a rate, which a rate fault cannot change).
+        Raises ValueError."""
         if self.dir != "both":
             src, dst = self.dir.split("->")
             if {src, dst} != set(datacenters):
                 raise ValueError(f"dir {self.dir!r}: the datacenters are {' and '.join(datacenters)}")
         if self.dc is not None and self.dc not in datacenters:
             raise ValueError(f"dc {self.dc!r}: the datacenters are {' and '.join(datacenters)}")
-        if self.host is not None and self.host not in hosts:
-            raise ValueError(f"host {self.host!r} runs no worker (workers: {', '.join(sorted(hosts))})")
+        if self.host is not None:
+            can = sorted(h for h, role in hosts.items() if self.kind == "clock-step" or role in WORKER_ROLES)
+            if self.host not in can:
+                what = "component" if self.kind == "clock-step" else "worker"
+                raise ValueError(f"host {self.host!r} runs no {what} ({what}s on: {', '.join(can)})")
         if self.kind == "rate":
             a, b = datacenters
             for name in [f"{a}->{b}", f"{b}->{a}"] if self.dir == "both" else [self.dir]:

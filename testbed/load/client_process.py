@@ -32,6 +32,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from protocol import clock
 from protocol.messages import StreamedId, why_invalid
 from protocol.topics import Topics
 from protocol.worker_config import BrokerInfo, Contract, RunAs
@@ -193,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(job.specs_path, "rb") as f:
         specs = pickle.load(f)  # root's file, read as root: the orchestrator wrote it
     out = OutDir(job.out_dir)
+    clock.follow_steps(clock.steps_file(args.job), "client")  # a clock-step fault's
     records = os.fdopen(out.open(RECORDS_FILE, "w"), "w")
     drop_privileges(Identity(job.run_as.uid, job.run_as.gid) if job.run_as else None)
     written: set[str] = set()

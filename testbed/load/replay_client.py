@@ -112,7 +112,7 @@ async def replay(transport: Transport, broker: BrokerInfo, topics: Topics, specs
 
     async def on_message(msg: aiomqtt.Message) -> None:
         nonlocal router_gone
-        now = clock.time()
+        now = clock.now()
         payload = msg.payload if isinstance(msg.payload, (bytes, bytearray)) else b""
         topic = str(msg.topic)
         try:
@@ -159,7 +159,7 @@ async def replay(transport: Transport, broker: BrokerInfo, topics: Topics, specs
         nxt = attempt_rid(rec.rid, tries + 1)
         del live[rec.last_rid]  # what still comes for the failed attempt is dropped
         gate.forget(rec.last_rid)
-        rec.retry(nxt, clock.time())
+        rec.retry(nxt, clock.now())
         live[nxt] = rec
         later(send(by_rid[rec.rid], opts.retry.backoff_s(rec.rid, tries) * opts.backoff_scale))
 
@@ -171,7 +171,7 @@ async def replay(transport: Transport, broker: BrokerInfo, topics: Topics, specs
     def complete(rec: ClientRecord) -> None:
         nonlocal n_done
         n_done += 1
-        rec.ended = clock.time()
+        rec.ended = clock.now()
         gate.forget(rec.last_rid)
         if on_end is not None:
             on_end(rec)
@@ -179,7 +179,7 @@ async def replay(transport: Transport, broker: BrokerInfo, topics: Topics, specs
             finished.set()
         for nxt in followers.get(rec.rid, []):
             if rec.ok:  # its delay after this answer, and not before its own time (a tree's child)
-                later(send(nxt, max(nxt.delay, t0 + nxt.at - clock.time())))
+                later(send(nxt, max(nxt.delay, t0 + nxt.at - clock.now())))
             else:
                 # An agent cannot take its next turn without this turn's answer (its retries spent).
                 f = recs[nxt.rid]
@@ -192,7 +192,7 @@ async def replay(transport: Transport, broker: BrokerInfo, topics: Topics, specs
         rec = recs[spec.rid]
         if rec.done:  # failed meanwhile (the router or the broker gone): nothing to send
             return
-        rec.attempt_sent = clock.time()
+        rec.attempt_sent = clock.now()
         rec.sent = rec.sent or rec.attempt_sent
         try:
             req = Request(rid=rec.last_rid, prompt=list(spec.prompt), max_new=spec.max_new, hints=spec.sent_hints())
@@ -205,7 +205,7 @@ async def replay(transport: Transport, broker: BrokerInfo, topics: Topics, specs
 
     stop = asyncio.Event()
     connection = await connect_when_ready(session, on_message, ready, stop)
-    t0 = clock.time()
+    t0 = clock.now()
     if on_start is not None:
         on_start(clock.monotonic())
 
@@ -233,14 +233,14 @@ async def replay(transport: Transport, broker: BrokerInfo, topics: Topics, specs
 
     tick = asyncio.create_task(ticker())
     for spec in sorted((s for s in specs if s.after is None), key=lambda s: s.at):
-        await send(spec, t0 + spec.at - clock.time())
+        await send(spec, t0 + spec.at - clock.now())
     try:
         await asyncio.wait_for(finished.wait(), timeout=opts.timeout_s)
     except TimeoutError:
         for r in recs.values():
             if not r.done:
                 what = "no completion" if r.sent else "not sent (waiting for its previous turn)"
-                r.error, r.done, r.ended = f"{what} within the client timeout ({opts.timeout_s} s)", True, clock.time()
+                r.error, r.done, r.ended = f"{what} within the client timeout ({opts.timeout_s} s)", True, clock.now()
     tick.cancel()
     for task in list(pending):
         task.cancel()

@@ -201,7 +201,7 @@ NO_FAULT = "no fault"
 
 
 def costly_faults(recs: dict[str, ClientRecord], specs: list[RequestSpec], applied: list[AppliedFault],
-                  t0_wall: float, dilation: float) -> dict[str, str]:
+                  t0_stamp: float, dilation: float) -> dict[str, str]:
     """Each failed request's fault: those in effect between its sending and its end (emulated
     seconds of the fault clock), or, for a turn never sent because an earlier one of its
     session failed, that turn's; ``NO_FAULT`` when none was."""
@@ -210,7 +210,7 @@ def costly_faults(recs: dict[str, ClientRecord], specs: list[RequestSpec], appli
     for rid, r in recs.items():
         if r.ok or not r.sent:
             continue
-        start, end = (r.sent - t0_wall) / dilation, ((r.ended or r.sent) - t0_wall) / dilation
+        start, end = (r.sent - t0_stamp) / dilation, ((r.ended or r.sent) - t0_stamp) / dilation
         own[rid] = ", ".join(f.fault for f in applied if f.active_between(start, end)) or NO_FAULT
     out = {}
     for rid, r in recs.items():
@@ -253,8 +253,8 @@ def run_soak(sc: Scenario, wl: Workload, opts: SoakOptions) -> int:
     lost = [r for r in recs.values() if r.sent and r.last_rid not in router and not r.ok]
     retried = [a for r in recs.values() for a in r.retried]
     last_clear = max((f.cleared_s or f.applied_s or 0.0 for f in applied), default=0.0)
-    after = [r for r in recs.values() if r.sent and (r.sent - run.fault_t0_wall) / d > last_clear]
-    cost = costly_faults(recs, load.specs, applied, run.fault_t0_wall, d)
+    after = [r for r in recs.values() if r.sent and (r.sent - run.fault_t0) / d > last_clear]
+    cost = costly_faults(recs, load.specs, applied, run.fault_t0, d)
     report = SoakReport(
         minutes=opts.minutes, load=opts.load, policy=spec.label, dilation=d, requests=len(recs),
         completed=sum(r.ok for r in recs.values()), failed=sum(not r.ok for r in recs.values()),

@@ -84,6 +84,9 @@ STATS_QUIET_S = 0.005
 # 43 % less of the line's CPU, which had become half of such a run's host CPU.
 SPIN_S = 0.00005
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # kernel receive time (CLOCK_REALTIME) per frame
+# A frame's kernel stamp older than this is taken as this old: only a stepped wall clock puts
+# one there (a frame that truly waited a second in the socket fails the verdict anyway).
+MAX_STAMP_AGE_S = 1.0
 ANC_SIZE = socket.CMSG_SPACE(16)
 TAP_WAIT_S = 0.02  # the taps are read when no frame is due soon, or after this long
 @dataclass
@@ -144,7 +147,7 @@ class Direction:
             for level, kind, data in anc:
                 if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= 16:
                     sec, nsec = struct.unpack_from("qq", data)
-                    arrived = min(now, sec + nsec * 1e-9 - clock_offset)
+                    arrived = min(now, max(now - MAX_STAMP_AGE_S, sec + nsec * 1e-9 - clock_offset))
             size = len(frame)
             st.frames_in += 1
             st.bytes_in += size
@@ -304,7 +307,7 @@ def run(cfg: DelayLineConfig) -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGUSR1, lambda *_: None)
     started = time.monotonic()
-    bins_t0 = time.time()
+    bins_t0 = time.monotonic()  # the clock components stamp events with (``protocol.clock.now``)
     for d, spec in zip(dirs, cfg.directions, strict=True):
         if cfg.kv_ports:
             try:
@@ -317,9 +320,12 @@ def run(cfg: DelayLineConfig) -> None:
     ready_path = cfg.ready_path
     if ready_path:
         open(ready_path, "w").close()
-    clock_offset = time.time() - time.monotonic()
     while not stop:
         now = time.monotonic()
+        # Read at every turn (two vDSO calls): a step of the host's wall clock would otherwise
+        # misplace the kernel's stamps until the next read, and a backward step send frames
+        # early, without their WAN delay (``ingest`` also bounds a stamp's age).
+        clock_offset = time.time() - now
         for d in dirs:
             d.release(now)
         # Statistics are written when no frame is due within STATS_QUIET_S (a frame must not
@@ -329,7 +335,6 @@ def run(cfg: DelayLineConfig) -> None:
         if (now >= next_stats and quiet) or now >= next_stats + STATS_PERIOD_S:
             write_stats(stats_path, dirs, started, final=False)
             next_stats = time.monotonic() + STATS_PERIOD_S
-            clock_offset = time.time() - time.monotonic()  # follows clock adjustments
         if quiet or now - tapped >= TAP_WAIT_S:
             for d in dirs:
                 if d.tap is not None:

@@ -109,7 +109,7 @@ class DelayLineReport(_Contract):
     uptime_s: float
     final: bool
     directions: dict[str, DirectionReport]  # "a->b" -> statistics
-    bins_t0: float = 0.0  # the wall-clock time (time.time()) bin 0 of ``kv_bins`` starts at
+    bins_t0: float = 0.0  # when bin 0 of ``kv_bins`` starts, on the host's monotonic clock (``clock.now``)
     bin_s: float = 0.0
 
     def since(self, earlier: DelayLineReport | None) -> DelayLineReport:

@@ -117,7 +117,7 @@ class _Seen:
 
 
 class KvTap:
-    """One direction's KV bytes per bin from ``t0`` (wall clock), as they first crossed."""
+    """One direction's KV bytes per bin from ``t0`` (the host's monotonic clock), as they first crossed."""
 
     def __init__(self, sock: socket.socket, ports: frozenset[int], t0: float) -> None:
         self.sock, self.ports, self.t0 = sock, ports, t0
@@ -162,11 +162,11 @@ class KvTap:
                 frame, anc, _, _ = self.sock.recvmsg(TAP_SNAP, ANC_SIZE)
             except OSError:  # nothing waiting (BlockingIOError) or the port is gone
                 return False
-            when = time.time()
+            when = time.monotonic()  # the clock ``t0`` and the components' stamps are on
             for level, kind, data in anc:
                 if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= 16:
-                    sec, nsec = struct.unpack_from("qq", data)
-                    when = sec + nsec * 1e-9
+                    sec, nsec = struct.unpack_from("qq", data)  # the kernel's, on the wall clock
+                    when = min(when, sec + nsec * 1e-9 - (time.time() - when))
             self.count(frame, when)
         return True
 

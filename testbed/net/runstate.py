@@ -32,9 +32,10 @@ from typing import Any
 
 from testbed.errors import InputError
 from testbed.net import netns
-from testbed.root_paths import read_nofollow, remove_tree, write_private, write_private_bytes
+from testbed.root_paths import read_nofollow, remove_tree, write_private, write_private_bytes, write_readable
 
-__all__ = ["read_nofollow", "write_private", "write_private_bytes"]  # where the run's files have always been read
+# Where the run's files have always been read and written.
+__all__ = ["read_nofollow", "write_private", "write_private_bytes", "write_readable"]
 
 
 def _tmpfs(path: str) -> bool:

@@ -49,7 +49,7 @@ class WanEstimator:
         return self.rate_bps / 8 * self.efficiency
 
     def backlog_bytes(self, now: float | None = None) -> float:
-        now = clock.time() if now is None else now
+        now = clock.now() if now is None else now
         self._forget_stale(now)
         total = sum(t.nbytes for t in self.inflight.values())
         oldest = min((t.started for t in self.inflight.values()), default=now)
@@ -70,7 +70,7 @@ class WanEstimator:
             del self.inflight[rid]
 
     def started(self, rid: str, nbytes: int, now: float | None = None) -> None:
-        now = clock.time() if now is None else now
+        now = clock.now() if now is None else now
         self.inflight[rid] = _Transfer(nbytes, now, self._byte_time(nbytes, now))
 
     def finished(self, rid: str, observed_s: float | None, cancelled: bool = False) -> None:

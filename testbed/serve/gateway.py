@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import IO
@@ -28,6 +27,7 @@ from typing import IO
 import aiomqtt
 from pydantic import ValidationError
 
+from protocol import clock
 from protocol.messages import CancelRequest, Request, RequestHints, RouterStatus, why_invalid
 from protocol.mqtt_session import Session
 from protocol.refusals import refusal
@@ -61,7 +61,7 @@ class Gateway:
         self.records: dict[str, ClientRecord] = {}  # in flight, or ended and not yet written
         self.specs: dict[str, RequestSpec] = {}
         self._out = records  # one line per ended request (``testbed.serve.record``)
-        self.t0 = time.time()
+        self.t0 = clock.now()
         self._pending: dict[str, _Pending] = {}
         self._ready = asyncio.Event()
         self.router_state = "starting"  # or the router's last word: ready, stopped, down
@@ -85,7 +85,7 @@ class Gateway:
     async def start(self, wait_s: float = 120.0) -> None:
         """Connect and wait until the router says it is ready (its workers are up)."""
         self._task = await connect_when_ready(self._session, self._on_message, self._ready, self._stop, wait_s)
-        self.t0 = time.time()
+        self.t0 = clock.now()
 
     async def stop(self) -> None:
         self._stop.set()
@@ -94,7 +94,7 @@ class Gateway:
                 await asyncio.wait_for(self._task, 5)
         for p in self._pending.values():  # a request still running when the server stops
             if not p.rec.done:
-                p.rec.error, p.rec.done, p.rec.ended = "server stopped before it finished", True, time.time()
+                p.rec.error, p.rec.done, p.rec.ended = "server stopped before it finished", True, clock.now()
                 p.changed.set()
         for rid in list(self.records):
             self.finish(rid)
@@ -111,7 +111,7 @@ class Gateway:
         return rec
 
     async def _on_message(self, msg: aiomqtt.Message) -> None:
-        now = time.time()
+        now = clock.now()
         payload = msg.payload if isinstance(msg.payload, (bytes, bytearray)) else b""
         topic = str(msg.topic)
         try:
@@ -150,7 +150,7 @@ class Gateway:
         p = self._pending[rid] = _Pending(rec)
         self.records[rid] = rec
         self._gate.expect(rid, max_new)
-        rec.sent = time.time()
+        rec.sent = clock.now()
         self.specs[rid] = RequestSpec(rid=rid, prompt=[], max_new=max_new, at=rec.sent - self.t0,
                                       hints=RequestHints(tag="http"))
         try:
@@ -170,16 +170,16 @@ class Gateway:
                     return
                 p.changed.clear()
                 try:
-                    await asyncio.wait_for(p.changed.wait(), max(0.0, deadline - time.time()))
+                    await asyncio.wait_for(p.changed.wait(), max(0.0, deadline - clock.now()))
                 except TimeoutError:
                     rec.error, rec.done, rec.ended = (f"no completion within the server's timeout "
-                                                      f"({self.timeout_s:g} s)"), True, time.time()
+                                                      f"({self.timeout_s:g} s)"), True, clock.now()
                     self._cancel(rid, rec.error)
         finally:
             self._pending.pop(rid, None)
             self._gate.forget(rid)
             if not rec.done:  # the HTTP client went away: the emulation stops working on it
-                rec.error, rec.done, rec.ended = "the HTTP client disconnected", True, time.time()
+                rec.error, rec.done, rec.ended = "the HTTP client disconnected", True, clock.now()
                 self._cancel(rid, rec.error)
 
     def _cancel(self, rid: str, reason: str) -> None:

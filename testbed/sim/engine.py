@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import resource
 import sys
 import tempfile
@@ -127,6 +128,7 @@ class SimDeployment:
         self.workers: dict[str, Worker] = {}
         self.configs: dict[str, WorkerConfig] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.skews: dict[str, clock.Skew] = {}  # host -> its component's wall clock (clock-step)
         self.crashes: list[str] = []
         self.errors: list[str] = []  # exceptions no component caught (a bug: reported with the run)
 
@@ -149,7 +151,8 @@ class SimDeployment:
             update={"trace_decisions": self.trace_decisions})
         self.injector = FaultInjector(_Wan(self.plan, self.links), self.timeline, 1.0, self.emulation.wire_rate_bps,
                                       self._restart_broker, self._restart_worker, self._kill_worker,
-                                      stop_broker=self._stop_broker, kill_router=self._kill_router)
+                                      stop_broker=self._stop_broker, kill_router=self._kill_router,
+                                      step_clock=self._step_clock)
         return self
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
@@ -185,7 +188,6 @@ class SimDeployment:
     # ------------------------------------------------------------------ one load
     def run(self, load: LoadDriver) -> PolicyRun:
         wall0, cpu0 = time.monotonic(), _cpu_s()
-        self._t0_wall: float | None = None
 
         def begin(t0: float) -> None:
             self._faults = asyncio.ensure_future(self.injector.run_async(t0))
@@ -193,7 +195,7 @@ class SimDeployment:
         specs, recs = load.drive(self, begin)
         applied = self.injector.stop()
         if applied:
-            t0 = self.injector.t0_wall
+            t0 = self.injector.t0_stamp
             failed = {r.rid: (r.sent - t0, (r.ended or r.sent) - t0, r.error)
                       for r in recs.values() if r.error is not None and r.sent}
             for rid, why in annotate_failures(failed, applied).items():
@@ -207,7 +209,7 @@ class SimDeployment:
         run = PolicyRun(specs=specs, recs=recs, router=self._records(), workers=stats, policy=self._policy_report,
                         verdict=verdict, impairment=f"{IMPAIRMENT}, TCP {self.congestion}", faults=applied,
                         wall_s=wall,
-                        fault_t0_wall=self.injector.t0_wall, deaths=self._deaths(), engine="sim",
+                        fault_t0=self.injector.t0_stamp, deaths=self._deaths(), engine="sim",
                         decisions=self._decisions(),
                         wan_line={f"{a}->{b}": LineBins(EPOCH, KV_BIN_S, [round(x) for x in lk.kv_bins or []])
                                   for (a, b), lk in self.links.wan.items()},
@@ -219,7 +221,8 @@ class SimDeployment:
         self._faults: asyncio.Future[None] | None = None
         self.router = Router(self.router_cfg, self.net.transport(self.router_host))
         self._stop_router = asyncio.Event()
-        self.tasks["router"] = asyncio.ensure_future(self.router.main(self._stop_router))
+        self.skews[self.client_host] = clock.own_wall_clock()  # this task is the client's
+        self.tasks["router"] = self._component(self.router_host, self.router.main(self._stop_router))
         for host in self.configs:
             self._start_worker(host)
         try:
@@ -232,7 +235,17 @@ class SimDeployment:
         transport = self.net.transport(host)
         w: Worker = PrefillWorker(cfg, transport) if cfg.role == "prefill" else DecodeWorker(cfg, transport)
         self.workers[host] = w
-        self.tasks[host] = asyncio.ensure_future(self._serve(host, w))
+        self.tasks[host] = self._component(host, self._serve(host, w))
+
+    def _component(self, host: str, main: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """``main`` as the task of the component on ``host``, with a wall clock of its own
+        (every task it starts shares it): what a process is in the emulation. One started
+        again keeps its host's skew, as a process started again on a stepped machine."""
+        ctx = contextvars.copy_context()
+        skew = ctx.run(clock.own_wall_clock)
+        skew.s = self.skews[host].s if host in self.skews else 0.0
+        self.skews[host] = skew
+        return asyncio.get_running_loop().create_task(main, context=ctx)
 
     async def _serve(self, host: str, w: Worker) -> None:
         try:
@@ -289,6 +302,13 @@ class SimDeployment:
         task.cancel()
         self.net.kill_host(self.router_host)  # its connections end without a goodbye: its will goes out
         return "the router ended at once (as by SIGKILL)"
+
+    def _step_clock(self, host: str | None, s: float) -> str:
+        done = []
+        for h in sorted(self.skews) if host is None else [host]:
+            self.skews[h].s += s
+            done.append(f"{h} {self.skews[h].s:+g} s")
+        return "wall clock stepped: " + ", ".join(done)
 
     def _restart_broker(self, downtime_s: float) -> str:
         self.broker.stop()

@@ -179,7 +179,7 @@ class SimTransport:
         dst = links.host_of_ip[host]
         path = links.path(self.host, dst)
         conn = self.net.conns.setdefault((self.host, host, port), Conn(path, kv=True))
-        st = TransferStats(request_id, f"{host}:{port}", clock.time())
+        st = TransferStats(request_id, f"{host}:{port}", clock.now())
         layers, _, heads, n, head_dim = kv.shape
         per_token = layers * 2 * heads * head_dim * kv.element_size()
         abort = asyncio.Event()  # the receiver went away
@@ -206,7 +206,7 @@ class SimTransport:
                 return self._cut(st, conn, lst, request_id, receiving)
             await asyncio.sleep(links.latency(path.links))
             receiving = True  # the receiver has the request id: a broken transfer fails it there
-            start = clock.time()
+            start = clock.now()
             if opts.state_bytes != lst.state_bytes:  # the receiver refuses the HELLO (kv_wire.receive_kv)
                 why = f"request state of {opts.state_bytes} bytes announced, this worker takes {lst.state_bytes}"
                 self.net.spawn(lst.fail, request_id, f"KV transfer for {request_id} failed: {why}")  # type: ignore[arg-type]
@@ -236,7 +236,7 @@ class SimTransport:
                 raise KVTransferError(f"transfer to {host}:{port} broke: Connection reset by peer")
             zeros = lst.zeros
             got = zeros(n - have) if zeros is not None else kv[:, :, :, have:]
-            inc = Incoming(request_id, tokens, have, got, first_token, st.bytes_sent, start, clock.time())
+            inc = Incoming(request_id, tokens, have, got, first_token, st.bytes_sent, start, clock.now())
             self.net.spawn(_arrived, lst, inc)
             await asyncio.sleep(links.latency(path.back))
             st.bytes_acked = st.bytes_sent
@@ -251,7 +251,7 @@ class SimTransport:
                 self.net.spawn(lst.fail, request_id, f"KV transfer for {request_id} failed: connection lost")
             raise
         finally:
-            st.end = clock.time()
+            st.end = clock.now()
             if lst is not None:
                 lst.aborts.discard(abort)
             if not clean:

@@ -20,7 +20,7 @@ import asyncio
 import selectors
 from typing import Any
 
-# Virtual time 0 on the wall clock the components stamp events with (``protocol.clock.time``):
+# Virtual time 0 on the wall clock the components stamp events with (``protocol.clock.now``):
 # fixed, so two runs of the same inputs write the same numbers.
 EPOCH = 1_800_000_000.0
 
