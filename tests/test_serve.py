@@ -26,6 +26,7 @@ import pytest
 
 from testbed.deploy.accounts import COMPONENTS
 from testbed.net import netns, runstate
+from testbed.serve.compare import server_view
 from testbed.traces.workload import synth_tokens
 from workers.model import ModelRunner, ensure_default_model
 from workers.privilege import Identity
@@ -234,5 +235,8 @@ def test_stop_saves_the_served_requests_and_leaves_nothing(server: Server) -> No
     assert len((server.out / "served.jsonl").read_text().splitlines()) == len(rows)
     summary = json.loads((server.out / "summary.json").read_text())
     assert summary["trace"]["format"] == "openai-http" and summary["trace"]["requests"] == len(rows)
+    # Its stamps (the host's monotonic clock) placed on the wall clock an external client reads.
+    starts = server_view(server.out)[0].start
+    assert len(starts) and all(abs(t - time.time()) < 900 for t in starts), list(starts)
     assert not [n for n in netns.list_namespaces() if n.startswith(f"pdd{server.run_id}-")]
     assert not (runstate.STATE_ROOT / server.run_id).exists()

@@ -16,6 +16,7 @@ the same request, nearest within ``MATCH_S``), so the difference is given per re
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from testbed.analysis.tables import table_head
 from testbed.errors import InputError
 from testbed.outputs import write_atomic
 
+UNIX_MINUS_STAMP = "unix_minus_stamp_s"  # in a served run's trace meta: unix time = a record's stamp + this
 MATCH_S = 1.0  # a client's request start and the server's receipt of it, at most this far apart
 QUANTILES = (0.5, 0.9, 0.99)
 
@@ -74,7 +76,10 @@ def server_view(run_dir: Path) -> tuple[pd.DataFrame, float, int]:
     summary, df = load_run(run_dir)
     d, s = summary.emulation.dilation, summary.emulation.s_out
     ok = df[df.ok].copy()
-    out = pd.DataFrame({"start": ok.sent, "ttft_s": ok.ttft_s * d, "itl_s": ok.tpot_s * d * s,
+    to_unix = summary.trace.meta.get(UNIX_MINUS_STAMP, 0.0)  # absent: a run saved when stamps were unix time
+    if not isinstance(to_unix, (int, float)) or not math.isfinite(to_unix):
+        raise InputError(f"{run_dir}: summary.json: trace.meta.{UNIX_MINUS_STAMP}: not a number of seconds")
+    out = pd.DataFrame({"start": ok.sent + to_unix, "ttft_s": ok.ttft_s * d, "itl_s": ok.tpot_s * d * s,
                         "output_tokens": ok.output_tokens})
     return out.sort_values("start", ignore_index=True), d, s
 

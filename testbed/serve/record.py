@@ -15,11 +15,13 @@ grow with the requests served.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import IO
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from protocol import clock
 from protocol.messages import RequestHints, StreamedId, why_invalid
 from testbed.analysis import report
 from testbed.analysis.metrics import Slo
@@ -30,6 +32,7 @@ from testbed.deploy.run_record import ClientRecord, PolicyRun
 from testbed.errors import TestbedError
 from testbed.policies import PolicySpec
 from testbed.scenario import Scenario
+from testbed.serve.compare import UNIX_MINUS_STAMP
 from testbed.traces.workload import RequestSpec
 
 SERVED_FORMAT = "openai-http"
@@ -97,7 +100,10 @@ def save_served(out: Path, sc: Scenario, plan: EmulationPlan, policy: PolicySpec
                 slo: Slo | None = None) -> list[Path]:
     df, summary = measure(sc, policy, plan, run, slo or Slo())
     info = TraceInfo(trace=url, format=SERVED_FORMAT, requests=len(run.specs), token_scale=plan.scales.s_in,
-                     block_size=sc.workers.block_size, meta={"served_by": "testbed serve"})
+                     block_size=sc.workers.block_size,
+                     # The records' stamps are on the host's monotonic clock; an external client's
+                     # (aiperf's) on the wall clock: what to add to match them (``compare``).
+                     meta={"served_by": "testbed serve", UNIX_MINUS_STAMP: time.time() - clock.now()})
     run_summary = RunSummary(trace=info, speed=1.0, limit=None, window=None, emulation=plan.summary(sc),
                              scenario=sc, policies={policy.label: summary}, workers={policy.label: run.workers})
     return report.save(out, {policy.label: df}, run_summary)
