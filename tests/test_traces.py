@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from pathlib import Path
 
@@ -25,6 +26,10 @@ from testbed.traces.generate import (
 from testbed.traces.stats import hit_rates, trace_stats
 
 from .conftest import ROOT
+
+TRACELAB_HEADER = ("session_id,round_idx,prefix_len,input_len,output_len,tool_wait_after_ms,"
+                   "arrival_time\n")
+BURSTGPT_HEADER = "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
 
 
 def _write(tmp_path: Path, name: str, lines: list[object]) -> Path:
@@ -336,3 +341,58 @@ def test_a_bailian_child_waits_for_its_parents_answer_and_its_own_time() -> None
         if r.after is not None:
             child, parent = run.recs[r.rid], run.recs[r.after]
             assert child.sent >= (parent.ended or 0) and child.sent - t0 >= r.at - 1e-6
+
+
+def test_a_tracelab_trace_plans_each_rounds_cached_share_and_replays_closed_loop() -> None:
+    from testbed.load.trace_replay import TraceReplay
+    from testbed.policies import parse_policy
+    from testbed.scenario import load_scenario
+    from testbed.sim.engine import SimDeployment, sim_plan
+
+    path = ROOT / "traces/tracelab-sample.csv"
+    wl = load_trace(path, token_scale=16)
+    rows = path.read_text().splitlines()[1:]
+    assert wl.format == "tracelab" and len(wl.requests) == len(rows) and wl.meta["sessions"] == 5
+    planned = hit_rates(wl, outputs_cached=True)  # each round's prefix: earlier prompts and answers
+    for r, row in zip(wl.requests, rows, strict=True):
+        prefix, n_in = (int(x) for x in row.split(",")[2:4])
+        want = math.ceil(prefix / 16) // wl.block_size * wl.block_size / r.input_len
+        assert planned[r.rid] == pytest.approx(want, abs=wl.block_size / r.input_len), (r.rid, row)
+    sc = load_scenario(ROOT / "topologies/two-dc.yaml")
+    with SimDeployment(sc, parse_policy("same-dc"), emulation=sim_plan(sc, 16)) as dep:
+        run = dep.run(TraceReplay(wl.specs(1.0), 600, show_progress=False))
+    assert all(r.ok for r in run.recs.values())
+    for r in wl.requests:  # the next round: the answer, then the tool's time
+        if r.after is not None:
+            assert run.recs[r.rid].sent >= (run.recs[r.after].ended or 0) + r.delay - 1e-6
+    waits = {r.rid: float(x.split(",")[5]) / 1000 for r, x in zip(wl.requests, rows, strict=True)}
+    assert [r.delay for r in wl.requests if r.after] == pytest.approx([waits[r.after] for r in wl.requests if r.after])
+
+
+@pytest.mark.parametrize(("name", "header", "row", "says"), [
+    ("t.csv", TRACELAB_HEADER, "s,1,0,10,5,100,0", "round_idx: session 's': expected round 0, got 1"),
+    ("t.csv", TRACELAB_HEADER, "s,0,20,10,5,100,0", "prefix_len: 20 is longer than input_len 10"),
+    ("t.csv", TRACELAB_HEADER, "s,0,0,10,5,nan,0", "tool_wait_after_ms: expected seconds"),
+    ("g.csv", BURSTGPT_HEADER, "1,ChatGPT,x,5,5,API log", "Request tokens: expected an integer, got 'x'"),
+    ("g.csv", BURSTGPT_HEADER, "inf,ChatGPT,10,5,15,API log", "Timestamp: expected seconds"),
+    ("g.csv", "Timestamp,Model,Request tokens\n", "1,ChatGPT,10", "header: missing column(s) Response tokens"),
+])
+def test_a_csv_traces_bad_field_is_named_with_its_line(tmp_path: Path, name: str, header: str, row: str,
+                                                       says: str) -> None:
+    p = tmp_path / name
+    p.write_text(header + row + "\n")
+    fmt = "tracelab" if header == TRACELAB_HEADER else "burstgpt"
+    with pytest.raises(InputError, match=re.escape(f"{name}:{1 if 'header' in says else 2}: {says}")):
+        load_trace(p, fmt)
+
+
+def test_a_burstgpt_trace_reads_open_loop_and_leaves_out_what_failed_in_it() -> None:
+    path = ROOT / "traces/burstgpt-sample.csv"
+    wl = load_trace(path)  # detected from its header
+    rows = [r.split(",") for r in path.read_text().splitlines()[1:]]
+    failed = sum(1 for r in rows if r[3] == "0")
+    assert wl.format == "burstgpt" and failed and wl.meta["failed_in_trace"] == failed
+    assert len(wl.requests) == len(rows) - failed and all(r.after is None for r in wl.requests)
+    assert [r.output_len for r in wl.requests] == [int(r[3]) for r in rows if r[3] != "0"]
+    assert {r.hints.tag for r in wl.requests} <= {"ChatGPT", "GPT-4"}
+    assert max(hit_rates(wl).values()) == 0  # nothing is shared in it

@@ -27,12 +27,14 @@ from pydantic import (
 from protocol.messages import SAFE_NAME, RequestHints
 from testbed.errors import InputError
 from testbed.traces.bailian import load_bailian
+from testbed.traces.burstgpt import BURSTGPT_COLUMNS, load_burstgpt
 from testbed.traces.line_errors import line_error, read_lines
 from testbed.traces.lines import MAX_SECONDS, MAX_TOKENS, Number, Seconds, Tokens, json_lines, parse_line
+from testbed.traces.tracelab import TRACELAB_COLUMNS, load_tracelab
 from testbed.traces.workload import VOCAB_HIGH, Segment, TraceRequest, Workload, scale_len
 
 MOONCAKE_BLOCK = 512
-FORMATS = ("mooncake", "azure", "sessions", "requests", "bailian")
+FORMATS = ("mooncake", "azure", "sessions", "requests", "bailian", "tracelab", "burstgpt")
 SESSIONS_FORMAT = "pdd-sessions"
 
 def _non_empty(path: Path, reqs: list[TraceRequest]) -> list[TraceRequest]:
@@ -288,11 +290,15 @@ def load_requests(path: Path, token_scale: int = 1) -> Workload:
 
 # ------------------------------------------------------------------------------ dispatch
 LOADERS = {"mooncake": load_mooncake, "azure": load_azure, "sessions": load_sessions, "requests": load_requests,
-           "bailian": load_bailian}
+           "bailian": load_bailian, "tracelab": load_tracelab, "burstgpt": load_burstgpt}
 
 
 def detect_format(path: Path) -> str:
     if path.suffix.lower() == ".csv":
+        header = {h.strip() for h in next(iter(read_lines(path)), "").split(",")}
+        for fmt, columns in (("tracelab", TRACELAB_COLUMNS), ("burstgpt", BURSTGPT_COLUMNS)):
+            if set(columns) <= header:
+                return fmt
         return "azure"
     for _, obj in json_lines(path):
         if "chat_id" in obj:

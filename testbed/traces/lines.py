@@ -3,7 +3,9 @@ and endless integers refused at the line) and the bounds every length and time i
 
 from __future__ import annotations
 
+import csv
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -63,3 +65,40 @@ def parse_line(model: type[BaseModel], path: Path, line: int, obj: dict[str, Any
         return model.model_validate(obj)
     except ValidationError as e:
         raise from_validation(path, line, e) from e
+
+
+def csv_rows(path: Path, columns: tuple[str, ...]) -> Iterator[tuple[int, dict[str, str]]]:
+    """A CSV trace's rows with their line numbers, after checking that its header names
+    ``columns`` (others are ignored)."""
+    reader = csv.DictReader(read_lines(path))
+    missing = [c for c in columns if c not in (reader.fieldnames or [])]
+    if missing:
+        raise line_error(path, 1, "header", f"missing column(s) {', '.join(missing)} (expected {', '.join(columns)})")
+    for row in reader:
+        yield reader.line_num, row
+
+
+def csv_int(path: Path, line: int, row: dict[str, str], col: str, lo: int, hi: int) -> int:
+    """Column ``col`` of a row as an integer in ``lo..hi`` (an error naming line and column)."""
+    raw = (row.get(col) or "").strip()
+    try:
+        value = int(raw) if len(raw) <= 20 else None
+    except ValueError:
+        value = None
+    if value is None:
+        raise line_error(path, line, col, f"expected an integer, got {raw[:40]!r}")
+    if not lo <= value <= hi:
+        raise line_error(path, line, col, f"must be in {lo}..{hi}, got {value}")
+    return value
+
+
+def csv_seconds(path: Path, line: int, row: dict[str, str], col: str, scale: float = 1.0) -> float:
+    """Column ``col`` as a finite, non-negative time in seconds (the column's unit x ``scale``)."""
+    raw = (row.get(col) or "").strip()
+    try:
+        value = float(raw[:64]) * scale
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= MAX_SECONDS:  # NaN and infinities fail too
+        raise line_error(path, line, col, f"expected seconds in 0..{MAX_SECONDS:g}, got {raw[:40]!r}")
+    return value
