@@ -52,6 +52,9 @@ from testbed.sim.links import (
     QUEUE_FILL,
     RTO_MAX_S,
     RTO_MIN_S,
+    SHARE_CONVERGE_S,
+    SHARE_REWEIGH_S,
+    SHARE_STEADY_S,
     SHARE_WEIGHTS,
     UNFAIR_FLOWS,
     Conn,
@@ -82,6 +85,7 @@ EPS_BYTES = 1e-6
 # flow a fraction of a byte short of its end was rescheduled at "now" millions of times
 # while the clock crept on by rounding (a replay at a tenth of the load never finished).
 TIME_EPS_S = 1e-6
+SPREAD_GONE = 1e-3  # a spread decayed to this share of its draw is none: the rates stop being re-weighed
 
 
 class Flows:
@@ -121,7 +125,7 @@ class Flows:
         self.advance()
         self._seq += 1
         flow = Flow(conn, float(nbytes), self._seq, self.loop.create_future(), timeout_s,
-                    draw=self.rng.uniform(*SHARE_WEIGHTS))
+                    draw=self.rng.uniform(*SHARE_WEIGHTS), born=self.loop.time())
         if self.congestion == "bbr" and not any(lk.flows for lk in conn.path.links if lk.capacity):
             conn.probe_due = self.loop.time() + BBR_MIN_RTT_S  # an empty queue: the minimum RTT is seen
         self.active[flow] = None
@@ -221,7 +225,8 @@ class Flows:
                     crossing[lk] = crossing.get(lk, 0) + 1
         for f in unfixed:
             n = max((crossing[lk] for lk in f.conn.path.links if lk.capacity is not None), default=1)
-            f.weight = 1 + min(1.0, (n - 1) / UNFAIR_FLOWS) * (f.draw - 1)
+            f.spread = min(1.0, (n - 1) / UNFAIR_FLOWS) * (f.draw - 1)
+            f.weight = 1 + f.spread * spread_left(now - f.born)
             for lk in f.conn.path.links:
                 if lk.capacity is not None:
                     room.setdefault(lk, lk.capacity)
@@ -288,6 +293,12 @@ class Flows:
                 f.next_ramp = math.inf
             if f.rate > 0:
                 nxt = min(nxt, now + f.remaining / f.rate)
+                if f.spread:  # its weight against the others changes with its age
+                    age = now - f.born
+                    if age < SHARE_STEADY_S:
+                        nxt = min(nxt, f.born + SHARE_STEADY_S)
+                    elif spread_left(age) > SPREAD_GONE:
+                        nxt = min(nxt, now + SHARE_REWEIGH_S)
             if f.stalled_until > now:
                 nxt = min(nxt, f.stalled_until)
             if self.congestion == "bbr":
@@ -326,6 +337,16 @@ class Flows:
                 lk.flows.pop(f, None)
         self.active.clear()
         self.loop.call_exception_handler({"message": "the link model failed", "exception": e})
+
+
+def spread_left(age_s: float) -> float:
+    """How much of its drawn weight spread a flow of this age keeps: all of it for
+    ``SHARE_STEADY_S``, then less by e every ``SHARE_CONVERGE_S`` (flows converge to equal
+    shares over minutes)."""
+    if age_s <= SHARE_STEADY_S:
+        return 1.0
+    left = math.exp(-(age_s - SHARE_STEADY_S) / SHARE_CONVERGE_S)
+    return 0.0 if left <= SPREAD_GONE else left
 
 
 def resume_at(conn: Conn, down_since: float, up_at: float, srtt: float | None = None) -> float:

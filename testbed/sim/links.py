@@ -46,6 +46,15 @@ QUEUE_FILL = {"bbr": 1.4, "cubic": 0.75}
 # 1 + UNFAIR_FLOWS (mean completion 0.80-0.82 of the last).
 SHARE_WEIGHTS = (0.2, 1.8)
 UNFAIR_FLOWS = 8
+# Over minutes the kernel's flows converge to equal shares: ten transfers held behind a
+# saturated line for ten minutes ended together at its end (``bench links --held 600``), where
+# weights kept for life ended them 18 % early on average. A flow keeps its drawn spread for
+# its first SHARE_STEADY_S (the short-run measurements above lie within it), then the spread
+# decays by e every SHARE_CONVERGE_S of age; the rates are re-weighed every SHARE_REWEIGH_S
+# while a crowded flow's spread is decaying.
+SHARE_STEADY_S = 10.0
+SHARE_CONVERGE_S = 30.0
+SHARE_REWEIGH_S = 5.0
 # BBR re-measures its minimum RTT when none was seen for 10 s: 200 ms and a round trip with
 # 4 segments in flight (Linux's PROBE_RTT); a transfer of many seconds runs ~2 % slower.
 BBR_MIN_RTT_S, BBR_PROBE_RTT_S, BBR_PROBE_SEGMENTS = 10.0, 0.2, 4
@@ -180,7 +189,9 @@ class Flow:
     timeout_s: float | None = None  # a flow that moves nothing this long fails (TimeoutError)
     sent: float = 0.0
     rate: float = 0.0
-    draw: float = 1.0  # its weight when a link is crowded (``SHARE_WEIGHTS``)
+    draw: float = 1.0  # its weight when a link is crowded (``SHARE_WEIGHTS``), while young
+    born: float = 0.0  # when it started (its spread decays with age: ``SHARE_CONVERGE_S``)
+    spread: float = 0.0  # its weight's spread from 1 on its most crowded link, before the decay
     weight: float = 1.0  # its share of a link against the others' now
     cap: float = 0.0  # what it could carry alone (``window``, and the loss limit)
     window: float = 0.0  # its congestion window over the round trip, bytes/s
