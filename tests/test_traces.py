@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -396,3 +398,44 @@ def test_a_burstgpt_trace_reads_open_loop_and_leaves_out_what_failed_in_it() -> 
     assert [r.output_len for r in wl.requests] == [int(r[3]) for r in rows if r[3] != "0"]
     assert {r.hints.tag for r in wl.requests} <= {"ChatGPT", "GPT-4"}
     assert max(hit_rates(wl).values()) == 0  # nothing is shared in it
+
+
+def test_a_copilot_agent_trace_plans_each_calls_cached_share_and_reads_gzip(tmp_path: Path) -> None:
+    from testbed.load.trace_replay import TraceReplay
+    from testbed.policies import parse_policy
+    from testbed.scenario import load_scenario
+    from testbed.sim.engine import SimDeployment, sim_plan
+
+    path = ROOT / "traces/copilot-sample.jsonl"
+    gz = tmp_path / "copilot.jsonl.gz"
+    with gzip.open(gz, "wt") as f:  # as published
+        f.write(path.read_text())
+    wl = load_trace(gz, token_scale=16)
+    calls = [c for line in path.read_text().splitlines() for t in json.loads(line)["turns"] for c in t["llm_calls"]]
+    assert wl.format == "copilot-agent" and len(wl.requests) == len(calls) and wl.meta["sessions"] == 4
+    assert wl.meta["cached_longer_than_previous"] == 0
+    planned = hit_rates(wl)
+    for r, c in zip(wl.requests, calls, strict=True):  # the trace's cached share, in whole blocks
+        want = math.ceil(c["tokens"]["cached"] / 16) // wl.block_size * wl.block_size / r.input_len
+        assert planned[r.rid] == pytest.approx(want, abs=1e-9), (r.rid, c["tokens"])
+    sc = load_scenario(ROOT / "topologies/two-dc.yaml")
+    with SimDeployment(sc, parse_policy("same-dc"), emulation=sim_plan(sc, 16)) as dep:
+        run = dep.run(TraceReplay(wl.specs(1.0), 600, show_progress=False))
+    assert all(r.ok for r in run.recs.values())
+    for r in wl.requests:  # the next call: the answer, then the recorded gap
+        if r.after is not None:
+            assert r.delay > 0 and run.recs[r.rid].sent >= (run.recs[r.after].ended or 0) + r.delay - 1e-6
+
+
+@pytest.mark.parametrize(("edit", "says"), [
+    (lambda c: c.update(tokens={"prompt": 10, "completion": 5, "cached": 11}),
+     "turns: call 1: tokens.cached: 11 is more than its prompt (10)"),
+    (lambda c: c.update(timestamp="2020-01-01T00:00:00Z"), "turns: call 1: timestamp: before the previous call's"),
+    (lambda c: c.update(timestamp="yesterday"), "llm_calls.1.timestamp.int: Input should be a valid integer"),
+])
+def test_a_copilot_calls_bad_field_is_named_with_its_line(tmp_path: Path, edit: Any, says: str) -> None:
+    session = json.loads((ROOT / "traces/copilot-sample.jsonl").read_text().splitlines()[0])
+    edit(session["turns"][0]["llm_calls"][1])
+    p = _write(tmp_path, "c.jsonl", [session])
+    with pytest.raises(InputError, match=re.escape("c.jsonl:1: ") + ".*" + re.escape(says)):
+        load_trace(p)

@@ -28,13 +28,14 @@ from protocol.messages import SAFE_NAME, RequestHints
 from testbed.errors import InputError
 from testbed.traces.bailian import load_bailian
 from testbed.traces.burstgpt import BURSTGPT_COLUMNS, load_burstgpt
+from testbed.traces.copilot import load_copilot
 from testbed.traces.line_errors import line_error, read_lines
 from testbed.traces.lines import MAX_SECONDS, MAX_TOKENS, Number, Seconds, Tokens, json_lines, parse_line
 from testbed.traces.tracelab import TRACELAB_COLUMNS, load_tracelab
 from testbed.traces.workload import VOCAB_HIGH, Segment, TraceRequest, Workload, scale_len
 
 MOONCAKE_BLOCK = 512
-FORMATS = ("mooncake", "azure", "sessions", "requests", "bailian", "tracelab", "burstgpt")
+FORMATS = ("mooncake", "azure", "sessions", "requests", "bailian", "tracelab", "burstgpt", "copilot-agent")
 SESSIONS_FORMAT = "pdd-sessions"
 
 def _non_empty(path: Path, reqs: list[TraceRequest]) -> list[TraceRequest]:
@@ -290,11 +291,12 @@ def load_requests(path: Path, token_scale: int = 1) -> Workload:
 
 # ------------------------------------------------------------------------------ dispatch
 LOADERS = {"mooncake": load_mooncake, "azure": load_azure, "sessions": load_sessions, "requests": load_requests,
-           "bailian": load_bailian, "tracelab": load_tracelab, "burstgpt": load_burstgpt}
+           "bailian": load_bailian, "tracelab": load_tracelab, "burstgpt": load_burstgpt,
+           "copilot-agent": load_copilot}
 
 
 def detect_format(path: Path) -> str:
-    if path.suffix.lower() == ".csv":
+    if path.name.lower().endswith((".csv", ".csv.gz")):
         header = {h.strip() for h in next(iter(read_lines(path)), "").split(",")}
         for fmt, columns in (("tracelab", TRACELAB_COLUMNS), ("burstgpt", BURSTGPT_COLUMNS)):
             if set(columns) <= header:
@@ -305,6 +307,9 @@ def detect_format(path: Path) -> str:
             return "bailian"
         if "hash_ids" in obj:
             return "mooncake"
+        turns = obj.get("turns")
+        if isinstance(turns, list) and turns and isinstance(turns[0], dict) and "llm_calls" in turns[0]:
+            return "copilot-agent"
         if "turns" in obj or obj.get("format") == SESSIONS_FORMAT:
             return "sessions"
         return "requests"

@@ -26,23 +26,11 @@ from pathlib import Path
 
 from testbed.traces.line_errors import line_error
 from testbed.traces.lines import MAX_SECONDS, MAX_TOKENS, csv_int, csv_rows, csv_seconds
-from testbed.traces.workload import Segment, TraceRequest, Workload, scale_len
+from testbed.traces.workload import Segment, TraceRequest, Workload, cut, scale_len
 
 TRACELAB_COLUMNS = ("session_id", "round_idx", "prefix_len", "input_len", "output_len", "tool_wait_after_ms",
                     "arrival_time")
 TRACELAB_BLOCK = 64  # none is published (prefixes are token counts): the planned hit is counted in 64-token blocks
-
-
-def cut(segments: list[Segment], n: int) -> list[Segment]:
-    """The first ``n`` tokens of ``segments`` (a shorter cut of a stream is its prefix)."""
-    out: list[Segment] = []
-    for s in segments:
-        if n <= 0:
-            break
-        take = min(s.n, n)
-        out.append(s if take == s.n else Segment(s.key, take, s.literal[:take] if s.literal else None))
-        n -= take
-    return out
 
 
 class _Session:

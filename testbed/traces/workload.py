@@ -192,6 +192,20 @@ class Workload:
         return out
 
 
+def cut(segments: list[Segment], n: int) -> list[Segment]:
+    """The first ``n`` tokens of ``segments`` (a shorter cut of a stream is its prefix): how a
+    trace that gives a shared prefix as a count (TraceLab, Copilot) takes it from a session's
+    context."""
+    out: list[Segment] = []
+    for s in segments:
+        if n <= 0:
+            break
+        take = min(s.n, n)
+        out.append(s if take == s.n else Segment(s.key, take, s.literal[:take] if s.literal else None))
+        n -= take
+    return out
+
+
 def scale_len(n: int, scale: int) -> int:
     """A length divided by the token scale, never below 1 token."""
     return max(1, math.ceil(n / scale))
