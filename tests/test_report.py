@@ -236,3 +236,27 @@ def test_markdown_tables_have_one_shape() -> None:
     assert table_head(["a", "b", "c"], "r") == ["| a | b | c |", "|---:|---|---|"]
     with pytest.raises(ValueError, match="does not fit 2 columns"):
         table_head(["a", "b"], "lrr")
+
+
+def test_planned_hit_is_what_an_unbounded_cache_of_earlier_prompts_holds_and_sits_beside_the_got() -> None:
+    from testbed.analysis.metrics import planned_hits
+    from testbed.deploy.run_record import ClientRecord
+    from testbed.traces.workload import RequestSpec, synth_tokens
+
+    head, tail = synth_tokens("head", 64), synth_tokens("tail", 40)
+    specs = [RequestSpec("a", head, 4), RequestSpec("b", head + tail, 4, answer=synth_tokens("ans", 30)),
+             RequestSpec("c", head + tail + synth_tokens("ans", 30) + synth_tokens("more", 10), 4),
+             RequestSpec("d", synth_tokens("other", 50), 4)]
+    recs = {s.rid: ClientRecord(s.rid, len(s.prompt), 4, sent=float(i + 1)) for i, s in enumerate(specs)}
+    plain = planned_hits(recs, specs, 16, outputs_cached=False)
+    assert plain == {"a": 0.0, "b": pytest.approx(64 / 104), "c": pytest.approx(96 / 144), "d": 0.0}
+    cached = planned_hits(recs, specs, 16, outputs_cached=True)  # b's answer too: c finds 128 of its 144
+    assert cached["c"] == pytest.approx(128 / 144) and cached["b"] == plain["b"]
+    recs["a"].sent = 5.0  # sent last: nothing before it, and b and c no longer find its blocks in the cache
+    assert planned_hits(recs, specs, 16, outputs_cached=False)["b"] == 0.0
+    df = _rows([1.0] * 10).assign(planned_hit=1.0, prefill_hit=lambda d: d.prefill_hit_tokens / d.prompt_tokens)
+    s = _policy(df)
+    assert (s.hit_planned_mean, s.hit_planned_above95) == (1.0, 1.0)
+    assert s.hit_got_mean == pytest.approx(0.45) and s.hit_got_above95 == 0.0
+    section = report.hit_section(RunSummary.model_construct(policies={"pdd": s}))
+    assert section[0] == "## Prefix hit: planned and got" and "| pdd | 100.0 % | 100.0 % | 45.0 % | 0.0 % |" in section

@@ -15,6 +15,7 @@ tokens (``x s_out``; ``output_tokens`` stays the replayed count).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -75,6 +76,11 @@ class RequestRow:
     e2e_s: float
     prefill_hit_tokens: int | None
     prefill_computed: int | None
+    # The prefix hit, as shares of the prompt: planned (what an unbounded cache of every earlier
+    # prompt, and answer where the scenario caches them, would hold: ``planned_hits``) and got
+    # (what the prefill that served it held). Apart, they say what routing and cache sizes cost.
+    planned_hit: float
+    prefill_hit: float
     kv_bytes: int
     kv_tokens_sent: int
     wan_kv_bytes: int
@@ -107,7 +113,8 @@ class RequestRow:
         return out | {f"plan_{k}": v for k, v in self.plan.items()}
 
 
-def request_row(r: ClientRecord, rr: RequestRecord, h: RequestHints, sc: Scales, t0: float) -> RequestRow:
+def request_row(r: ClientRecord, rr: RequestRecord, h: RequestHints, sc: Scales, t0: float,
+                planned: float = NAN) -> RequestRow:
     """The row of one request from the client's record and the router's."""
     d, per_token = sc.dilation, sc.dilation * sc.s_out
     kv_sent = [e for e in rr.events if isinstance(e, KvSent)]
@@ -131,7 +138,8 @@ def request_row(r: ClientRecord, rr: RequestRecord, h: RequestHints, sc: Scales,
         tpot_s=((r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) / per_token
                 if done and len(r.token_times) > 1 else NAN),
         e2e_s=(r.token_times[-1] - r.sent) / d if done else NAN,
-        prefill_hit_tokens=prefill.hit_tokens if prefill else None,
+        prefill_hit_tokens=prefill.hit_tokens if prefill else None, planned_hit=planned,
+        prefill_hit=prefill.hit_tokens / r.prompt_len if prefill and r.prompt_len else NAN,
         prefill_computed=prefill.computed if prefill else None,
         kv_bytes=sum(e.bytes for e in kv_sent), kv_tokens_sent=sum(e.tokens for e in kv_sent),
         wan_kv_bytes=sum(e.bytes for e in wan),
@@ -154,15 +162,48 @@ def request_row(r: ClientRecord, rr: RequestRecord, h: RequestHints, sc: Scales,
 
 
 def request_rows(recs: dict[str, ClientRecord], router: dict[str, RequestRecord],
-                 specs: list[RequestSpec] | None = None, scales: Scales | None = None) -> pd.DataFrame:
+                 specs: list[RequestSpec] | None = None, scales: Scales | None = None,
+                 planned: dict[str, float] | None = None) -> pd.DataFrame:
     """Every request's ``RequestRow`` as the run's DataFrame (``requests.csv``/``.parquet``): the
     router's side is its record of the request's last attempt."""
     sc = scales or Scales()
     hints = {s.rid: s.hints for s in specs or []}
     t0 = min((r.sent for r in recs.values() if r.sent), default=0.0)
+    planned = planned or {}
     return pd.DataFrame([request_row(r, router.get(r.last_rid) or RequestRecord(rid=r.last_rid),
-                                     hints.get(rid) or RequestHints(), sc, t0).columns()
+                                     hints.get(rid) or RequestHints(), sc, t0, planned.get(rid, NAN)).columns()
                          for rid, r in recs.items()])
+
+
+def planned_hits(recs: dict[str, ClientRecord], specs: list[RequestSpec], block: int,
+                 outputs_cached: bool) -> dict[str, float]:
+    """Per request: the share of its prompt an unbounded prefix cache of ``block``-token blocks
+    would hold, had it kept every prompt sent before it (in the order the client sent them)
+    and, where the scenario caches answers, their answers: what the trace let a run hit, to
+    set beside what the prefill that served it held."""
+    cache: set[bytes] = set()
+    out: dict[str, float] = {}
+    sent = sorted((r.sent, s.rid, s) for s in specs if (r := recs.get(s.rid)) is not None and r.sent)
+    for _, rid, spec in sent:
+        tokens = np.asarray(spec.prompt, dtype="<u4")
+        hashes = _block_chain(tokens, block)
+        hit = 0
+        while hit < len(hashes) and hashes[hit] in cache:
+            hit += 1
+        cache.update(hashes)
+        if outputs_cached and spec.answer is not None:
+            cache.update(_block_chain(np.concatenate([tokens, np.asarray(spec.answer, dtype="<u4")]), block))
+        out[rid] = hit * block / len(tokens) if len(tokens) else 0.0
+    return out
+
+
+def _block_chain(tokens: np.ndarray, block: int) -> list[bytes]:
+    """Chained digests of each whole block of ``tokens`` (as a prefix cache keys them)."""
+    out, h = [], b""
+    for i in range(0, len(tokens) - block + 1, block):
+        h = hashlib.blake2b(h + tokens[i : i + block].tobytes(), digest_size=16).digest()
+        out.append(h)
+    return out
 
 
 def itls(recs: dict[str, ClientRecord], scales: Scales | None = None) -> np.ndarray:
@@ -238,6 +279,12 @@ class Summary(BaseModel):
     handoff_p99_s: float | None
     handoff_mismatches: int
     requests_by_worker: dict[str, int]
+    # The prefix hit planned (``planned_hits``) and got at the prefill, over completed requests:
+    # mean share of the prompt, and share of requests above 95 % (None: not measured).
+    hit_planned_mean: float | None = None
+    hit_planned_above95: float | None = None
+    hit_got_mean: float | None = None
+    hit_got_above95: float | None = None
 
 
 def summarize(df: pd.DataFrame, itl: Sequence[float] | np.ndarray, slo: Slo | None = None,
@@ -283,7 +330,17 @@ def summarize(df: pd.DataFrame, itl: Sequence[float] | np.ndarray, slo: Slo | No
         handoff_p50_s=_pct(ok.md_kv_to_handoff_s, 50), handoff_p99_s=_pct(ok.md_kv_to_handoff_s, 99),
         handoff_mismatches=int(df.handoff_mismatches.sum()),
         requests_by_worker=requests_by_worker(df),
+        **_hit_summary(ok),
     )  # fmt: skip
+
+
+def _hit_summary(ok: pd.DataFrame) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for key, col in (("planned", "planned_hit"), ("got", "prefill_hit")):
+        v = ok[col].dropna() if col in ok else pd.Series(dtype=float)
+        out[f"hit_{key}_mean"] = float(v.mean()) if len(v) else None
+        out[f"hit_{key}_above95"] = float((v > 0.95).mean()) if len(v) else None
+    return out
 
 
 def requests_by_worker(df: pd.DataFrame) -> dict[str, int]:

@@ -6,7 +6,7 @@ import pandas as pd
 
 from testbed.analysis.cost import cost_per_million_tokens, egress_price, hardware_cost
 from testbed.analysis.fault_impact import fault_impacts
-from testbed.analysis.metrics import Slo, itls, request_rows, summarize
+from testbed.analysis.metrics import Slo, itls, planned_hits, request_rows, summarize
 from testbed.analysis.results import PolicySummary
 from testbed.analysis.wan_line import line_of
 from testbed.deploy.emulation import EmulationPlan
@@ -18,7 +18,8 @@ from testbed.scenario import Scenario
 def measure(sc: Scenario, spec: PolicySpec, plan: EmulationPlan, run: PolicyRun,
             slo: Slo) -> tuple[pd.DataFrame, PolicySummary]:
     """One policy's request rows and summary (latencies, cost, policy counters, verdict)."""
-    df = request_rows(run.recs, run.router, run.specs, plan.scales)
+    planned = planned_hits(run.recs, run.specs, sc.workers.block_size, sc.workers.cache_outputs)
+    df = request_rows(run.recs, run.router, run.specs, plan.scales, planned)
     measured = summarize(df, itls(run.recs, plan.scales), slo, run.recs, plan.scales)
     cost = hardware_cost(sc, make_policy(spec))
     wan_gb = measured.wan_kv_bytes / plan.byte_factor / 1e9  # wire bytes back to the emulated model's

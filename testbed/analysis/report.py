@@ -156,6 +156,24 @@ def cost_table(summary: RunSummary) -> str | None:
     return "\n".join(lines)
 
 
+def hit_section(summary: RunSummary) -> list[str]:
+    """The prefix hit each policy's requests could have had (planned: an unbounded cache of
+    everything sent before them) beside what their prefill held (got); nothing for a summary
+    saved before both were kept."""
+    rows = [(name, f"{100 * s.hit_planned_mean:.1f} %", f"{100 * (s.hit_planned_above95 or 0):.1f} %",
+             f"{100 * s.hit_got_mean:.1f} %", f"{100 * (s.hit_got_above95 or 0):.1f} %")
+            for name, s in summary.policies.items()
+            if s.hit_planned_mean is not None and s.hit_got_mean is not None]
+    if not rows:
+        return []
+    return ["## Prefix hit: planned and got", "",
+            "Completed requests; planned: the share of each prompt an unbounded prefix cache of everything sent "
+            "before it would hold (answers too where the scenario caches them), got: what the prefill that served "
+            "it held (its cache's size, and the routing across instances, make the difference).", "",
+            *markdown_table(["policy", "planned mean", "planned above 95 %", "got mean", "got above 95 %"], rows,
+                            "lrrrr"), ""]
+
+
 def report_markdown(summary: RunSummary) -> str:
     """``report.md`` of a run: everything in it comes from ``summary.json``."""
     t, e = summary.trace, summary.emulation
@@ -180,6 +198,7 @@ def report_markdown(summary: RunSummary) -> str:
         comparison_table(dict(summary.policies), PDD_COLUMNS),
         "```",
         "",
+        *hit_section(summary),
         "## The report's figures beside this run's",
         "",
         "The report's figures come from its own setup (64K-token contexts, 1K-token outputs, ~90 % prefix hit, "
