@@ -185,21 +185,24 @@ def planned_hits(recs: dict[str, ClientRecord], specs: list[RequestSpec], block:
     out: dict[str, float] = {}
     sent = sorted((r.sent, s.rid, s) for s in specs if (r := recs.get(s.rid)) is not None and r.sent)
     for _, rid, spec in sent:
-        tokens = np.asarray(spec.prompt, dtype="<u4")
+        tokens = np.fromiter(spec.prompt, dtype="<u4", count=len(spec.prompt))
         hashes = _block_chain(tokens, block)
         hit = 0
         while hit < len(hashes) and hashes[hit] in cache:
             hit += 1
         cache.update(hashes)
         if outputs_cached and spec.answer is not None:
-            cache.update(_block_chain(np.concatenate([tokens, np.asarray(spec.answer, dtype="<u4")]), block))
+            answer = np.fromiter(spec.answer, dtype="<u4", count=len(spec.answer))
+            whole = len(hashes) * block  # the prompt's whole blocks are hashed already: go on from them
+            cache.update(_block_chain(np.concatenate([tokens[whole:], answer]), block, hashes[-1] if hashes else b""))
         out[rid] = hit * block / len(tokens) if len(tokens) else 0.0
     return out
 
 
-def _block_chain(tokens: np.ndarray, block: int) -> list[bytes]:
-    """Chained digests of each whole block of ``tokens`` (as a prefix cache keys them)."""
-    out, h = [], b""
+def _block_chain(tokens: np.ndarray, block: int, h: bytes = b"") -> list[bytes]:
+    """Chained digests of each whole block of ``tokens`` (as a prefix cache keys them), the
+    first chained to ``h`` (the digest of the blocks before them)."""
+    out = []
     for i in range(0, len(tokens) - block + 1, block):
         h = hashlib.blake2b(h + tokens[i : i + block].tobytes(), digest_size=16).digest()
         out.append(h)
