@@ -15,7 +15,8 @@ end. Timers are the event loop's in either case (``asyncio.sleep`` and friends r
 - ``perf_counter()``: the real work a step took.
 - ``wall()``: seconds since the epoch as this component's own wall clock says, for what a
   person reads as a date (an API's ``created``), never for a duration. A ``clock-step`` fault
-  moves it (``step``), and only it: nothing measured may change when it does.
+  moves it (``follow_steps``; the simulator's ``Skew`` of each component), and only it:
+  nothing measured may change when it does.
 """
 
 from __future__ import annotations
@@ -53,16 +54,6 @@ MAX_STEP_S = 10 * 365 * 86400.0  # a step beyond ten years is a lie, not a clock
 
 def wall() -> float:
     return _wall() + _skew.get().s
-
-
-def step(s: float) -> float:
-    """Step this component's wall clock by ``s`` seconds (a ``clock-step`` fault); its skew
-    from the host's clock after the step. ValueError for a non-finite or absurd step."""
-    if not (abs(s) <= MAX_STEP_S):  # also NaN
-        raise ValueError(f"a clock step of {s!r} s (at most {MAX_STEP_S:g} either way)")
-    skew = _skew.get()
-    skew.s += s
-    return skew.s
 
 
 def steps_file(config_path: str | Path) -> Path:

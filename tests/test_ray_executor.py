@@ -272,4 +272,7 @@ def test_bench_scale_climbs_its_sizes_side_by_side_on_the_cluster(cluster: str, 
         for b in runs:
             if a is not b and a["node"] == b["node"]:
                 assert a["ended"] <= b["started"] or b["ended"] <= a["started"], runs
-    assert all(len(p["attempts"]) == 1 for p in points), points
+    # Each size from its own replays: one per dilation its ladder tried (more than one where a
+    # loaded host failed the first verdict; the test asserts the climb, not this host's speed).
+    assert all(p["attempts"] and len({a.split(":")[0] for a in p["attempts"]}) == len(p["attempts"])
+               and not any("lost" in a for a in p["attempts"]) for p in points), points
