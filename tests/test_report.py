@@ -260,3 +260,22 @@ def test_planned_hit_is_what_an_unbounded_cache_of_earlier_prompts_holds_and_sit
     assert s.hit_got_mean == pytest.approx(0.45) and s.hit_got_above95 == 0.0
     section = report.hit_section(RunSummary.model_construct(policies={"pdd": s}))
     assert section[0] == "## Prefix hit: planned and got" and "| pdd | 100.0 % | 100.0 % | 45.0 % | 0.0 % |" in section
+
+
+@pytest.mark.parametrize("outputs_cached", [False, True])
+def test_planned_hit_from_recipes_equals_the_token_by_token_one(outputs_cached: bool) -> None:
+    """A trace's prompts are compared segment by segment (memory by segments: an hour at token
+    scale 1 is 400 M tokens); the same prompts as token lists, block by block, give the same."""
+    import dataclasses
+
+    from testbed.analysis.metrics import planned_hits
+    from testbed.deploy.run_record import ClientRecord
+    from testbed.traces import load_trace
+
+    specs = load_trace(ROOT / "traces/paper.jsonl", "auto", 16).select(300).specs(1.0)
+    recs = {s.rid: ClientRecord(s.rid, len(s.prompt), s.max_new, sent=float(i + 1)) for i, s in enumerate(specs)}
+    lists = [dataclasses.replace(s, prompt=list(s.prompt), answer=None if s.answer is None else list(s.answer))
+             for s in specs]
+    recipes = planned_hits(recs, specs, 16, outputs_cached)
+    assert recipes == planned_hits(recs, lists, 16, outputs_cached)
+    assert 0.5 < sum(recipes.values()) / len(recipes) < 1.0  # the trace shares most of its prompts
