@@ -239,7 +239,7 @@ def test_markdown_tables_have_one_shape() -> None:
 
 
 def test_planned_hit_is_what_an_unbounded_cache_of_earlier_prompts_holds_and_sits_beside_the_got() -> None:
-    from testbed.analysis.metrics import planned_hits
+    from testbed.analysis.planned_hit import planned_hits
     from testbed.deploy.run_record import ClientRecord
     from testbed.traces.workload import RequestSpec, synth_tokens
 
@@ -268,7 +268,7 @@ def test_planned_hit_from_recipes_equals_the_token_by_token_one(outputs_cached: 
     scale 1 is 400 M tokens); the same prompts as token lists, block by block, give the same."""
     import dataclasses
 
-    from testbed.analysis.metrics import planned_hits
+    from testbed.analysis.planned_hit import planned_hits
     from testbed.deploy.run_record import ClientRecord
     from testbed.traces import load_trace
 

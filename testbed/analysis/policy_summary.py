@@ -6,7 +6,8 @@ import pandas as pd
 
 from testbed.analysis.cost import cost_per_million_tokens, egress_price, hardware_cost
 from testbed.analysis.fault_impact import fault_impacts
-from testbed.analysis.metrics import Slo, itls, planned_hits, request_rows, summarize
+from testbed.analysis.metrics import Slo, itls, request_rows, summarize
+from testbed.analysis.planned_hit import planned_hits
 from testbed.analysis.results import PolicySummary
 from testbed.analysis.wan_line import line_of
 from testbed.deploy.emulation import EmulationPlan
