@@ -18,7 +18,7 @@ import pydantic_core
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from protocol.validation import one_line
-from protocol.worker_config import Contract, WorkerRole
+from protocol.worker_config import Contract, KvTransfer, WorkerRole
 
 QOS = 1
 # The longest prompt anything here carries (a request, a prefill command, a KV transfer's
@@ -96,6 +96,7 @@ class PrefillCmd(Message):
     rid: RequestId
     prompt: list[int] = Field(min_length=1)
     kv_to: list[KVTarget] = []
+    kv_transfer: KvTransfer | None = None  # when the KV leaves (None: the worker's configured mode)
 
 
 class RelayPart(Message):

@@ -18,6 +18,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# When a prefill's KV leaves for its decoders: once the whole prefill is done (the naive
+# baseline), or frame by frame as each prefill pass (chunk) that computed it ends, so that
+# the transfer overlaps the compute (``workers/kv_stream.py``).
+KvTransfer = Literal["after-prefill", "per-chunk"]
+
 WorkerRole = Literal["prefill", "decode", "relay-decode"]
 
 
@@ -155,6 +160,7 @@ class WorkerConfig(Contract):
     kv_read_timeout_s: float = Field(default=60.0, gt=0)  # a KV peer silent this long broke the transfer
     kv_hello_wait_s: float = Field(default=2.0, gt=0)  # a HELLO's wait for its request's command
     kv_streams_per_peer: int = Field(default=1, ge=1)
+    kv_transfer: KvTransfer = "after-prefill"  # a prefill command may choose another (``PrefillCmd``)
     # Wire bytes of a request's fixed-size state (a hybrid card's linear states and window KV,
     # scaled like its KV) that every transfer carries after the KV; 0: a model without.
     kv_state_bytes: int = Field(default=0, ge=0, le=1 << 30)

@@ -11,12 +11,11 @@ addresses, and ``testbed.net.build`` instantiates it (Mininet's Topo vs Mininet 
 from __future__ import annotations
 
 import ipaddress
-import pwd
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
 
 from protocol.validation import field_errors
 from protocol.worker_config import DeviceSpec
@@ -24,6 +23,8 @@ from testbed.errors import InputError
 from testbed.faults.timeline import Fault, as_fault
 from testbed.faults.wan_trace import WanTrace, as_wan_trace, faults_of
 from testbed.hardware import DeviceProfile, ModelCard
+from testbed.scenario_workers import Strict as _Strict
+from testbed.scenario_workers import WorkerSettings
 from testbed.scenario_yaml import deep_merge, extended, line_of, read_yaml, with_card_files
 from testbed.traces.workload import VOCAB_HIGH
 from workers.model_dir import default_model_dir, read_config
@@ -39,10 +40,6 @@ class Role(StrEnum):
     PREFILL = "prefill"
     RELAY_DECODE = "relay-decode"
     DECODE = "decode"
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # .inf, .nan: a mistake
 
 
 class Host(_Strict):
@@ -89,71 +86,6 @@ class Emulation(_Strict):
     def _positive(cls, v: float | str) -> float | str:
         if isinstance(v, float | int) and not 0.1 <= v <= 1000:
             raise ValueError("time_dilation must be between 0.1 and 1000, or auto")
-        return v
-
-
-class WorkerSettings(_Strict):
-    model: Path | None = Field(default=None, description="local causal-LM directory; null = default model")
-    dtype: Literal["float32", "float64", "bfloat16"] = "float32"
-    threads: int = Field(default=1, ge=1, le=64)
-    block_size: int = Field(default=16, ge=1, le=4096)
-    prefill_chunk: int = Field(default=512, ge=1)
-    # Prefix caches' capacity, in emulated tokens when emulating (the replayed model's caches
-    # hold this divided by the token scale, as decode_kv_tokens): the same share of a trace's
-    # contexts at every scale. 4,194,304 = 262,144 replayed tokens at the default scale 16.
-    prefill_cache_tokens: int = Field(default=4_194_304, ge=0, description=(
-        "a prefill instance's prefix cache (emulated tokens when emulating)"))
-    decode_cache_tokens: int = Field(default=4_194_304, ge=0, description=(
-        "a decoder's radix cache, DRC (emulated tokens when emulating)"))
-    max_batch: int = Field(default=32, ge=1)
-    decode_kv_tokens: int | None = Field(default=None, ge=1, description=(
-        "KV a decoder holds for the requests it decodes (prompt + output tokens each; emulated tokens "
-        "when emulating): a request whose KV arrived waits for room, its first token unsent; null: "
-        "bounded by max_batch only"))
-    kv_timeout_s: float = Field(default=120.0, gt=0)
-    kv_read_timeout_s: float = Field(default=60.0, gt=0, description=(
-        "a KV transfer whose peer sends, takes or acknowledges nothing for this long is broken (its reads and "
-        "writes time out, TCP gives up on unacknowledged data, keepalive probes idle connections)"))
-    kv_hello_wait_s: float = Field(default=2.0, gt=0, description=(
-        "how long a decoder holds a KV HELLO whose request's command has not arrived (the two take different "
-        "paths); then the transfer is refused"))
-    kv_streams_per_peer: int = Field(
-        default=1, ge=1, le=64,
-        description="KV transfers a sender runs at once to one receiver; later ones wait their turn in "
-                    "arrival order (a transfer engine's queue per peer)")
-    request_timeout_s: float = Field(default=600.0, gt=0)
-    unreachable_grace_s: float = Field(default=30.0, ge=0, description=(
-        "a worker whose broker session lapsed while the router cannot reach it (a WAN outage) keeps its "
-        "requests this long; they resume when it is back, and only then is it dead. A worker whose host "
-        "refuses the router's probe (the process is gone) is dead at once"))
-    failure_detection: Literal["probe", "none"] = Field(default="probe", description=(
-        "probe: a worker's last will is confirmed by probing its host and a dead worker's requests end at once "
-        "(unreachable ones wait unreachable_grace_s); none: the router ignores wills, as one without health "
-        "checks, and requests end only by their own timeouts (the PD-outage baseline, docs/faults.md)"))
-    run_as: str = Field(default="per-component", pattern=r"^[a-z_][a-z0-9_-]{0,31}$", description=(
-        "who the router, the workers and serve's front end become once set up (they parse what arrives from "
-        "the network): per-component, a uid of its own each (router, each worker role, front end; "
-        "docs/workers.md, trust boundaries); an account's name, that account for all; root, they keep "
-        "root's privileges"))
-    cache_outputs: bool = Field(default=False, description=(
-        "after a request completes, the prefill instance that served it computes the KV of its answer when "
-        "no prefill waits, so the session's next turn finds the whole conversation cached (docs/scenarios.md)"))
-    modeled_per_process: int = Field(
-        default=4, ge=1, le=256,
-        description="modeled instances of one datacenter and role that share one worker process (each "
-                    "keeps its own address, links, broker session, queue, cache and pacer); 1: a process "
-                    "each. Real compute always runs one per process. One event loop serves its instances "
-                    "one callback at a time: 8 busy decoders in one ended steps late at D 0.5 where 4 did not")
-
-    @field_validator("run_as")
-    @classmethod
-    def _account(cls, v: str) -> str:
-        if v == "per-component":
-            return v
-        try:
-            pwd.getpwnam(v)
-        except KeyError:
-            raise ValueError(f"no account {v!r} on this machine (root keeps root's privileges)") from None
         return v
 
 

@@ -27,6 +27,7 @@ CPU is the device).
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from protocol import clock
@@ -89,17 +90,24 @@ class Pacer:
 
     def prefill_emulated(self, new: int, cached: int) -> float:
         """Emulated seconds to prefill ``new`` emulated tokens after ``cached`` ones."""
+        total = 0.0
+        for _, t in self.prefill_passes(new, cached):
+            total += t
+        return total
+
+    def prefill_passes(self, new: int, cached: int) -> Iterator[tuple[int, float]]:
+        """Each pass of that prefill: the emulated tokens computed by its end (from the
+        first new one), and its emulated seconds."""
         m = self.cost
         assert m is not None
         chunk = self.chunk or max(1, new)
-        total, done = 0.0, cached
+        done = cached
         while done < cached + new:
             n = min(chunk, cached + new - done)
             flops = 2 * m.params * n + m.attention_flops(n, done + n / 2)
             nbytes = m.pass_weight_bytes(n) + m.kv_bytes_per_token * (done + n) + m.state_bytes
-            total += self.pass_emulated(flops, nbytes, n)
             done += n
-        return total
+            yield done - cached, self.pass_emulated(flops, nbytes, n)
 
     def decode_emulated(self, contexts: list[int], steps: int = 1) -> float:
         """Emulated seconds for ``steps`` batched decode steps at these emulated contexts."""
@@ -130,6 +138,19 @@ class Pacer:
         """Real seconds a prefill of ``new`` replayed tokens after ``cached`` must last."""
         s = self.scales
         return s.dilation * self.prefill_emulated(new * s.s_in, cached * s.s_in)
+
+    def prefill_schedule(self, new: int, cached: int) -> list[tuple[int, float]]:
+        """When a prefill of ``new`` replayed tokens after ``cached`` has computed what: per
+        pass, the replayed tokens done by its end (counted from the first new one; the last
+        pass all of them) and the real seconds from the prefill's start to that end."""
+        s = self.scales
+        out, at = [], 0.0
+        for done, t in self.prefill_passes(new * s.s_in, cached * s.s_in):
+            at += s.dilation * t
+            out.append((min(new, done // s.s_in), at))
+        if out:
+            out[-1] = (new, out[-1][1])
+        return out
 
     def decode_time(self, contexts: list[int]) -> float:
         """Real seconds a decode step (one replayed token per request at these replayed

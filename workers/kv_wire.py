@@ -102,6 +102,7 @@ from workers.kv_conn import (  # noqa: F401 - Connections and the limits are par
     write_frame,
 )
 from workers.kv_receive import DoneFn, FailFn, Incoming, OfferFn, receive_kv, serve_kv  # noqa: F401 - its interface
+from workers.kv_stream import Computed
 
 
 @dataclass
@@ -136,7 +137,7 @@ async def send_kv(
     block_size: int, cancel: asyncio.Event | None = None, corrupt_block: int | None = None,
     on_progress: Callable[[TransferStats], None] | None = None, frame_tokens: int = 0, token: str = "",
     ticket: str = "", pool: Connections | None = None, zeros: bool = False, netns: str | None = None,
-    timeout_s: float | None = None, state_bytes: int = 0,
+    timeout_s: float | None = None, state_bytes: int = 0, computed: Computed | None = None,
 ) -> TransferStats:
     """Send the part of ``kv`` (for ``tokens``) the receiver lacks, in frames of whole blocks
     (``frame_tokens``, default ``FRAME_TOKENS``), over a connection from ``pool`` if it has
@@ -145,12 +146,13 @@ async def send_kv(
     process stands for several hosts; ``timeout_s``: how long the receiver may take nothing
     (or answer nothing) before the transfer is broken; ``ticket``: the request's ticket for
     this receiver (``KVTarget.ticket``); ``state_bytes``: the request's fixed-size state sent
-    after the KV (STATE frames, ``protocol.kv_format``). Raises KVTransferError."""
+    after the KV (STATE frames, ``protocol.kv_format``); ``computed``: KV streamed as it is
+    computed, each frame sent once its tokens are (``workers.kv_stream``). Raises KVTransferError."""
     if pool is not None and (conn := pool.take(host, port)) is not None:
         try:
             return await _send(conn, host, port, request_id, tokens, kv, first_token, block_size, cancel,
                                corrupt_block, on_progress, frame_tokens, token, ticket, pool, zeros, True, timeout_s,
-                               state_bytes=state_bytes)
+                               state_bytes=state_bytes, computed=computed)
         except _StaleConnection:
             pass  # the receiver closed it while idle: one fresh connection
     try:
@@ -167,7 +169,7 @@ async def send_kv(
     try:
         return await _send(conn, host, port, request_id, tokens, kv, first_token, block_size, cancel, corrupt_block,
                            on_progress, frame_tokens, token, ticket, pool, zeros, False, timeout_s, auth,
-                           state_bytes=state_bytes)
+                           state_bytes=state_bytes, computed=computed)
     except _StaleConnection as e:  # not reused: a plain broken transfer
         raise KVTransferError(f"transfer to {host}:{port} broke: {e}") from e
 
@@ -177,7 +179,7 @@ async def _send(
     block_size: int, cancel: asyncio.Event | None, corrupt_block: int | None,
     on_progress: Callable[[TransferStats], None] | None, frame_tokens: int, token: str, ticket: str,
     pool: Connections | None, zeros: bool, reused: bool, timeout_s: float | None, preamble: int = 0,
-    state_bytes: int = 0,
+    state_bytes: int = 0, computed: Computed | None = None,
 ) -> TransferStats:
     # The sender's event loop runs beside a compute thread that needs the GIL after every
     # torch op: Python work per frame is time taken from a paced step (see FRAME_TOKENS).
@@ -233,6 +235,10 @@ async def _send(
         st.receiver_had = have
         st.planned_payload = (n - have) * kv[:, :, :, :1].numel() * kv.element_size() + state_bytes
         for idx, start in enumerate(range(have, n, per_frame)):
+            if computed is not None and not await computed.until(min(n, start + per_frame), [cancel] if cancel else []):
+                if watcher is not None:
+                    await watcher  # cut off while its tokens were computed: counted, the connection reset
+                break
             if st.cancelled:
                 break
             part = kv[:, :, :, start : start + per_frame]

@@ -3,8 +3,13 @@
 Requests are prefilled one at a time in arrival order (prefill is compute-bound; chunking
 bounds a step's length). The matched prefix is locked for the duration of the request so
 eviction cannot pull it away; the prompt's full blocks are inserted afterwards. The KV is
-then shipped to every target of the command concurrently while the next prefill runs;
-transfers to one receiver take turns (``kv_streams_per_peer`` at a time, in arrival order).
+then shipped to every target of the command concurrently while the next prefill runs, or,
+with ``kv_transfer: per-chunk``, streamed as it is computed: each pass's KV leaves once the
+pass ends (``workers/kv_stream.py``). Transfers to one receiver take turns
+(``kv_streams_per_peer`` at a time, in arrival order), streamed ones too: a streamed
+transfer holds its turn while its prefill computes, which delays none of this worker's
+others (its prefills run one at a time), and a decoder's cache still holds what the
+transfers before it brought when it answers the next one's HELLO.
 A warm command (a completed request's answer to cache, when the scenario keeps answers
 cached) runs only when no prefill waits.
 """
@@ -19,8 +24,9 @@ import torch
 from protocol import clock
 from protocol.messages import CancelCmd, Command, Failed, KvSent, KVTarget, PrefillCmd, PrefillDone, WarmCmd
 from protocol.worker_config import PrefillCounters, TransferTotals, WorkerConfig, WorkerStats
-from workers import kv_wire
+from workers import kv_stream, kv_wire
 from workers.kv_queue import PeerQueues
+from workers.kv_stream import Computed
 from workers.radix_cache import RadixCache
 from workers.runtime import Worker
 from workers.transport import HOST, KvSend, Transport
@@ -151,12 +157,16 @@ class PrefillWorker(Worker):
         while path and len(path) * self.cfg.block_size >= len(tokens):
             path = self.cache.resumable(path[:-1])
         self.cache.lock(path)
+        streamed = (cmd.kv_transfer or self.cfg.kv_transfer) == "per-chunk"
         try:
             cached = self.cache.blocks_of(path)  # the runner copies them in once
             hit = len(path) * self.cfg.block_size
-            t0 = clock.now()
+            t0, began = clock.now(), clock.monotonic()
             (kv, first), real = await self.run_compute(self.runner.prefill, tokens, cached, self.cfg.prefill_chunk)
             modeled = None if self.pacer.native else self.pacer.prefill_time(len(tokens) - hit, hit)
+            if streamed:  # each pass's KV leaves as the pass ends (the pacing below is the compute's time)
+                passes = [] if self.pacer.native else self.pacer.prefill_schedule(len(tokens) - hit, hit)
+                self._ship_all(cmd, kv, first, kv_stream.schedule(began, hit, passes))
             await self.pace("prefill", real, modeled, f"{len(tokens) - hit} tokens after {hit}")
             self.computed_tokens += len(tokens) - hit
             self.reused_tokens += hit
@@ -165,13 +175,19 @@ class PrefillWorker(Worker):
             self.cache.unlock(path)
         self.emit(PrefillDone(**self.stamp(cmd.rid), hit_tokens=hit, computed=len(tokens) - hit,
                               first_token=first, start=t0, end=clock.now(), real_s=real, modeled_s=modeled))
+        if not streamed:
+            self._ship_all(cmd, kv, first, None)
+
+    def _ship_all(self, cmd: PrefillCmd, kv: torch.Tensor, first: int, computed: Computed | None) -> None:
+        """Ship the KV to every target (``computed``: streamed, each frame once computed)."""
         self.pending_ships[cmd.rid] = len(cmd.kv_to)
         if not cmd.kv_to:
             self.cancels.pop(cmd.rid, None)
         for target in cmd.kv_to:
-            self.spawn(self._ship(cmd, target, kv, first))
+            self.spawn(self._ship(cmd, target, kv, first, computed))
 
-    async def _ship(self, cmd: PrefillCmd, target: KVTarget, kv: torch.Tensor, first: int) -> None:
+    async def _ship(self, cmd: PrefillCmd, target: KVTarget, kv: torch.Tensor, first: int,
+                    computed: Computed | None = None) -> None:
         corrupt = self.cfg.faults.corrupt_block
         events = self.cancels[cmd.rid]
         cancel = asyncio.Event()
@@ -199,7 +215,7 @@ class PrefillWorker(Worker):
                 opts = KvSend(cancel=cancel, corrupt_block=corrupt, token=self.cfg.kv_token, pool=self.kv_conns,
                               zeros=self.cfg.compute == "modeled", netns=self.cfg.netns,
                               timeout_s=self.cfg.kv_read_timeout_s, ticket=target.ticket,
-                              state_bytes=self.cfg.kv_state_bytes)
+                              state_bytes=self.cfg.kv_state_bytes, computed=computed)
                 st = await self.transport.send_kv(target.host, target.port, cmd.rid, cmd.prompt, kv, first,
                                                   self.cfg.block_size, opts)
             finally:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # the KV wire pulls in torch: the router and the command line
     import torch
 
     from workers import kv_wire
+    from workers.kv_stream import Computed
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class KvSend:
     corrupt_block: int | None = None  # a test fault; the simulator refuses a run that sets it (sim/scope.py)
     frame_tokens: int = 0  # tokens per BLOCK frame (0: FRAME_TOKENS); both price the framing by it
     state_bytes: int = 0  # the request's fixed-size state after its KV (a hybrid card's; both send it)
+    computed: Computed | None = None  # streamed: when each part of the KV is computed (both); None: all now
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,8 @@ class HostTransport:
         return await kv_wire.send_kv(host, port, request_id, tokens, kv, first_token, block_size, cancel=opts.cancel,
                                      corrupt_block=opts.corrupt_block, frame_tokens=opts.frame_tokens,
                                      token=opts.token, ticket=opts.ticket, pool=opts.pool, zeros=opts.zeros,
-                                     netns=opts.netns, timeout_s=opts.timeout_s, state_bytes=opts.state_bytes)
+                                     netns=opts.netns, timeout_s=opts.timeout_s, state_bytes=opts.state_bytes,
+                                     computed=opts.computed)
 
     async def serve_kv(self, host: str, port: int, offer: kv_wire.OfferFn, done: kv_wire.DoneFn,
                        fail: kv_wire.FailFn, opts: KvServe = SERVE_DEFAULTS) -> object:

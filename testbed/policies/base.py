@@ -17,12 +17,13 @@ from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.messages import DecodeCmd, Event, HandoffCmd, PrefillDone, RequestHints
 from protocol.policy import Candidate, PlanInfo, PolicyContext, PolicyReport, spell
+from protocol.worker_config import KvTransfer
 from testbed.policies.prefix_index import PrefixIndex
 from testbed.policies.token_ids import token_array
 
@@ -118,13 +119,15 @@ class ClusterView:
 class Plan:
     """Which workers serve a request. ``decode`` streams to the end; with ``relay`` set, the
     relay decoder streams first (eager tokens) and hands over to ``decode`` (PDD's
-    P-RLD-MD). KV goes from ``prefill`` to the decoder(s) that need it."""
+    P-RLD-MD). KV goes from ``prefill`` to the decoder(s) that need it, after the prefill or
+    streamed as it is computed (``kv_transfer``)."""
 
     pipeline: str  # label recorded with the request, e.g. "P-D(a)", "P-MD", "P-RLD-MD"
     prefill: str
     decode: str
     relay: str | None = None
     info: PlanInfo = field(default_factory=PlanInfo, compare=False)  # why (recorded)
+    kv_transfer: KvTransfer | None = None  # when the prefill's KV leaves (None: the scenario's kv_transfer)
 
     @property
     def workers(self) -> set[str]:
@@ -167,6 +170,20 @@ class NoOptions(BaseModel):
     """The options of a policy that has none."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def transfer_option() -> Any:
+    """A policy's ``transfer`` option: when its KV leaves the prefill (``per-chunk``: streamed as
+    it is computed, ``after-prefill``); unset, the scenario's ``workers.kv_transfer``."""
+    return Field(default=None, description="when the KV leaves the prefill", json_schema_extra={"tune": False})
+
+
+class TransferOptions(BaseModel):
+    """The options of a policy whose only option is ``transfer`` (``transfer_option``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    transfer: KvTransfer | None = transfer_option()
 
 
 class Policy(ABC):

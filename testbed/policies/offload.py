@@ -20,8 +20,9 @@ Per request, from what the local prefill would have to compute and what the line
 
 Options (``prefill-offload:key=value,...``, ``OffloadOptions`` below): ``threshold``
 (uncached emulated tokens, default 19,456: PrfaaS's reported break-even of ~19.4K, a starting
-point that ``testbed tune`` can move), ``wan_s`` (default 2.0 emulated s) and ``balance``
-(default true).
+point that ``testbed tune`` can move), ``wan_s`` (default 2.0 emulated s), ``balance``
+(default true) and ``transfer`` (``per-chunk``: an offloaded prefill's KV streams back as it
+is computed, as PrfaaS pipelines it; unset: the scenario's ``kv_transfer``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,18 @@ from collections import Counter
 from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.messages import DecodeCmd, Event, Failed, KvReceived, KvSent
-from testbed.policies.base import ClusterView, Plan, PlanInfo, Policy, PolicyContext, PolicyReport, RequestState, busy
+from protocol.worker_config import KvTransfer
+from testbed.policies.base import (
+    ClusterView,
+    Plan,
+    PlanInfo,
+    Policy,
+    PolicyContext,
+    PolicyReport,
+    RequestState,
+    busy,
+    transfer_option,
+)
 from testbed.policies.prefix_index import PrefixIndex
 from testbed.policies.registry import register
 from testbed.policies.wan import WanEstimator
@@ -49,6 +61,7 @@ class OffloadOptions(BaseModel):
     wan_s: float = Field(default=2.0, ge=0, description="offload only while the line carries the KV within this",
                          json_schema_extra={"tune": {"low": 0.0, "high": 5.0}})
     balance: bool = Field(default=True, description="offload only while the pool away is no busier than home")
+    transfer: KvTransfer | None = transfer_option()
 
 
 @register
@@ -106,11 +119,11 @@ class PrefillOffload(Policy):
                     self.wan.started(req.rid, delta_bytes)
                     self._index(r.name, "prefill").insert(req.prompt)
                     self.counts["offloaded"] += 1
-                    return Plan(f"P({r.dc})-D({d.dc})", r.name, d.name, info=info)
+                    return Plan(f"P({r.dc})-D({d.dc})", r.name, d.name, info=info, kv_transfer=self.opts.transfer)
                 self.counts["local (line busy)"] += 1
         self._index(p.name, "prefill").insert(req.prompt)
         self.counts["local"] += 1
-        return Plan(f"P-D({d.dc})", p.name, d.name)
+        return Plan(f"P-D({d.dc})", p.name, d.name, kv_transfer=self.opts.transfer)
 
     def decode_command(self, req: RequestState, plan: Plan, worker: str) -> DecodeCmd:
         return DecodeCmd(rid=req.rid, prompt=req.prompt.tolist(), max_new=req.max_new)

@@ -34,7 +34,8 @@ Options (``pdd:key=value,...``, ``PddOptions`` below):
 ``handoff`` one-shot | catch-up | adaptive (one-shot while the RLD has at least ``load``
 requests in flight, catch-up otherwise); ``threshold`` (catch-up batch, tokens, default
 64); ``load`` (default 4); ``relay_s`` (default 0.5); ``drc`` on | off; ``filter`` off |
-predict; ``low_hit`` (default 0.5); ``cutoff`` all | anomalous | off; ``eager`` (start the
+predict; ``low_hit`` (default 0.5); ``cutoff`` all | anomalous | off; ``transfer``
+after-prefill | per-chunk (when the KV leaves the prefill; unset: the scenario's); ``eager`` (start the
 handoff after exactly this many eager tokens, the relay holding there until the MD is
 ready; for experiments and tests; a request's ``eager`` hint overrides it).
 """
@@ -42,12 +43,23 @@ ready; for experiments and tests; a request's ``eager`` hint overrides it).
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.messages import DecodeCmd, Done, Event, Failed, HandoffCmd, KvReceived, KvSent, MainPart, RelayPart
-from testbed.policies.base import ClusterView, Plan, PlanInfo, Policy, PolicyContext, PolicyReport, RequestState
+from protocol.worker_config import KvTransfer
+from testbed.policies.base import (
+    ClusterView,
+    Plan,
+    PlanInfo,
+    Policy,
+    PolicyContext,
+    PolicyReport,
+    RequestState,
+    transfer_option,
+)
 from testbed.policies.prefix_index import PrefixIndex
 from testbed.policies.registry import register
 from testbed.policies.wan import WanEstimator
@@ -76,6 +88,7 @@ class PddOptions(BaseModel):
     cutoff: Literal["all", "anomalous", "off"] = "anomalous"
     eager: int | None = Field(default=None, ge=0, description="hand over after exactly this many tokens",
                               json_schema_extra=OFF)
+    transfer: KvTransfer | None = transfer_option()
 
 
 @register
@@ -103,6 +116,10 @@ class Pdd(Policy):
 
     # ----------------------------------------------------------------- routing
     def plan(self, req: RequestState, cluster: ClusterView) -> Plan:
+        plan = self._route(req, cluster)
+        return plan if self.opts.transfer is None else replace(plan, kv_transfer=self.opts.transfer)
+
+    def _route(self, req: RequestState, cluster: ClusterView) -> Plan:
         o = self.opts
         p = cluster.pick("prefill", dc=self.ctx.home_dc, prompt=req.prompt)
         try:

@@ -60,6 +60,7 @@ from testbed.sim.links import (
     Conn,
     Flow,
     Link,
+    Origin,
     Versioned,
     spread,
 )
@@ -113,19 +114,25 @@ class Flows:
         return 0.0
 
     async def send(self, conn: Conn, nbytes: float, cancel: Sequence[asyncio.Event] = (),
-                   timeout_s: float | None = None) -> float:
+                   timeout_s: float | None = None, origin: Origin | None = None) -> float:
         """Push ``nbytes`` through ``conn``'s path; returns when the last byte has left the
         path's bottleneck (or one of ``cancel`` is set: then with what had left by then).
         Returns the bytes sent. Raises TimeoutError when the flow moved nothing for
-        ``timeout_s`` (the peer took nothing: its path is down)."""
+        ``timeout_s`` (the peer took nothing: its path is down). ``origin``: a burst of a
+        streamed transfer, which shares its first burst's start and draw."""
         if nbytes <= 0:
             return 0.0
         if not conn.path.links:  # the same host: no link to cross
             return float(nbytes)
         self.advance()
         self._seq += 1
-        flow = Flow(conn, float(nbytes), self._seq, self.loop.create_future(), timeout_s,
-                    draw=self.rng.uniform(*SHARE_WEIGHTS), born=self.loop.time())
+        if origin is None or origin.born is None:
+            draw, born = self.rng.uniform(*SHARE_WEIGHTS), self.loop.time()
+            if origin is not None:
+                origin.born, origin.draw = born, draw
+        else:
+            draw, born = origin.draw, origin.born
+        flow = Flow(conn, float(nbytes), self._seq, self.loop.create_future(), timeout_s, draw=draw, born=born)
         if self.congestion == "bbr" and not any(lk.flows for lk in conn.path.links if lk.capacity):
             conn.probe_due = self.loop.time() + BBR_MIN_RTT_S  # an empty queue: the minimum RTT is seen
         self.active[flow] = None

@@ -48,8 +48,9 @@ from protocol.kv_format import (
 )
 from protocol.worker_config import BrokerInfo
 from testbed.sim.bus import SimBroker, SimClient
-from testbed.sim.links import Conn
+from testbed.sim.links import Conn, Origin
 from testbed.sim.network import LinkModel
+from workers.kv_stream import Computed
 from workers.kv_wire import DoneFn, FailFn, Incoming, OfferFn, TransferStats
 from workers.transport import SEND_DEFAULTS, SERVE_DEFAULTS, KvSend, KvServe
 
@@ -80,7 +81,8 @@ class SimNet:
     def __init__(self, links: LinkModel, broker: SimBroker) -> None:
         self.links, self.broker = links, broker
         self.listeners: dict[tuple[str, int], _Listener] = {}
-        self.conns: dict[tuple[str, str, int], Conn] = {}
+        # Per sender host and receiver port, the connections kept (more than one while transfers run side by side).
+        self.conns: dict[tuple[str, str, int], list[Conn]] = {}
         self.clients: dict[str, list[SimClient]] = {}  # host -> its MQTT clients
         self._tasks: set[asyncio.Task[Any]] = set()  # receivers' callbacks in progress
 
@@ -102,7 +104,8 @@ class SimNet:
         for c in self.clients.pop(host, []):
             c.kill()
         for key in [k for k in self.conns if k[0] == host]:
-            self.conns[key].established = False
+            for conn in self.conns[key]:
+                conn.established = False
 
 
 def hello_bytes(rid: str, tokens: list[int], shape: tuple[int, int, int], dtype: torch.dtype, block_size: int,
@@ -178,7 +181,12 @@ class SimTransport:
         links = self.net.links
         dst = links.host_of_ip[host]
         path = links.path(self.host, dst)
-        conn = self.net.conns.setdefault((self.host, host, port), Conn(path, kv=True))
+        kept = self.net.conns.setdefault((self.host, host, port), [])
+        conn = next((c for c in kept if not c.busy), None)
+        if conn is None:
+            conn = Conn(path, kv=True)
+            kept.append(conn)
+        conn.busy = True
         st = TransferStats(request_id, f"{host}:{port}", clock.now())
         layers, _, heads, n, head_dim = kv.shape
         per_token = layers * 2 * heads * head_dim * kv.element_size()
@@ -225,7 +233,11 @@ class SimTransport:
             st.planned_payload = (n - have) * per_token + state
             data = block_frames_bytes(n - have, per_token, block_size, opts.frame_tokens) + state_frames_bytes(state)
             end = HDR.size + len(End(first_token=first_token, n=n).model_dump_json())
-            sent = await self._push(conn, data + end, stops, timeout_s, st)
+            if opts.computed is None:
+                sent = await self._push(conn, data + end, stops, timeout_s, st)
+            else:
+                sent = await self._stream(conn, opts.computed, have, n, per_token, block_size, opts.frame_tokens,
+                                          data + end, stops, timeout_s, st)
             st.tokens_sent = min(n - have, int(sent // per_token))
             st.payload_bytes = st.tokens_sent * per_token
             if any(ev.is_set() for ev in stops) or not lst.open:
@@ -252,6 +264,7 @@ class SimTransport:
             raise
         finally:
             st.end = clock.now()
+            conn.busy = False
             if lst is not None:
                 lst.aborts.discard(abort)
             if not clean:
@@ -271,6 +284,36 @@ class SimTransport:
     async def _push(self, conn: Conn, nbytes: int, stops: list[asyncio.Event], timeout_s: float | None,
                     st: TransferStats) -> float:
         sent = await self.net.links.send(conn, nbytes, stops, timeout_s)
+        st.bytes_sent += round(sent)
+        return sent
+
+    async def _stream(self, conn: Conn, computed: Computed, have: int, n: int, per_token: int, block_size: int,
+                      frame_tokens: int, total: int, stops: list[asyncio.Event], timeout_s: float | None,
+                      st: TransferStats) -> float:
+        """KV streamed as it is computed (``workers.kv_stream``): each burst carries the frames
+        whose tokens are all computed by then (``kv_wire._send`` waits before each frame alike),
+        the last one the rest (state, END); one flow's identity throughout, its window kept
+        between bursts (the emulation's namespaces keep a window after idle)."""
+        links = self.net.links
+        per_frame = max(block_size, (frame_tokens or FRAME_TOKENS) // block_size * block_size)
+        ends = [min(n, start + per_frame) for start in range(have, n, per_frame)]
+        origin = Origin()
+        pushed = sent = 0.0
+        i = 0
+        while i < len(ends) or pushed < total:
+            if i < len(ends):
+                if not await computed.until(ends[i], stops):
+                    break
+                now = clock.monotonic()
+                i += 1  # due (woken at its time, to the float's rounding), and any due by then
+                while i < len(ends) and computed.due(ends[i]) <= now:
+                    i += 1
+            upto = total if i == len(ends) else block_frames_bytes(ends[i - 1] - have, per_token, block_size,
+                                                                  frame_tokens)
+            sent += await links.send(conn, upto - pushed, stops, timeout_s, origin)
+            pushed = upto
+            if any(ev.is_set() for ev in stops):
+                break
         st.bytes_sent += round(sent)
         return sent
 

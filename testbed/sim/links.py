@@ -115,6 +115,7 @@ class Conn:
     probe_due: float = math.inf  # BBR: when its minimum RTT expires and it probes for it again
     probing_until: float = -math.inf  # BBR: in PROBE_RTT until then (4 segments in flight)
     kv: bool = False  # a KV connection: its bytes are counted per bin on the links that count them
+    busy: bool = False  # a transfer is on it (another one to the same port takes another connection)
 
     @property
     def rto_s(self) -> float:
@@ -176,6 +177,15 @@ class Path:
 
     def down(self) -> bool:
         return any(lk.down for lk in self.links) or any(lk.down for lk in self.back)
+
+
+@dataclass
+class Origin:
+    """A streamed transfer's identity across its bursts (``Flows.send``): one TCP connection's
+    transfer keeps its start and its drawn share while its bytes come burst by burst."""
+
+    born: float | None = None  # None: set by the first burst
+    draw: float = 1.0
 
 
 @dataclass(eq=False)

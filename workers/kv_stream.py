@@ -1,0 +1,67 @@
+"""KV streamed as it is computed (``kv_transfer: per-chunk``).
+
+An engine that streams KV sends a chunk's KV as soon as the prefill pass that computed it
+ends, so that the transfer overlaps the rest of the prefill; only the last chunk's KV is
+left to cross once the prefill is done. Here the prefill's passes are known in advance (the
+device model prices each one: ``Pacer.prefill_schedule``), so a transfer is handed the time
+each part of its KV is computed, and a frame leaves only once all its tokens are. The same
+``Computed`` is read by both transports (``kv_wire._send`` before each frame, the
+simulator's sender before each burst), so the two engines stream alike.
+
+The real small model computes the whole prompt in one call before any pacing: a frame due
+before that call returned leaves when it returns (the compute's real time, which the
+fidelity verdict already bounds by the modeled time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from protocol import clock
+
+
+@dataclass(frozen=True)
+class Computed:
+    """When each part of a prompt's KV is computed, on ``clock.monotonic``."""
+
+    start: float  # the prefill's start
+    hit: int  # tokens the prefill had cached: their KV is there at once
+    done: tuple[int, ...]  # per pass: tokens after ``hit`` computed by its end (increasing; the last all)
+    at: tuple[float, ...]  # per pass: seconds from ``start`` to its end
+
+    def due(self, tokens: int) -> float:
+        """When the KV of the prompt's first ``tokens`` tokens is all computed."""
+        need = tokens - self.hit
+        if need <= 0 or not self.done:
+            return self.start
+        i = min(bisect.bisect_left(self.done, need), len(self.done) - 1)
+        return self.start + self.at[i]
+
+    def ready(self, now: float) -> int:
+        """Tokens (from the prompt's first) whose KV is computed at ``now``."""
+        i = bisect.bisect_right(self.at, now - self.start)
+        return self.hit + (self.done[i - 1] if i else 0)
+
+    async def until(self, tokens: int, stops: Sequence[asyncio.Event] = ()) -> bool:
+        """Wait until the first ``tokens`` tokens' KV is computed; False when one of ``stops``
+        is set first."""
+        wait = self.due(tokens) - clock.monotonic()
+        if wait > 0 and not any(ev.is_set() for ev in stops):
+            waits = [asyncio.ensure_future(ev.wait()) for ev in stops]
+            try:
+                if waits:
+                    await asyncio.wait(waits, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                else:
+                    await asyncio.sleep(wait)
+            finally:
+                for w in waits:
+                    w.cancel()
+        return not any(ev.is_set() for ev in stops)
+
+
+def schedule(start: float, hit: int, steps: list[tuple[int, float]]) -> Computed:
+    """A ``Computed`` from ``Pacer.prefill_schedule``'s passes."""
+    return Computed(start, hit, tuple(d for d, _ in steps), tuple(t for _, t in steps))
