@@ -161,6 +161,9 @@ class WorkerConfig(Contract):
     kv_hello_wait_s: float = Field(default=2.0, gt=0)  # a HELLO's wait for its request's command
     kv_streams_per_peer: int = Field(default=1, ge=1)
     kv_transfer: KvTransfer = "after-prefill"  # a prefill command may choose another (``PrefillCmd``)
+    # Emulated tokens a prefill pass packs from several waiting requests (each at most the
+    # device's prefill_chunk of its own); None: one request at a time (``workers/prefill.py``).
+    prefill_token_budget: int | None = Field(default=None, ge=1)
     # Wire bytes of a request's fixed-size state (a hybrid card's linear states and window KV,
     # scaled like its KV) that every transfer carries after the KV; 0: a model without.
     kv_state_bytes: int = Field(default=0, ge=0, le=1 << 30)
@@ -237,6 +240,10 @@ class PrefillCounters(Contract):
     warmed_tokens: int = 0  # answers' tokens computed after their request, off its critical path
     warm_skipped: int = 0  # warm commands whose prompt was no longer cached (nothing computed)
     transfers: TransferTotals = TransferTotals()
+    # Passes packing several requests (prefill_token_budget): how many, and the emulated tokens
+    # they computed (over passes x budget: how full the passes ran).
+    packed_passes: int = 0
+    packed_tokens: int = 0
 
 
 class DecodeCounters(Contract):

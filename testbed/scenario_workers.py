@@ -46,7 +46,12 @@ class WorkerSettings(Strict):
         default=1, ge=1, le=64,
         description="KV transfers a sender runs at once to one receiver; later ones wait their turn in "
                     "arrival order (a transfer engine's queue per peer)")
-    kv_transfer: KvTransfer = Field(default="after-prefill", description="KV leaves at a prefill's end or per pass")
+    kv_transfer: KvTransfer = Field(default="after-prefill", description=(
+        "when a prefill's KV leaves: after-prefill (all at its end) or per-chunk (each pass's KV as the pass ends)"))
+    prefill_token_budget: int | None = Field(default=None, ge=1, description=(
+        "emulated tokens one prefill pass packs from several waiting requests, first come first served, each "
+        "taking at most its device's prefill_chunk (a request's last chunk is its tail, sharing the pass with "
+        "the next one's head), priced as one pass; null: one request at a time (SGLang: 16,384; vLLM: 8,192)"))
     request_timeout_s: float = Field(default=600.0, gt=0)
     unreachable_grace_s: float = Field(default=30.0, ge=0, description=(
         "a worker whose broker session lapsed while the router cannot reach it (a WAN outage) keeps its "

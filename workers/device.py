@@ -152,6 +152,20 @@ class Pacer:
             out[-1] = (new, out[-1][1])
         return out
 
+    def packed_time(self, parts: list[tuple[int, int]]) -> float:
+        """Real seconds of one prefill pass packing several requests' chunks: per part, the
+        replayed tokens it computes and the replayed tokens of its request before them (each
+        attends to its own context; the weights are read once for all)."""
+        m, s = self.cost, self.scales
+        assert m is not None
+        rows = sum(n for n, _ in parts) * s.s_in
+        flops = nbytes = 0.0
+        for n, before in parts:
+            new, done = n * s.s_in, before * s.s_in
+            flops += 2 * m.params * new + m.attention_flops(new, done + new / 2)
+            nbytes += m.kv_bytes_per_token * (done + new) + m.state_bytes
+        return s.dilation * self.pass_emulated(flops, m.pass_weight_bytes(rows) + nbytes, rows)
+
     def decode_time(self, contexts: list[int]) -> float:
         """Real seconds a decode step (one replayed token per request at these replayed
         contexts) must last."""

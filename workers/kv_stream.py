@@ -18,26 +18,40 @@ from __future__ import annotations
 import asyncio
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from protocol import clock
 
 
-@dataclass(frozen=True)
 class Computed:
-    """When each part of a prompt's KV is computed, on ``clock.monotonic``."""
+    """When each part of a prompt's KV is computed, on ``clock.monotonic``: every pass known
+    when the prefill starts (one request at a time, ``schedule``), or added as each pass ends
+    (passes packing several requests: ``passed``)."""
 
-    start: float  # the prefill's start
-    hit: int  # tokens the prefill had cached: their KV is there at once
-    done: tuple[int, ...]  # per pass: tokens after ``hit`` computed by its end (increasing; the last all)
-    at: tuple[float, ...]  # per pass: seconds from ``start`` to its end
+    def __init__(self, start: float, hit: int, done: Sequence[int] = (), at: Sequence[float] = (),
+                 final: bool = True) -> None:
+        self.start = start  # the prefill's start
+        self.hit = hit  # tokens the prefill had cached: their KV is there at once
+        self.done = list(done)  # per pass: tokens after ``hit`` computed by its end (increasing)
+        self.at = list(at)  # per pass: seconds from ``start`` to its end
+        self.final = final  # every pass is known (False: ``passed`` adds them as they end)
+        self._more = asyncio.Event()
 
-    def due(self, tokens: int) -> float:
-        """When the KV of the prompt's first ``tokens`` tokens is all computed."""
+    def passed(self, done: int, now: float) -> None:
+        """A pass ended at ``now``: ``done`` tokens after ``hit`` are computed."""
+        self.done.append(done)
+        self.at.append(now - self.start)
+        self._more.set()
+        self._more = asyncio.Event()
+
+    def due(self, tokens: int) -> float | None:
+        """When the KV of the prompt's first ``tokens`` tokens is all computed (None: not
+        known yet, a pass still to come)."""
         need = tokens - self.hit
-        if need <= 0 or not self.done:
+        if need <= 0 or (not self.done and self.final):
             return self.start
-        i = min(bisect.bisect_left(self.done, need), len(self.done) - 1)
+        i = bisect.bisect_left(self.done, need)
+        if i == len(self.done):
+            return self.start + self.at[-1] if self.final else None
         return self.start + self.at[i]
 
     def ready(self, now: float) -> int:
@@ -48,14 +62,14 @@ class Computed:
     async def until(self, tokens: int, stops: Sequence[asyncio.Event] = ()) -> bool:
         """Wait until the first ``tokens`` tokens' KV is computed; False when one of ``stops``
         is set first."""
-        wait = self.due(tokens) - clock.monotonic()
-        if wait > 0 and not any(ev.is_set() for ev in stops):
-            waits = [asyncio.ensure_future(ev.wait()) for ev in stops]
+        while not any(ev.is_set() for ev in stops):
+            due = self.due(tokens)
+            wait = None if due is None else due - clock.monotonic()
+            if wait is not None and wait <= 0:
+                break
+            waits = [asyncio.ensure_future(ev.wait()) for ev in (*stops, self._more)]
             try:
-                if waits:
-                    await asyncio.wait(waits, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
-                else:
-                    await asyncio.sleep(wait)
+                await asyncio.wait(waits, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 for w in waits:
                     w.cancel()
@@ -64,4 +78,4 @@ class Computed:
 
 def schedule(start: float, hit: int, steps: list[tuple[int, float]]) -> Computed:
     """A ``Computed`` from ``Pacer.prefill_schedule``'s passes."""
-    return Computed(start, hit, tuple(d for d, _ in steps), tuple(t for _, t in steps))
+    return Computed(start, hit, [d for d, _ in steps], [t for _, t in steps])

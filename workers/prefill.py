@@ -17,7 +17,10 @@ cached) runs only when no prefill waits.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,6 +37,30 @@ from workers.transport import HOST, KvSend, Transport
 WARMS_KEPT = 256  # waiting warm commands; the oldest is dropped past this (a prefill that is never idle)
 
 
+def _retrieved(f: asyncio.Future[Any]) -> None:
+    if not f.cancelled():
+        f.exception()
+
+
+@dataclass(eq=False)
+class _Job:
+    """A request in the passes of a prefill that packs several (``_pass_loop``)."""
+
+    cmd: PrefillCmd
+    path: list[Any]  # its cached prefix, locked until it ends
+    hit: int
+    compute: asyncio.Future[tuple[tuple[torch.Tensor, int], float]]  # the real model's, started at admission
+    t0: float  # clock.now() at admission
+    began: float  # clock.monotonic() at admission
+    done: int = 0  # tokens after ``hit`` computed by the passes so far
+    modeled: float = 0.0  # the modeled seconds of the passes it had a share of
+    computed: kv_stream.Computed | None = None  # streamed: its passes as they end
+
+    @property
+    def left(self) -> int:
+        return len(self.cmd.prompt) - self.hit - self.done
+
+
 class PrefillWorker(Worker):
     def __init__(self, cfg: WorkerConfig, transport: Transport = HOST) -> None:
         super().__init__(cfg, transport)
@@ -47,6 +74,7 @@ class PrefillWorker(Worker):
         self.reused_tokens = 0
         self.warmed_tokens = 0
         self.warm_skipped = 0
+        self.packed_passes = self.packed_tokens = 0
         self.transfers = TransferTotals()
         # Per request: one cancel event per KV target ("" = the request as a whole).
         self.cancels: dict[str, dict[str, asyncio.Event]] = {}
@@ -90,10 +118,14 @@ class PrefillWorker(Worker):
     def stats(self) -> WorkerStats:
         counters = PrefillCounters(computed_tokens=self.computed_tokens, reused_tokens=self.reused_tokens,
                                    warmed_tokens=self.warmed_tokens, warm_skipped=self.warm_skipped,
-                                   transfers=self.transfers)
+                                   transfers=self.transfers, packed_passes=self.packed_passes,
+                                   packed_tokens=self.packed_tokens)
         return super().stats().model_copy(update={"prefill": counters})
 
     async def _loop(self) -> None:
+        if self.cfg.prefill_token_budget is not None:
+            await self._pass_loop()
+            return
         while True:
             if self.queue.empty() and not self.warms:
                 self.work.clear()
@@ -152,10 +184,7 @@ class PrefillWorker(Worker):
             self.cancels.pop(cmd.rid, None)  # cancelled before it started: nothing will ship
             return
         tokens = cmd.prompt
-        path = self.cache.match_prefix(tokens)
-        # Keep at least one token to compute: its logits give the first output token.
-        while path and len(path) * self.cfg.block_size >= len(tokens):
-            path = self.cache.resumable(path[:-1])
+        path = self._match(tokens)
         self.cache.lock(path)
         streamed = (cmd.kv_transfer or self.cfg.kv_transfer) == "per-chunk"
         try:
@@ -177,6 +206,129 @@ class PrefillWorker(Worker):
                               first_token=first, start=t0, end=clock.now(), real_s=real, modeled_s=modeled))
         if not streamed:
             self._ship_all(cmd, kv, first, None)
+
+    # ----------------------------------------------------------------- passes packing requests
+    async def _pass_loop(self) -> None:
+        """Prefill passes packing several requests (``prefill_token_budget``): each pass takes
+        chunks of the requests in progress, then of waiting ones, first come first served, each at
+        most the device's chunk, until the budget is spent; it is priced as one pass of all of
+        them (``Pacer.packed_time``). A request's real computation starts when it first gets a
+        share (the compute thread runs it beside the pacing) and must be done by its last pass."""
+        jobs: list[_Job] = []
+        s_in = self.pacer.scales.s_in
+        budget = max(1, (self.cfg.prefill_token_budget or 1) // s_in)
+        chunk = max(1, (self.pacer.chunk or budget * s_in) // s_in)
+        while True:
+            jobs = [j for j in jobs if not self._dropped(j)]
+            if not jobs and self.queue.empty():
+                self.busy = 0
+                if self.warms:
+                    await self._warm(self.warms.popleft())
+                    continue
+                self.work.clear()
+                await self.work.wait()
+                continue
+            t_pass = clock.perf_counter()
+            parts: list[tuple[_Job, int]] = []
+            left = budget
+            for job in jobs:
+                if left == 0:
+                    break
+                take = min(job.left, chunk, left)
+                parts.append((job, take))
+                left -= take
+            while left > 0 and not self.queue.empty():
+                job = self._admit(self.queue.get_nowait())
+                if job is not None:
+                    jobs.append(job)
+                    take = min(job.left, chunk, left)
+                    parts.append((job, take))
+                    left -= take
+            self.busy = len(jobs)
+            if not parts:
+                continue
+            ending = [j for j, take in parts if take == j.left]
+            for job in ending:  # its real computation must be done by its last pass
+                with contextlib.suppress(Exception):  # a failure is the job's (``_end``)
+                    await asyncio.shield(job.compute)
+            real = clock.perf_counter() - t_pass
+            modeled = None if self.pacer.native else self.pacer.packed_time([(n, j.hit + j.done) for j, n in parts])
+            await self.pace("prefill", real, modeled, " + ".join(f"{n} after {j.hit + j.done}" for j, n in parts))
+            self.packed_passes += 1
+            self.packed_tokens += sum(n for _, n in parts) * s_in
+            now = clock.monotonic()
+            for job, n in parts:
+                job.done += n
+                job.modeled += modeled or 0.0
+                if job.computed is not None:
+                    job.computed.passed(job.done, now)
+            for job in ending:
+                jobs.remove(job)
+                self._end(job)
+
+    def _admit(self, cmd: PrefillCmd) -> _Job | None:
+        """A waiting request's first share of a pass: its cached prefix (locked until it ends),
+        its real computation started, its streamed transfers under way."""
+        if self.cancels[cmd.rid][""].is_set():
+            self.cancels.pop(cmd.rid, None)  # cancelled before it started: nothing will ship
+            return None
+        path = self._match(cmd.prompt)
+        self.cache.lock(path)
+        hit = len(path) * self.cfg.block_size
+        compute = asyncio.ensure_future(self.run_compute(self.runner.prefill, cmd.prompt, self.cache.blocks_of(path),
+                                                         self.cfg.prefill_chunk))
+        compute.add_done_callback(_retrieved)  # a dropped job's failure is nobody's to read
+        job = _Job(cmd, path, hit, compute, clock.now(), clock.monotonic())
+        if (cmd.kv_transfer or self.cfg.kv_transfer) == "per-chunk" and cmd.kv_to:
+            job.computed = kv_stream.Computed(job.began, hit, final=False)
+            self.spawn(self._ship_computed(job))
+        return job
+
+    async def _ship_computed(self, job: _Job) -> None:
+        """A streamed request's transfers, once its KV exists (at once when modeled)."""
+        try:
+            (kv, first), _ = await asyncio.shield(job.compute)
+        except Exception:  # noqa: BLE001 - the job fails at its last pass (``_end``)
+            return
+        self._ship_all(job.cmd, kv, first, job.computed)
+
+    def _dropped(self, job: _Job) -> bool:
+        """A request cancelled while in progress: it leaves the passes, its prefix unlocked."""
+        if not self.cancels.get(job.cmd.rid, {}).get("", asyncio.Event()).is_set():
+            return False
+        self.cache.unlock(job.path)
+        if job.computed is None:
+            self.cancels.pop(job.cmd.rid, None)
+        return True
+
+    def _end(self, job: _Job) -> None:
+        """A request's last pass ended: its KV cached, PrefillDone, its transfers (unless streamed)."""
+        cmd, tokens = job.cmd, job.cmd.prompt
+        try:
+            (kv, first), real = job.compute.result()
+            self.cache.insert(tokens, kv, job.path)
+        except Exception as e:  # noqa: BLE001 - the request fails, the worker goes on
+            self.cache.unlock(job.path)
+            self.cancels.pop(cmd.rid, None)
+            self.emit(Failed(**self.stamp(cmd.rid), reason=f"prefill on {self.cfg.name}: {e}"))
+            return
+        self.cache.unlock(job.path)
+        new = len(tokens) - job.hit
+        self.computed_tokens += new
+        self.reused_tokens += job.hit
+        self.emit(PrefillDone(**self.stamp(cmd.rid), hit_tokens=job.hit, computed=new, first_token=first,
+                              start=job.t0, end=clock.now(), real_s=real,
+                              modeled_s=None if self.pacer.native else job.modeled))
+        if job.computed is None:
+            self._ship_all(cmd, kv, first, None)
+
+    def _match(self, tokens: list[int]) -> list[Any]:
+        """The cached prefix to resume from, keeping at least one token to compute (its logits
+        give the first output token)."""
+        path = self.cache.match_prefix(tokens)
+        while path and len(path) * self.cfg.block_size >= len(tokens):
+            path = self.cache.resumable(path[:-1])
+        return path
 
     def _ship_all(self, cmd: PrefillCmd, kv: torch.Tensor, first: int, computed: Computed | None) -> None:
         """Ship the KV to every target (``computed``: streamed, each frame once computed)."""

@@ -237,6 +237,14 @@ def plot_bathtub(curve: pd.DataFrame, path: Path, base: str, policy: str) -> Non
             half = curve.get(f"{col}_half")
             err = None if half is None else abs(scale) * half.astype(float)
             ax.errorbar(x, scale * curve[col].astype(float), yerr=err, capsize=3, label=label, **style)
+        fills = [(c, lab) for c, lab in (("pass_fill", policy), ("base_pass_fill", base))
+                 if c in curve and curve[c].notna().any()]
+        if fills:  # packed prefill passes: how full they ran beside the curve
+            ax2 = ax.twinx()
+            for c, lab in fills:
+                ax2.plot(x, 100 * curve[c].astype(float), ls=":", marker=".", label=f"{lab}: prefill passes full (%)")
+            ax2.set(ylabel="prefill passes full (%)", ylim=(0, 105))
+            ax2.legend(fontsize=8, loc="lower right")
     ax.axhline(0, color="grey", lw=0.8)
     ax.set(xlabel="prefix-hit rate (%)", ylabel="benefit", title=f"{policy} against {base} by hit rate")
     ax.grid(alpha=0.3)

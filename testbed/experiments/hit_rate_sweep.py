@@ -25,6 +25,7 @@ from pathlib import Path
 import pandas as pd
 from pydantic import BaseModel, ConfigDict
 
+from protocol.worker_config import WorkerStats
 from testbed.analysis.results import load_run, write_csv
 from testbed.analysis.tables import table_head
 from testbed.experiments.load_sweep import SweepOptions, fixed_dilation
@@ -67,6 +68,16 @@ class HitPoint(BaseModel):
     ttft_p50_s: float | None
     ttft_p99_s: float | None
     slo_attainment: float | None
+    pass_fill: float | None = None  # packed prefill passes: emulated tokens over passes x budget (None: unpacked)
+
+
+def pass_fill(workers: dict[str, WorkerStats], budget: int | None) -> float | None:
+    """How full a policy's packed prefill passes ran: the emulated tokens they computed over
+    passes x budget (None: its prefills ran one request at a time)."""
+    counts = [w.prefill for w in workers.values() if w.prefill is not None and w.prefill.packed_passes]
+    if not budget or not counts:
+        return None
+    return sum(c.packed_tokens for c in counts) / (budget * sum(c.packed_passes for c in counts))
 
 
 def _change(new: float | None, base: float | None) -> float | None:
@@ -86,7 +97,8 @@ def benefit(points: list[HitPoint], baseline: str, policy: str) -> pd.DataFrame:
                else 100 * (p.slo_attainment - b.slo_attainment))
         rows.append({"hit_target": h, "hit_measured": p.hit_measured,
                      "ttft_mean_change": _change(p.ttft_mean_s, b.ttft_mean_s),
-                     "ttft_p50_change": _change(p.ttft_p50_s, b.ttft_p50_s), "slo_points": slo})
+                     "ttft_p50_change": _change(p.ttft_p50_s, b.ttft_p50_s), "slo_points": slo,
+                     "pass_fill": p.pass_fill, "base_pass_fill": b.pass_fill})
     return pd.DataFrame(rows)
 
 
@@ -116,13 +128,15 @@ def hit_sweep(sc: Scenario, wl: Workload, policies: list[PolicySpec], rates: lis
         if run_dir not in present:
             continue
         summary, df = load_run(run_dir)
+        budget = summary.scenario.workers.prefill_token_budget
         for name, s in summary.policies.items():
             ok = df[(df.policy == name) & df.ok & df.prefill_hit_tokens.notna()]
             measured = float((ok.prefill_hit_tokens / ok.prompt_tokens.clip(lower=1)).mean()) if len(ok) else None
             points.append(HitPoint(hit_target=h, hit_trace=trace_hit, hit_measured=measured, policy=name,
                                    run_dir=str(run_dir), completed=s.completed, requests=s.requests,
                                    ttft_mean_s=s.ttft_mean_s, ttft_p50_s=s.ttft_p50_s, ttft_p99_s=s.ttft_p99_s,
-                                   slo_attainment=s.slo_attainment))
+                                   slo_attainment=s.slo_attainment,
+                                   pass_fill=pass_fill(summary.workers.get(name, {}), budget)))
     base, pdd = compared([p.label for p in policies])
     curve = benefit(points, base, pdd)
     save_bathtub(points, curve, opts.out, base, pdd)
@@ -137,14 +151,16 @@ def save_bathtub(points: list[HitPoint], curve: pd.DataFrame, out: Path, base: s
     write_csv(curve, out / "bathtub.csv")
     plots.plot_bathtub(curve, out / "bathtub.png", base, pdd)
     lines = [f"# {pdd} against {base} across prefix-hit rates", "",
-             *table_head(["hit rate", "measured hit", "mean TTFT", "P50 TTFT", "SLO met (points)"], "rrrrr")]
+             *table_head(["hit rate", "measured hit", "mean TTFT", "P50 TTFT", "SLO met (points)",
+                          f"prefill passes full ({pdd} / {base})"], "rrrrrr")]
 
     def pct(v: float | None, sign: str = "+") -> str:
         return "-" if v is None or pd.isna(v) else f"{100 * v:{sign}.1f} %"
 
     for r in curve.itertuples():
         slo = "-" if r.slo_points is None or pd.isna(r.slo_points) else f"{r.slo_points:+.1f}"
+        fill = f"{pct(getattr(r, 'pass_fill', None), '')} / {pct(getattr(r, 'base_pass_fill', None), '')}"
         lines.append(f"| {r.hit_target:g} | {pct(r.hit_measured, '')} | {pct(r.ttft_mean_change)} | "
-                     f"{pct(r.ttft_p50_change)} | {slo} |")
+                     f"{pct(r.ttft_p50_change)} | {slo} | {fill} |")
     write_atomic(out / "bathtub.md", "\n".join(lines) + "\n")
     return [out / "bathtub_points.csv", out / "bathtub.csv", out / "bathtub.png", out / "bathtub.md"]

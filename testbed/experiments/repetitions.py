@@ -166,6 +166,8 @@ def seeded_bathtub(curves: list[tuple[int, pd.DataFrame]]) -> pd.DataFrame:
     for h, g in pooled.groupby("hit_target", sort=True):
         row: dict[str, float | int | None] = {"hit_target": float(h), "hit_measured": g.hit_measured.mean(),
                                               "n": len(g)}
+        for col in ("pass_fill", "base_pass_fill"):  # how full packed prefill passes ran (mean; None: unpacked)
+            row[col] = g[col].mean() if col in g and g[col].notna().any() else None
         for col in BATHTUB_COLUMNS:
             ci = mean_ci([float(v) for v in g[col] if v is not None and not pd.isna(v)])
             row[col] = None if ci is None else ci.mean
@@ -195,11 +197,16 @@ def write_seeded_bathtub(curves: list[tuple[int, pd.DataFrame]], out: Path, base
     lines = [f"# {pdd} against {base} across prefix-hit rates, over {len(curves)} draws (seeds {seeds})", "",
              "Cells: mean ± half-width of the 95 % confidence interval over the draws; TTFT changes in % "
              "(negative: PDD faster), SLO attainment in points. Each draw's own table: `seed-<s>/bathtub.md`.", "",
-             *table_head(["hit rate", "measured hit", "mean TTFT", "P50 TTFT", "SLO met (points)", "n"], "rrrrrr")]
+             *table_head(["hit rate", "measured hit", "mean TTFT", "P50 TTFT", "SLO met (points)",
+                          f"prefill passes full ({pdd} / {base})", "n"], "rrrrrrr")]
+
+    def full(v: object) -> str:
+        return "-" if v is None or pd.isna(v) else f"{100 * float(v):.0f} %"  # type: ignore[arg-type]
+
     for _, r in agg.iterrows():
         hit = "-" if pd.isna(r.hit_measured) else f"{100 * r.hit_measured:.1f} %"
         lines.append(f"| {r.hit_target:g} | {hit} | {cell(r, 'ttft_mean_change', 100, '{:+.1f}')} | "
                      f"{cell(r, 'ttft_p50_change', 100, '{:+.1f}')} | {cell(r, 'slo_points', 1, '{:+.1f}')} | "
-                     f"{int(r.n)} |")
+                     f"{full(r.get('pass_fill'))} / {full(r.get('base_pass_fill'))} | {int(r.n)} |")
     write_atomic(out / "bathtub.md", "\n".join(lines) + "\n")
     return [out / "bathtub.csv", out / "bathtub.md", out / "bathtub.png"]

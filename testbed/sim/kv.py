@@ -306,7 +306,7 @@ class SimTransport:
                     break
                 now = clock.monotonic()
                 i += 1  # due (woken at its time, to the float's rounding), and any due by then
-                while i < len(ends) and computed.due(ends[i]) <= now:
+                while i < len(ends) and computed.ready(now) >= ends[i]:
                     i += 1
             upto = total if i == len(ends) else block_frames_bytes(ends[i - 1] - have, per_token, block_size,
                                                                   frame_tokens)
