@@ -5,6 +5,8 @@ waits), both engines running it end to end with the reference tokens."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -158,3 +160,16 @@ def test_streamed_kv_over_real_sockets_gives_the_reference_tokens_and_leaves_bef
         assert done.computed >= 600 and sent.tokens == done.computed  # nothing cached: all of it
         # The transfer began while the prefill computed (its first passes' KV left early).
         assert sent.start < done.end - 0.3 * (done.end - done.start), (sent, done)
+
+
+def test_streamed_kv_from_packed_passes_under_a_heavy_prefill_ends(tmp_path: Path) -> None:
+    """A pass's end is a float that a timer set for it may fall an ulp short of: a transfer that
+    waited for that ulp again never let the simulator's clock move (this run hung at 0 of 12)."""
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "testbed", "run", "--engine", "sim", "--scenario",
+                        str(ROOT / "topologies/paper-engines.yaml"), "--trace", str(ROOT / "traces/paper.jsonl"),
+                        "--token-scale", "16", "--limit", "12", "--prefill-cost", "32", "--speed", "0.7925",
+                        "--policies", "cross-dc", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    df = pd.read_csv(out / "requests.csv")
+    assert len(df) == 12 and df.ok.all()

@@ -21,6 +21,11 @@ from collections.abc import Sequence
 
 from protocol import clock
 
+# A due time counts as reached this close to it: a timer set for ``due - now`` wakes at a
+# float that may fall an ulp short of ``due`` (the simulator's virtual clock does), and
+# waiting again for that ulp would never advance.
+DUE_EPS_S = 1e-9
+
 
 class Computed:
     """When each part of a prompt's KV is computed, on ``clock.monotonic``: every pass known
@@ -56,7 +61,7 @@ class Computed:
 
     def ready(self, now: float) -> int:
         """Tokens (from the prompt's first) whose KV is computed at ``now``."""
-        i = bisect.bisect_right(self.at, now - self.start)
+        i = bisect.bisect_right(self.at, now - self.start + DUE_EPS_S)
         return self.hit + (self.done[i - 1] if i else 0)
 
     async def until(self, tokens: int, stops: Sequence[asyncio.Event] = ()) -> bool:
@@ -65,7 +70,7 @@ class Computed:
         while not any(ev.is_set() for ev in stops):
             due = self.due(tokens)
             wait = None if due is None else due - clock.monotonic()
-            if wait is not None and wait <= 0:
+            if wait is not None and wait <= DUE_EPS_S:
                 break
             waits = [asyncio.ensure_future(ev.wait()) for ev in (*stops, self._more)]
             try:
