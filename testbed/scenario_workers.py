@@ -51,7 +51,8 @@ class WorkerSettings(Strict):
     prefill_token_budget: int | None = Field(default=None, ge=1, description=(
         "emulated tokens one prefill pass packs from several waiting requests, first come first served, each "
         "taking at most its device's prefill_chunk (a request's last chunk is its tail, sharing the pass with "
-        "the next one's head), priced as one pass; null: one request at a time (SGLang: 16,384; vLLM: 8,192)"))
+        "the next one's head), priced as one pass; null: one request at a time. SGLang's chunked_prefill_size and "
+        "vLLM's max_num_batched_tokens: 8,192 on this class of GPU"))
     request_timeout_s: float = Field(default=600.0, gt=0)
     unreachable_grace_s: float = Field(default=30.0, ge=0, description=(
         "a worker whose broker session lapsed while the router cannot reach it (a WAN outage) keeps its "

@@ -81,3 +81,20 @@ def test_packed_prefill_gives_the_reference_tokens_on_the_emulated_network(polic
     assert run.workers["prefill"].device.by_kind["prefill"][0] < len(specs)  # requests shared passes
     sent = [e for r in run.router.values() for e in r.events if isinstance(e, KvSent) and not e.cancelled]
     assert sent and all(e.bytes > 0 for e in sent)
+
+
+def test_requests_that_time_out_inside_packed_passes_leave_them_and_later_ones_are_served() -> None:
+    sc = load_scenario(TOPOLOGIES / "two-dc.yaml", {"workers": {"prefill_token_budget": 8192,
+                                                                "request_timeout_s": 0.5, "kv_transfer": "per-chunk"}})
+    # Ten prompts of 600 replayed tokens at once (two passes each, ~0.25 emulated s, one token
+    # out): those the router's sweep finds older than 0.5 s time out, queued or inside their
+    # passes (their streamed transfers cut off); two more come once it has drained.
+    specs = [RequestSpec(f"t{i}", synth_tokens(f"late-{i}", 600), 1, at=0.0) for i in range(10)]
+    specs += [RequestSpec(f"u{i}", synth_tokens(f"after-{i}", 600), 1, at=5.0) for i in range(2)]
+    with SimDeployment(sc, parse_policy("same-dc"), emulation=sim_plan(sc, 16)) as dep:
+        run = dep.run(TraceReplay(specs, 600, show_progress=False))
+    late = {k: r.error for k, r in run.recs.items() if not r.ok}
+    assert len(late) >= 4 and all("timed out" in (why or "") for why in late.values()), late
+    assert run.recs["u0"].ok and run.recs["u1"].ok  # the prefill went on
+    pf = run.workers["prefill"].prefill
+    assert pf is not None and pf.computed_tokens < 12 * 600  # what timed out in its passes was not finished

@@ -1,7 +1,8 @@
 """Prefill worker: prefix-cache lookup, chunked prefill of the missed tokens, KV shipping.
 
 Requests are prefilled one at a time in arrival order (prefill is compute-bound; chunking
-bounds a step's length). The matched prefix is locked for the duration of the request so
+bounds a step's length), or, with ``prefill_token_budget``, in passes packing chunks of
+several requests as serving engines do (``_pass_loop``). The matched prefix is locked for the duration of the request so
 eviction cannot pull it away; the prompt's full blocks are inserted afterwards. The KV is
 then shipped to every target of the command concurrently while the next prefill runs, or,
 with ``kv_transfer: per-chunk``, streamed as it is computed: each pass's KV leaves once the
@@ -55,6 +56,7 @@ class _Job:
     done: int = 0  # tokens after ``hit`` computed by the passes so far
     modeled: float = 0.0  # the modeled seconds of the passes it had a share of
     computed: kv_stream.Computed | None = None  # streamed: its passes as they end
+    dropped: bool = False  # cancelled while in progress
 
     @property
     def left(self) -> int:
@@ -289,6 +291,8 @@ class PrefillWorker(Worker):
         try:
             (kv, first), _ = await asyncio.shield(job.compute)
         except Exception:  # noqa: BLE001 - the job fails at its last pass (``_end``)
+            if job.dropped:  # no last pass will come: nothing will ship
+                self.cancels.pop(job.cmd.rid, None)
             return
         self._ship_all(job.cmd, kv, first, job.computed)
 
@@ -297,6 +301,7 @@ class PrefillWorker(Worker):
         if not self.cancels.get(job.cmd.rid, {}).get("", asyncio.Event()).is_set():
             return False
         self.cache.unlock(job.path)
+        job.dropped = True
         if job.computed is None:
             self.cancels.pop(job.cmd.rid, None)
         return True

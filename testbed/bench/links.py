@@ -13,6 +13,9 @@ seconds of the line's rate):
   one second in (TCP's retransmission backoff decides when it resumes);
 * small messages on a connection of their own beside a transfer that fills the line: how
   much of the bottleneck's buffer they wait behind (the model's ``QUEUE_FILL``);
+* KV streamed as it is computed: one transfer of S released in 8 equal pieces over 2 s (the
+  line waits for the compute at first, then the compute for the line), 40 such at once,
+  and one whose line drops to half its rate one second in;
 * with ``--held S``: ten transfers keeping the line saturated for S seconds (30 minutes:
   ``--held 1800``), each held to a tenth of it all along.
 
@@ -38,7 +41,7 @@ from testbed.net.build import Network
 from testbed.net.delayline_contract import DirectionOverride
 from testbed.scenario import Role
 from testbed.sim.flows import host_congestion
-from testbed.sim.links import Conn
+from testbed.sim.links import Conn, Origin
 from testbed.sim.network import LinkModel
 from testbed.sim.vloop import VirtualLoop
 
@@ -57,6 +60,16 @@ class Case:
     # Runs on the line (the median is compared): how two TCP flows share a line differs from
     # run to run, a mean over two transfers by up to ~12 % (the model's weights are seeded).
     repeats: int = 1
+    # KV streamed as it is computed (``workers/kv_stream.py``): each transfer's bytes in this
+    # many equal pieces, the i-th released i/pieces of the way through this many seconds.
+    stream: tuple[float, int] | None = None
+
+    def pieces(self, size: float) -> list[tuple[float, float]]:
+        """(release s from the transfer's start, bytes) of one transfer."""
+        if self.stream is None:
+            return [(0.0, size)]
+        compute, k = self.stream
+        return [(compute * (i + 1) / k, size / k) for i in range(k)]
 
 
 @dataclass
@@ -90,6 +103,12 @@ def cases(senders: list[str], rate_bps: float, seconds: float = 3.0, held_s: flo
         Case("two at once, two senders", [(a, 0.0, s), (b, 0.0, s)], repeats=3),
         Case("40 at once, two senders", many),
         Case("line at half rate from 1 s", [(a, 0.0, s)], events=[(1.0, "half-rate")]),
+        # Streamed: computed over 2/3 of the line's time in 8 passes (the line then waits for
+        # the compute at first, then the compute for the line); 40 at once; a rate change.
+        Case("one streamed transfer, 8 passes", [(a, 0.0, s)], stream=(seconds * 2 / 3, 8)),
+        Case("40 streamed at once, two senders", many, stream=(seconds * 2 / 3, 8)),
+        Case("streamed, line at half rate from 1 s", [(a, 0.0, s)], events=[(1.0, "half-rate")],
+             stream=(seconds * 2 / 3, 8)),
         Case(f"line down {OUTAGE_S:g} s from 1 s", [(a, 0.0, s)], events=[(1.0, "down"), (1.0 + OUTAGE_S, "up")]),
     ]
 
@@ -140,7 +159,8 @@ def _exactly(conn: socket.socket, n: int) -> bytes | None:
     return buf
 
 
-def _send(ns: str, ip: str, size: int, conn: socket.socket | None = None) -> tuple[float, socket.socket]:
+def _send(ns: str, ip: str, size: int, conn: socket.socket | None = None,
+          pieces: list[tuple[float, float]] | None = None) -> tuple[float, socket.socket]:
     if conn is None:
         with netns.entered(ns):
             conn = socket.socket()
@@ -148,7 +168,12 @@ def _send(ns: str, ip: str, size: int, conn: socket.socket | None = None) -> tup
     t0 = time.monotonic()
     conn.sendall(size.to_bytes(8, "big"))
     chunk = bytes(1 << 20)
-    left = size
+    left, released = size, 0
+    for at, part in pieces or [(0.0, size)]:
+        time.sleep(max(0.0, t0 + at - time.monotonic()))  # a streamed piece leaves once computed
+        released = min(size, released + round(part))
+        while left > size - released:
+            left -= conn.send(memoryview(chunk)[: min(left - (size - released), len(chunk))])
     while left > 0:
         left -= conn.send(memoryview(chunk)[: min(left, len(chunk))])
     if _exactly(conn, 1) is None:
@@ -173,7 +198,7 @@ def on_line(net: Network, case: Case, receiver: str) -> float:
     def one(h: str, at: float, size: float) -> None:
         time.sleep(max(0.0, t0 + at - time.monotonic()))
         try:
-            took, c = _send(ns_of(h), ip, int(size), conns.get(h))
+            took, c = _send(ns_of(h), ip, int(size), conns.get(h), case.pieces(size))
         except OSError as e:  # raised below, in the caller's thread, with the case named
             failed.append(e)
             return
@@ -240,7 +265,10 @@ def on_model(net: Network, case: Case, receiver: str) -> float:
     async def send(h: str, size: float, conn: Conn) -> float:
         t0 = loop.time()
         await asyncio.sleep(links.prepare(conn))
-        await links.send(conn, size)
+        origin = Origin()  # a streamed transfer's pieces: one flow's identity (``SimTransport._stream``)
+        for at, part in case.pieces(size):
+            await asyncio.sleep(max(0.0, t0 + at - loop.time()))
+            await links.send(conn, part, origin=origin)
         await asyncio.sleep(conn.path.rtt_s)  # the last byte's way to the receiver, its answer's back
         return loop.time() - t0
 
