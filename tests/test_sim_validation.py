@@ -25,14 +25,16 @@ pytestmark = [needs_root, pytest.mark.serial]
 
 
 def test_the_link_model_times_transfers_as_the_delay_line_does() -> None:
-    """One transfer on a new connection, two at once from two senders, and a line that drops
-    to half its rate mid-transfer: real TCP through the delay line and the link model agree
+    """One transfer on a new connection, two at once from two senders, a line that drops to
+    half its rate mid-transfer, and one transfer streamed in eight pieces as a prefill's passes
+    compute them: real TCP through the delay line and the link model agree
     within 10 %; two at once by the median of three runs on the line, as TCP shares it
     differently each time (the outage and 40-flow cases: ``testbed bench links``,
     docs/simulation.md)."""
     sc = load_scenario(TOPOLOGIES / "two-dc.yaml")
     plan = EmulationPlan.make(sc, 16, 1.0, kv_bytes_per_token(ensure_model(sc.model_dir()), sc.workers.dtype))
-    wanted = {"one transfer, new connection", "two at once, two senders", "line at half rate from 1 s"}
+    wanted = {"one transfer, new connection", "two at once, two senders", "line at half rate from 1 s",
+              "one streamed transfer, 8 passes"}
     with network_session(plan.wire_scenario(sc), "auto") as net:
         result = run_links_bench(net, chosen=lambda c: c.name in wanted, seconds=2.0)
     cases = {c["case"]: c for c in result["cases"]}
