@@ -44,9 +44,9 @@ class _Recipes:
     def shared(self, prompt: Prompt) -> int:
         node, got = self.root, 0
         for seg in prompt.segments:
-            most = node[0].get(seg.key, 0)
+            most = node[0].get(seg.stream, 0)
             got += min(seg.n, most)
-            child = node[1].get((seg.key, seg.n)) if most >= seg.n else None
+            child = node[1].get((seg.stream, seg.n)) if most >= seg.n else None
             if child is None:
                 break
             node = child
@@ -55,8 +55,8 @@ class _Recipes:
     def add(self, prompt: Prompt, answer: Prompt | None) -> None:
         node = self.root
         for seg in [*prompt.segments, *(answer.segments if answer is not None else [])]:
-            node[0][seg.key] = max(node[0].get(seg.key, 0), seg.n)
-            node = node[1].setdefault((seg.key, seg.n), ({}, {}))
+            node[0][seg.stream] = max(node[0].get(seg.stream, 0), seg.n)
+            node = node[1].setdefault((seg.stream, seg.n), ({}, {}))
 
 
 class _Blocks:

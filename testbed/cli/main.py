@@ -118,7 +118,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_trace_stats(args: argparse.Namespace) -> int:
-    st = trace_stats(load_trace(args.file, args.format, args.token_scale), args.block, args.outputs_cached)
+    wl = load_trace(args.file, args.format, args.token_scale, args.max_context)
+    st = trace_stats(wl, args.block, args.outputs_cached)
     print(st.model_dump_json(indent=2) if args.json else format_stats(st))
     return 0
 
@@ -173,7 +174,8 @@ def cmd_soak(args: argparse.Namespace) -> int:
 
     opts = SoakOptions(args.minutes, args.load, args.policy, args.fault_every, args.seed, args.dilation, args.out,
                        retry_policy(args))
-    return run_soak(scenario_from_args(args), load_trace(args.trace, args.format, args.token_scale), opts)
+    wl = load_trace(args.trace, args.format, args.token_scale, args.max_context)
+    return run_soak(scenario_from_args(args), wl, opts)
 
 
 COMMANDS = {

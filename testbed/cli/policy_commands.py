@@ -39,7 +39,7 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
     check_simulable(sc)
     if args.limit < 1:
         raise InputError(f"--limit: must be at least 1, got {args.limit}")
-    wl = load_trace(args.trace, "auto", args.token_scale).select(args.limit)
+    wl = load_trace(args.trace, "auto", args.token_scale, getattr(args, "max_context", None)).select(args.limit)
     checks = check_policy(sc, spec, wl, verify_sc=None if args.no_verify else sc)
     print(format_checks(spec, checks))
     return 0 if all(c.passed is not False for c in checks) else 1

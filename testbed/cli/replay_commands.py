@@ -68,7 +68,8 @@ def replay_inputs(args: argparse.Namespace) -> tuple[Scenario, list[PolicySpec],
         raise InputError(f"--limit: must be at least 1, got {args.limit}")
     if min(args.slo_ttft, args.slo_tpot) <= 0:
         raise InputError("--slo-ttft and --slo-tpot must be positive")
-    wl = load_trace(args.trace, args.format, args.token_scale).select(args.limit, _window(args.window))
+    wl = load_trace(args.trace, args.format, args.token_scale, args.max_context)
+    wl = wl.select(args.limit, _window(args.window))
     if not wl.requests:
         raise InputError(f"{args.trace}: --window/--limit leave no request")
     if kind(args.engine).virtual_time:
@@ -219,7 +220,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         from testbed.experiments.repetitions import draws
 
         limit = args.final_limit or args.limit
-        whole = load_trace(args.trace, args.format, args.token_scale).select(limit, _window(args.window))
+        whole = load_trace(args.trace, args.format, args.token_scale, args.max_context)
+        whole = whole.select(limit, _window(args.window))
         final_ds = draws(whole, args.final_seeds or args.seeds, out, limit, _window(args.window))
     if args.whatif_shares and args.fit != "load,prefill":
         raise InputError("--whatif-shares: with --fit load,prefill (the what-if is the fitted prefill cost's)")

@@ -70,7 +70,9 @@ def draws(wl: Workload, n: int, out: Path, limit: int | None,
     out_draws = [Draw(first, wl)]
     for seed in range(first + 1, first + n):
         path = draw(wl, seed, out)
-        w = load_trace(path, "sessions", wl.token_scale).select(limit, window)
+        cap = wl.meta.get("max_context")  # the first draw's context cap, on every draw
+        w = load_trace(path, "sessions", wl.token_scale, cap["tokens"] if isinstance(cap, dict) else None)
+        w = w.select(limit, window)
         if not w.requests:
             raise InputError(f"{path}: --window/--limit leave no request")
         out_draws.append(Draw(seed, w))

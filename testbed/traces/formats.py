@@ -316,8 +316,11 @@ def detect_format(path: Path) -> str:
     raise InputError(f"{path}: no requests")
 
 
-def load_trace(path: Path, fmt: str = "auto", token_scale: int = 1) -> Workload:
-    """Load and validate a whole trace (``fmt``: auto or one of FORMATS)."""
+def load_trace(path: Path, fmt: str = "auto", token_scale: int = 1, max_context: int | None = None) -> Workload:
+    """Load and validate a whole trace (``fmt``: auto or one of FORMATS); ``max_context``:
+    prompts longer than that many emulated tokens keep their last ones (``Workload.capped``)."""
+    if max_context is not None and max_context < 1:
+        raise InputError(f"--max-context: at least 1 token, got {max_context}")
     if token_scale < 1 or token_scale > MOONCAKE_BLOCK:
         raise InputError(f"--token-scale: must be between 1 and {MOONCAKE_BLOCK}, got {token_scale}")
     if not path.exists():
@@ -326,4 +329,4 @@ def load_trace(path: Path, fmt: str = "auto", token_scale: int = 1) -> Workload:
         fmt = detect_format(path)
     if fmt not in LOADERS:
         raise InputError(f"--format: unknown trace format {fmt!r} (known: auto, {', '.join(FORMATS)})")
-    return LOADERS[fmt](path, token_scale)
+    return LOADERS[fmt](path, token_scale).capped(max_context)

@@ -48,14 +48,25 @@ def _segment_tokens(key: str, n: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Segment:
-    """``n`` tokens of the stream named ``key`` (or the literal token IDs given)."""
+    """``n`` tokens of the stream named ``key`` from its token ``skip`` on (or the literal
+    token IDs given)."""
 
     key: str
     n: int
     literal: tuple[int, ...] | None = None
+    skip: int = 0  # a prompt truncated at its head (``tail``) starts inside a stream
+
+    @property
+    def stream(self) -> str:
+        """What the segment's tokens are a prefix of: two segments share tokens from their
+        first on only if their streams are the same."""
+        return self.key if not self.skip else f"{self.key}@{self.skip}"
 
     def tokens(self) -> tuple[int, ...]:
-        return self.literal if self.literal is not None else _segment_tokens(self.key, self.n)
+        if self.literal is not None:
+            return self.literal
+        return _segment_tokens(self.key, self.n) if not self.skip else _segment_tokens(self.key, self.skip + self.n)[
+            self.skip:]
 
 
 @dataclass
@@ -180,6 +191,27 @@ class Workload:
             out.append(r2)
         return dataclasses.replace(self, requests=out)
 
+    def capped(self, max_context: int | None) -> Workload:
+        """Each prompt longer than ``max_context`` emulated tokens keeps its last ones, as a
+        serving engine truncates a prompt to its context (vLLM's ``truncate_prompt_tokens``);
+        how many were truncated and the tokens dropped go in ``meta["max_context"]``."""
+        if max_context is None:
+            return self
+        if max_context < 1:
+            raise ValueError(f"max context {max_context}: at least 1 token")
+        cap = scale_len(max_context, self.token_scale)
+        out, truncated, dropped = [], 0, 0
+        for r in self.requests:
+            n = r.input_len
+            if n > cap:
+                truncated += 1
+                dropped += n - cap
+                r = dataclasses.replace(r, segments=tail(r.segments, cap))
+            out.append(r)
+        meta = {**self.meta, "max_context": {"tokens": max_context, "truncated": truncated,
+                                             "dropped_tokens": dropped * self.token_scale}}
+        return dataclasses.replace(self, requests=out, meta=meta)
+
     def specs(self, speed: float = 1.0) -> list[RequestSpec]:
         """Materialise prompts and timing (``speed`` 2 = twice as fast) for the client."""
         out = []
@@ -201,8 +233,25 @@ def cut(segments: list[Segment], n: int) -> list[Segment]:
         if n <= 0:
             break
         take = min(s.n, n)
-        out.append(s if take == s.n else Segment(s.key, take, s.literal[:take] if s.literal else None))
+        out.append(s if take == s.n else Segment(s.key, take, s.literal[:take] if s.literal else None, s.skip))
         n -= take
+    return out
+
+
+def tail(segments: list[Segment], n: int) -> list[Segment]:
+    """The last ``n`` tokens of ``segments``, the same token ids. A prompt truncated inside a
+    segment shares a prefix with another only if that one was truncated at the same point of
+    the same stream (``Segment.stream``), as in a prefix cache."""
+    drop = sum(s.n for s in segments) - n
+    out: list[Segment] = []
+    for s in segments:
+        if drop >= s.n:
+            drop -= s.n
+            continue
+        if drop > 0:
+            s = Segment(s.key, s.n - drop, s.literal[drop:] if s.literal is not None else None, s.skip + drop)
+            drop = 0
+        out.append(s)
     return out
 
 
@@ -220,7 +269,7 @@ def block_hashes(segments: list[Segment], block: int) -> list[bytes]:
         pos = 0
         while pos < s.n:
             take = min(block - filled, s.n - pos)
-            piece = s.literal[pos : pos + take] if s.literal is not None else (s.key, pos, take)
+            piece = s.literal[pos : pos + take] if s.literal is not None else (s.key, s.skip + pos, take)
             h.update(repr(piece).encode())
             filled += take
             pos += take
