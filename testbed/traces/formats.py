@@ -28,6 +28,7 @@ from protocol.messages import SAFE_NAME, RequestHints
 from testbed.errors import InputError
 from testbed.traces.bailian import load_bailian
 from testbed.traces.burstgpt import BURSTGPT_COLUMNS, load_burstgpt
+from testbed.traces.cc_traces import load_cc_traces
 from testbed.traces.copilot import load_copilot
 from testbed.traces.line_errors import line_error, read_lines
 from testbed.traces.lines import MAX_SECONDS, MAX_TOKENS, Number, Seconds, Tokens, json_lines, parse_line
@@ -35,7 +36,8 @@ from testbed.traces.tracelab import TRACELAB_COLUMNS, load_tracelab
 from testbed.traces.workload import VOCAB_HIGH, Segment, TraceRequest, Workload, scale_len
 
 MOONCAKE_BLOCK = 512
-FORMATS = ("mooncake", "azure", "sessions", "requests", "bailian", "tracelab", "burstgpt", "copilot-agent")
+FORMATS = ("mooncake", "azure", "sessions", "requests", "bailian", "tracelab", "burstgpt", "copilot-agent",
+           "cc-traces")
 SESSIONS_FORMAT = "pdd-sessions"
 
 def _non_empty(path: Path, reqs: list[TraceRequest]) -> list[TraceRequest]:
@@ -292,7 +294,7 @@ def load_requests(path: Path, token_scale: int = 1) -> Workload:
 # ------------------------------------------------------------------------------ dispatch
 LOADERS = {"mooncake": load_mooncake, "azure": load_azure, "sessions": load_sessions, "requests": load_requests,
            "bailian": load_bailian, "tracelab": load_tracelab, "burstgpt": load_burstgpt,
-           "copilot-agent": load_copilot}
+           "copilot-agent": load_copilot, "cc-traces": load_cc_traces}
 
 
 def detect_format(path: Path) -> str:
@@ -305,6 +307,9 @@ def detect_format(path: Path) -> str:
     for _, obj in json_lines(path):
         if "chat_id" in obj:
             return "bailian"
+        calls = obj.get("requests")
+        if isinstance(calls, list) and calls and isinstance(calls[0], dict) and "hash_ids" in calls[0]:
+            return "cc-traces"
         if "hash_ids" in obj:
             return "mooncake"
         turns = obj.get("turns")
