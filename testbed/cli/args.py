@@ -77,9 +77,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
         p.add_argument("--format", default="auto", help=f"auto | {' | '.join(FORMATS)} (default: auto)")
         p.add_argument("--token-scale", type=int, default=1, metavar="N",
                        help="divide every length (and the prefix block size) by N")
-        p.add_argument("--max-context", type=int, metavar="N",
-                       help="a prompt longer than N (emulated) tokens keeps its last N, as a serving engine "
-                            "truncates to its context; counted in the run's summary (trace.meta.max_context)")
+        p.add_argument("--max-context", type=int, metavar="N", help="a prompt longer than N (emulated) tokens "
+                       "keeps its last N, as a serving engine truncates it (counted: trace.meta.max_context)")
 
     def executor_opts(p: argparse.ArgumentParser) -> None:
         """Where an experiment's replays run: here, or each a task on a Ray cluster."""
