@@ -40,7 +40,7 @@ def test_a_context_cap_breaks_the_prefix_a_growing_context_shares_and_is_counted
     assert full == pytest.approx({"r0": 0.0, "r1": 0.5, "r2": 128 / 192, "r3": 1.0})
     capped = wl.capped(96)
     assert [r.input_len for r in capped.requests] == [64, 96, 96, 96]
-    assert capped.meta["max_context"] == {"tokens": 96, "truncated": 3, "dropped_tokens": 32 + 96 + 96}
+    assert capped.meta["max_context"] == {"tokens": 96, "truncated": 3, "of": 4, "dropped_tokens": 32 + 96 + 96}
     # Each truncated turn starts at another point of the stream: nothing shared with the turn
     # before, except the repeat truncated at the same point (r3 = r2).
     got = hit_rates(capped)
@@ -57,7 +57,7 @@ def test_a_context_cap_breaks_the_prefix_a_growing_context_shares_and_is_counted
 def test_max_context_from_the_command_line_stats_and_a_run(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, out, _ = run_cli_output(["trace", "stats", str(ROOT / "traces/paper.jsonl"), "--token-scale", "16",
                                    "--max-context", "32768"], capsys)
-    assert code == 0 and "max context 32768 tokens: 2186 prompts truncated" in out
+    assert code == 0 and "max context 32768 tokens: 2186 of 2621 prompts truncated" in out
     code, err = run_cli(["trace", "stats", str(ROOT / "traces/paper.jsonl"), "--max-context", "0"], capsys)
     assert code == 2 and "--max-context: at least 1 token" in err
     code, out, err = run_cli_output(["run", "--engine", "sim", "--scenario", str(ROOT / "topologies/two-dc.yaml"),
@@ -67,5 +67,5 @@ def test_max_context_from_the_command_line_stats_and_a_run(capsys: pytest.Captur
     assert code == 0, err
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     cap = summary["trace"]["meta"]["max_context"]
-    assert cap["tokens"] == 8192 and cap["truncated"] > 0 and "prompts truncated to their last ones" in out
+    assert cap["tokens"] == 8192 and 0 < cap["truncated"] <= cap["of"] == 117 and "of the trace's 117 prompts" in out
     assert max(len(s.prompt) for s in load_trace(ROOT / "traces/agentic-quick.jsonl", "auto", 16, 8192).specs()) <= 512

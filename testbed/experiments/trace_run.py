@@ -86,8 +86,8 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
     print(f"trace {wl.source}: {len(specs)} requests ({wl.format}, token scale {wl.token_scale}, "
           f"speed {opts.speed:g}); scenario {sc.name}; policies {', '.join(p.label for p in policies)}", flush=True)
     if isinstance(cap := wl.meta.get("max_context"), dict):
-        print(f"max context {cap['tokens']} tokens: {cap['truncated']} of {len(wl.requests)} prompts truncated to "
-              f"their last ones ({cap['dropped_tokens']} tokens dropped)", flush=True)
+        print(f"max context {cap['tokens']} tokens: {cap['truncated']} of the trace's {cap['of']} prompts truncated "
+              f"to their last ones ({cap['dropped_tokens']} tokens dropped)", flush=True)
     print(plan.describe(sc) + (f"\nengine: {engine.kind.about}" if engine.kind.virtual_time else ""), flush=True)
     frames: dict[str, pd.DataFrame] = {}
     summaries: dict[str, PolicySummary] = {}

@@ -135,8 +135,8 @@ def format_stats(s: TraceStats) -> str:
         f"above 95%: {100 * s.share_above_95:.1f}% of requests",
     ]
     if isinstance(cap := s.meta.get("max_context"), dict):
-        lines.insert(2, f"  max context {cap['tokens']} tokens: {cap['truncated']} prompts truncated to their last "
-                        f"ones ({cap['dropped_tokens']} tokens dropped)")
+        lines.insert(2, f"  max context {cap['tokens']} tokens: {cap['truncated']} of {cap['of']} prompts truncated "
+                        f"to their last ones ({cap['dropped_tokens']} tokens dropped)")
     for name, share in s.hit_buckets.items():
         lines.append(f"    {name:8} {100 * share:5.1f}%  {'#' * round(50 * share)}")
     lines.append(f"  low-hit (<50%) short-output requests flagged short_output: "

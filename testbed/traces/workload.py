@@ -208,7 +208,7 @@ class Workload:
                 dropped += n - cap
                 r = dataclasses.replace(r, segments=tail(r.segments, cap))
             out.append(r)
-        meta = {**self.meta, "max_context": {"tokens": max_context, "truncated": truncated,
+        meta = {**self.meta, "max_context": {"tokens": max_context, "truncated": truncated, "of": len(out),
                                              "dropped_tokens": dropped * self.token_scale}}
         return dataclasses.replace(self, requests=out, meta=meta)
 
