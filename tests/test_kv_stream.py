@@ -148,7 +148,7 @@ def test_streamed_kv_over_real_sockets_gives_the_reference_tokens_and_leaves_bef
                         "datacenters": {"a": {"lan": {"rate_mbit": 400000}}, "b": {"lan": {"rate_mbit": 400000}}}},
                        emulated=True)
     plan = EmulationPlan.make(sc, 1, 2.0, kv_bytes_per_token(ensure_default_model(), "float64"))
-    specs = [RequestSpec(f"s{i}", synth_tokens(f"stream-{i}", 600 + 50 * i), 12, at=1.5 * i) for i in range(3)]
+    specs = [RequestSpec(f"s{i}", synth_tokens(f"stream-{i}", 600 + 50 * i), 12, at=1.5 * i) for i in range(2)]
     runner = ModelRunner(ensure_default_model(), "float64")
     refs = {s.rid: runner.reference(s.prompt, s.max_new) for s in specs}
     with Deployment(sc, parse_policy("cross-dc:transfer=per-chunk"), emulation=plan, dtype="float64") as dep:

@@ -88,7 +88,9 @@ def test_the_bathtub_over_draws_gives_each_rates_mean_and_interval(tmp_path: Pat
     def curve(shift: float) -> pd.DataFrame:
         return pd.DataFrame({"hit_target": [0.0, 0.5], "hit_measured": [0.0, 0.5],
                              "ttft_mean_change": [-0.2 + shift, -0.4 + shift],
-                             "ttft_p50_change": [-0.1, None], "slo_points": [10.0 + 100 * shift, 0.0]})
+                             "ttft_p50_change": [-0.1, None], "slo_points": [10.0 + 100 * shift, 0.0],
+                             # packed prefill passes: how full PDD's ran (same-dc's prefill ran unpacked)
+                             "pass_fill": [0.9 + shift, 0.5], "base_pass_fill": [None, None]})
     curves = [(2, curve(-0.1)), (3, curve(0.0)), (4, curve(0.1))]
     agg = seeded_bathtub(curves)
     assert list(agg.hit_target) == [0.0, 0.5] and list(agg.n) == [3, 3]
@@ -98,7 +100,8 @@ def test_the_bathtub_over_draws_gives_each_rates_mean_and_interval(tmp_path: Pat
     write_seeded_bathtub(curves, tmp_path, "same-dc", "pdd")
     md = (tmp_path / "bathtub.md").read_text()
     assert "over 3 draws (seeds 2, 3, 4)" in md
-    assert "| 0 | 0.0 % | -20.0 ± 24.8 | -10.0 ± 0.0 | +10.0 ± 24.8 | 3 |" in md
+    assert "| 0 | 0.0 % | -20.0 ± 24.8 | -10.0 ± 0.0 | +10.0 ± 24.8 | 90 % / - | 3 |" in md
+    assert "| 0.5 | 50.0 % | -40.0 ± 24.8 | - | +0.0 ± 0.0 | 50 % / - | 3 |" in md
     assert (tmp_path / "bathtub.png").stat().st_size > 0
 
 
