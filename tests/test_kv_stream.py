@@ -140,26 +140,38 @@ def test_the_simulator_streams_a_long_prefills_kv_across_the_line_while_it_compu
 
 @pytest.mark.serial  # real compute held to its modeled step times: no neighbour on the cores
 @needs_root
-def test_streamed_kv_over_real_sockets_gives_the_reference_tokens_and_leaves_before_the_prefill_ends() -> None:
-    # Passes of 64 emulated tokens (token scale 1), each 50 ms of emulated overhead: a
-    # 600-token prompt is ten passes, ~1 s of real time at D 2, far more than the real
-    # model's compute, so that the first passes' KV is due long before the prefill ends.
+def test_streamed_kv_from_packed_passes_over_real_sockets_gives_the_reference_tokens_through_pdd() -> None:
+    # Passes of at most 128 emulated tokens (token scale 1), each request at most 64 of them
+    # and each pass 50 ms of emulated overhead: two prompts of 600 and 650 tokens sent together
+    # share ~11 passes, ~1.2 s of real time at D 2, far more than the real model's compute, so
+    # that the first passes' KV is due long before a prefill ends. PDD relays every request
+    # (relay_s=0): the KV streams to the relay and across the line, and the relay hands over.
     sc = scenario_with({"devices": {"h100": {"prefill_chunk": 64, "step_overhead_ms": 50.0}},
+                        "workers": {"prefill_token_budget": 128},
                         "datacenters": {"a": {"lan": {"rate_mbit": 400000}}, "b": {"lan": {"rate_mbit": 400000}}}},
                        emulated=True)
     plan = EmulationPlan.make(sc, 1, 2.0, kv_bytes_per_token(ensure_default_model(), "float64"))
-    specs = [RequestSpec(f"s{i}", synth_tokens(f"stream-{i}", 600 + 50 * i), 12, at=1.5 * i) for i in range(2)]
+    specs = [RequestSpec(f"s{i}", synth_tokens(f"stream-{i}", 600 + 50 * i), 24, at=0.0) for i in range(2)]
     runner = ModelRunner(ensure_default_model(), "float64")
     refs = {s.rid: runner.reference(s.prompt, s.max_new) for s in specs}
-    with Deployment(sc, parse_policy("cross-dc:transfer=per-chunk"), emulation=plan, dtype="float64") as dep:
+    policy = "pdd:relay_s=0,handoff=catch-up,threshold=4,transfer=per-chunk"
+    with Deployment(sc, parse_policy(policy), emulation=plan, dtype="float64") as dep:
         run = dep.run(TraceReplay(specs, timeout_s=240))
     assert compare(specs, refs, run.recs) == []
+    assert {r.pipeline for r in run.router.values()} == {"P-RLD-MD"}
+    computed, early = [], []
     for rec in run.router.values():
         done = next(e for e in rec.events if isinstance(e, PrefillDone))
         sent = next(e for e in rec.events if isinstance(e, KvSent) and e.to == "decode-b")
         assert done.computed >= 600 and sent.tokens == done.computed  # nothing cached: all of it
-        # The transfer began while the prefill computed (its first passes' KV left early).
-        assert sent.start < done.end - 0.3 * (done.end - done.start), (sent, done)
+        # Each transfer across the line began before its prefill ended; the first one long before
+        # (the second takes its turn to that decoder once the first has sent all it had).
+        assert sent.start < done.end, (sent, done)
+        early.append(sent.start < done.end - 0.3 * (done.end - done.start))
+        computed.append(done.computed)
+    assert any(early)
+    pf = run.workers["prefill"].prefill
+    assert pf is not None and 0 < pf.packed_passes < sum(-(-n // 64) for n in computed)  # the two shared passes
 
 
 def test_streamed_kv_from_packed_passes_under_a_heavy_prefill_ends(tmp_path: Path) -> None:

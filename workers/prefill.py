@@ -8,9 +8,10 @@ then shipped to every target of the command concurrently while the next prefill 
 with ``kv_transfer: per-chunk``, streamed as it is computed: each pass's KV leaves once the
 pass ends (``workers/kv_stream.py``). Transfers to one receiver take turns
 (``kv_streams_per_peer`` at a time, in arrival order), streamed ones too: a streamed
-transfer holds its turn while its prefill computes, which delays none of this worker's
-others (its prefills run one at a time), and a decoder's cache still holds what the
-transfers before it brought when it answers the next one's HELLO.
+transfer holds its turn while its prefill computes, and a decoder's cache holds what the
+transfers before it brought when it answers the next one's HELLO (one request at a time,
+that delays nobody; with packed passes a second request's transfer to the same decoder waits
+for the first's last pass).
 A warm command (a completed request's answer to cache, when the scenario keeps answers
 cached) runs only when no prefill waits.
 """
