@@ -299,7 +299,8 @@ class PrefillWorker(Worker):
 
     def _dropped(self, job: _Job) -> bool:
         """A request cancelled while in progress: it leaves the passes, its prefix unlocked."""
-        if not self.cancels.get(job.cmd.rid, {}).get("", asyncio.Event()).is_set():
+        cancel = self.cancels.get(job.cmd.rid, {}).get("")
+        if cancel is None or not cancel.is_set():  # checked before every pass: no allocation here
             return False
         self.cache.unlock(job.path)
         job.dropped = True
