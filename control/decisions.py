@@ -39,7 +39,7 @@ class Decisions:
         d = Decision(rid=rid, t=clock.now(), error=error, candidates=weighed or [])
         if plan is not None:
             d = d.model_copy(update={"pipeline": plan.pipeline, "prefill": plan.prefill, "decode": plan.decode,
-                                     "relay": plan.relay, "info": plan.info})
+                                     "relay": plan.relay, "hold": list(plan.hold), "info": plan.info})
         try:
             self.traced.write(d.model_dump_json() + "\n")
         except OSError as e:  # a trace, not a record: the request goes on

@@ -89,18 +89,18 @@ class Ended:
             pass
 
     def kv_on_its_way(self, workers: dict[str, WorkerView]) -> bool:
-        """A finished request with a main decoder apart from its relay, whose prefill computed
-        it and has not yet reported its KV transfer to that decoder (sent, cut off or failed),
-        both of them up."""
+        """A finished request whose prefill computed it and has not yet reported its KV
+        transfer (sent, cut off or failed) to a decoder that takes it after the request's end
+        (a main decoder behind a relay, a holder), both of them up."""
         for rec in self.records.values():
-            if not rec.relay or not rec.decode or rec.decode == rec.relay:
+            late = [*rec.hold, *([rec.decode] if rec.relay and rec.decode and rec.decode != rec.relay else [])]
+            if not late or not any(isinstance(e, PrefillDone) for e in rec.events):
                 continue
-            if not all(w in workers and workers[w].up for w in (rec.prefill, rec.decode)):
-                continue  # a dead end's transfer is lost with it, not on its way
-            if not any(isinstance(e, PrefillDone) for e in rec.events):
-                continue
-            if not any(_reports_kv_to(e, rec.decode) for e in rec.events):
-                return True
+            for decoder in late:
+                if not all(w in workers and workers[w].up for w in (rec.prefill, decoder)):
+                    continue  # a dead end's transfer is lost with it, not on its way
+                if not any(_reports_kv_to(e, decoder) for e in rec.events):
+                    return True
         return False
 
     async def settle(self, workers: dict[str, WorkerView]) -> None:

@@ -25,20 +25,19 @@ import aiomqtt
 from pydantic import ValidationError
 
 from control.checks import in_plan, out_of_bounds, repeated, speaks_for
-from control.deaths import after_death
 from control.decisions import Decisions, PolicyFailed
 from control.ended import Ended
 from control.held import Held
 from control.liveness import Liveness
+from control.rules import after_death, after_event
 from protocol import clock
 from protocol.messages import (
     CancelCmd,
     CancelRequest,
-    Done,
+    DecodeCmd,
     Event,
     Failed,
     HandoffCmd,
-    KvReceived,
     KVTarget,
     PrefillCmd,
     Request,
@@ -196,7 +195,7 @@ class Router:
                 await self._on_worker_death(req, name, why)
 
     async def _on_worker_death(self, req: RequestState, dead: str, why: str = "died") -> None:
-        """What a dead worker means for one request that named it (``control.deaths``)."""
+        """What a dead worker means for one request that named it (``control.rules``)."""
         plan = req.plan
         assert plan is not None
         relay_up = plan.relay is not None and self.view.workers[plan.relay].up
@@ -237,7 +236,8 @@ class Router:
             plan = self._decided("plan", lambda: self.policy.plan(req, self.view))
             self.decisions.trace(r.rid, plan, self.view.weighed)
             commands = [(w, self._decided("decode_command", lambda w=w: self.policy.decode_command(req, plan, w)))
-                        for w in filter(None, (plan.relay, plan.decode))]
+                        for w in plan.streamers]
+            commands += [(w, DecodeCmd(rid=r.rid, prompt=r.prompt, max_new=r.max_new)) for w in plan.hold]
             unknown = sorted(plan.workers - set(self.view.workers))
             if unknown:
                 raise PolicyFailed(f"policy {self.cfg.policy.label}: its plan names {', '.join(unknown)}, "
@@ -253,7 +253,7 @@ class Router:
             self.view.remember(w, req.prompt)  # the prompt as an array: hashed without a copy
         # Who will stream it, said before any worker is told (the client takes the request's
         # tokens from those alone: ``protocol.stream_gate``).
-        streamers = sorted(w for w in {plan.relay, plan.decode} if w)
+        streamers = sorted(plan.streamers)
         await self.publish(self.topics.tokens(r.rid), Tokens(rid=r.rid, start=0, tokens=[], worker="router",
                                                              t=clock.now(), streamers=streamers).dump())
         # Decoders first: they must know the request before its KV arrives. Each decoder and the
@@ -265,6 +265,8 @@ class Router:
             ticket = secrets.token_hex(16)
             cmd = decode.model_copy(update={"ignore_eos": r.ignore_eos, "ticket": ticket})
             await self.publish(self.topics.cmd(w), cmd.dump())
+            if w in plan.hold:  # it takes the KV into its cache only (the cut-off's keep, from the start)
+                await self.publish(self.topics.cmd(w), CancelCmd(rid=r.rid, keep_kv=True).dump())
             d = self.view.workers[w]
             targets.append(KVTarget(worker=d.name, host=d.host, port=d.kv_port, ticket=ticket))
         await self.publish(self.topics.cmd(plan.prefill), PrefillCmd(rid=r.rid, prompt=r.prompt, kv_to=targets,
@@ -275,7 +277,7 @@ class Router:
         if req is None:
             if ev.rid in self.ended:  # e.g. the sender's kv_sent after the decoder's done
                 rec = self.ended.records[ev.rid]
-                if not in_plan(ev, (rec.prefill, rec.relay, rec.decode)) or self._repeated(rec.events, ev):
+                if not in_plan(ev, rec.workers) or self._repeated(rec.events, ev):
                     return
                 rec.events.append(ev)
                 try:
@@ -293,37 +295,37 @@ class Router:
             await self._fail(req.rid, str(e))
 
     async def _on_event_of(self, req: RequestState, ev: Event) -> None:
+        """Carries out what the event means by the plan's rules (``control.rules.after_event``)."""
         self._decided("on_event", lambda: self.policy.on_event(req, ev))
         plan = req.plan
-        relay = plan.relay if plan else None
-        if isinstance(ev, Failed):
-            md_lost = (plan is not None and relay is not None and not req.handed_off
-                       and (ev.before_handoff or ev.target == plan.decode))
-            if md_lost:
-                await self._relay_alone(req, ev.reason)
-                return
+        step = after_event(plan, ev, req.handed_off)
+        if step == "holder-lost":  # a holder's loss is its cache's, never the request's
+            assert isinstance(ev, Failed)
+            print(f"router: {ev.rid}: a holder did not take the KV: {ev.reason}", file=sys.stderr, flush=True)
+        elif step == "relay-alone":
+            assert isinstance(ev, Failed)
+            await self._relay_alone(req, ev.reason)
+        elif step == "fail":
+            assert isinstance(ev, Failed)
             await self._fail(ev.rid, ev.reason)
-        elif isinstance(ev, KvReceived) and plan is not None and relay and ev.worker == plan.decode:
+        elif step == "handoff":
+            assert plan is not None and plan.relay is not None
             handoff = self._decided("handoff", lambda: self.policy.handoff(req, self.view))
-            await self.publish(self.topics.cmd(relay), handoff.dump())
-        elif isinstance(ev, Done) and relay and ev.worker == relay:
-            if ev.handed_off:
-                req.handed_off = True  # the relay released it; the main decoder streams on
+            await self.publish(self.topics.cmd(plan.relay), handoff.dump())
+        elif step == "handed-over":
+            req.handed_off = True  # the relay released it; the main decoder streams on
+        elif step == "relay-finished":
+            # The relay finished the request before the main decoder took over. Either cut the
+            # WAN transfer off and free the main decoder's reservation, or let the KV land in
+            # the main decoder's cache only (history for the session's next turn).
+            assert plan is not None
+            if self._decided("cut_off", lambda: self.policy.cut_off(req)):
+                req.cut_off = True
+                await self.publish(self.topics.cmd(plan.prefill), CancelCmd(rid=ev.rid, target=plan.decode).dump())
+                await self.publish(self.topics.cmd(plan.decode), CancelCmd(rid=ev.rid).dump())
             else:
-                # The relay finished the request before the main decoder took over. Either cut
-                # the WAN transfer off and free the main decoder's reservation, or let the KV
-                # land in the main decoder's cache only (history for the session's next turn).
-                assert plan is not None
-                if self._decided("cut_off", lambda: self.policy.cut_off(req)):
-                    req.cut_off = True
-                    await self.publish(self.topics.cmd(plan.prefill),
-                                       CancelCmd(rid=ev.rid, target=plan.decode).dump())
-                    await self.publish(self.topics.cmd(plan.decode), CancelCmd(rid=ev.rid).dump())
-                else:
-                    await self.publish(self.topics.cmd(plan.decode), CancelCmd(rid=ev.rid, keep_kv=True).dump())
-                self._finish(req, None)
-                await self._cache_answer(req)
-        elif isinstance(ev, Done):
+                await self.publish(self.topics.cmd(plan.decode), CancelCmd(rid=ev.rid, keep_kv=True).dump())
+        if step in ("relay-finished", "done"):
             self._finish(req, None)
             await self._cache_answer(req)
 
@@ -367,6 +369,7 @@ class Router:
         if plan:
             rec = rec.model_copy(update={
                 "pipeline": plan.pipeline, "prefill": plan.prefill, "decode": plan.decode, "relay": plan.relay,
+                "hold": list(plan.hold), "dcs": {x: w[x].dc for x in sorted(plan.workers)},
                 "decode_dc": w[plan.decode].dc, "prefill_dc": w[plan.prefill].dc, "plan_info": plan.info})
         self.ended.add(req, rec)
 

@@ -110,6 +110,7 @@ class Decision(Contract):
     prefill: str | None = None
     decode: str | None = None
     relay: str | None = None
+    hold: list[str] = []
     info: PlanInfo = PlanInfo()
     candidates: list[Candidate] = []
     error: str | None = None

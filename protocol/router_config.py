@@ -77,13 +77,20 @@ class RequestRecord(Contract):
     prefill: str | None = None
     decode: str | None = None
     relay: str | None = None
+    hold: list[str] = []  # decoders that took the KV into their caches only
     prefill_dc: str | None = None
     decode_dc: str | None = None
+    dcs: dict[str, str] = {}  # the datacenter of each of its workers (what crossed the WAN)
     plan_info: PlanInfo = PlanInfo()
     md_failed: str | None = None  # the main decoder's failure the relay covered for
     cut_off: bool = False  # the WAN transfer was cut off (the relay finished first)
     error: str | None = None
     events: list[Event] = []  # in arrival order at the router (late events included)
+
+    @property
+    def workers(self) -> list[str]:
+        """Every worker of its plan, in role order (prefill, main, lead, holders)."""
+        return [w for w in (self.prefill, self.decode, self.relay, *self.hold) if w]
 
 
 __all__ = ["Decision", "PlanInfo", "PolicyContext", "PolicyReport", "RequestRecord", "RouterConfig", "WorkerEndpoint"]

@@ -157,3 +157,50 @@ def test_a_plugin_runs_in_the_emulation_unchanged(tmp_path: Path) -> None:
     assert compare(specs, refs, run.recs) == []
     assert {r.pipeline for r in run.router.values()} == {"P-D(a)", "P-D(b)"}
     assert run.policy.options == make_policy(spec).describe()
+
+
+PARKED = '''
+from testbed.policies import ClusterView, Plan, Policy, RequestState
+
+
+class Parked(Policy):
+    """Decode next to prefill; park every prompt's KV in a decoder across the line too."""
+
+    name = "parked"
+    deploys = (("prefill", "home"), ("decode", "home"), ("decode", "away"))
+    crosses_wan = True
+
+    def plan(self, req: RequestState, cluster: ClusterView) -> Plan:
+        p = cluster.pick("prefill", dc=self.ctx.home_dc, prompt=req.prompt)
+        d = cluster.pick("decode", dc=p.dc, prompt=req.prompt)
+        try:
+            hold = (cluster.pick_outside("decode", p.dc).name,)
+        except LookupError:  # none alive across the line: served all the same
+            hold = ()
+        return Plan("P-D+hold" if hold else "P-D", p.name, d.name, hold=hold, if_main_lost="fail")
+'''
+
+
+def test_a_plan_parks_kv_in_a_holder_across_the_line(tmp_path: Path) -> None:
+    """The plan's ``hold`` role: the far decoder takes every prompt's KV into its cache and
+    streams nothing; that KV is the run's WAN KV; a holder's death fails no request."""
+    from protocol.messages import Done, KvReceived
+    from testbed.analysis.metrics import request_rows
+    from testbed.faults.timeline import parse_fault
+
+    plugin = _plugin(tmp_path, PARKED, "parked.py")
+    sc = load_scenario(TOPOLOGIES / "two-dc.yaml")
+    wl = load_trace(ROOT / "traces/agentic-quick.jsonl", "auto", 16).select(16)
+    with SimDeployment(sc, parse_policy(f"{plugin}:Parked"), emulation=sim_plan(sc, 16),
+                       timeline=[parse_fault("kill@8:host=decode-b")]) as dep:
+        run = dep.run(TraceReplay(wl.specs(1.0), 600, show_progress=False))
+    assert all(r.ok for r in run.recs.values()), [r.error for r in run.recs.values() if not r.ok]
+    recs = run.router.values()
+    assert {tuple(r.hold) for r in recs} == {("decode-b",), ()} and {r.pipeline for r in recs} == {"P-D+hold", "P-D"}
+    parked = [r for r in recs if any(isinstance(e, KvReceived) and e.worker == "decode-b" for e in r.events)]
+    assert parked and all(e.cache_only for r in parked for e in r.events
+                          if isinstance(e, KvReceived) and e.worker == "decode-b")
+    assert not any(isinstance(e, Done) and e.worker == "decode-b" for r in recs for e in r.events)
+    assert len(parked) < len(recs)  # some came after decode-b died, and completed all the same
+    wan = request_rows(run.recs, run.router).set_index("rid").wan_kv_bytes
+    assert all(wan[r.rid] > 0 for r in parked) and wan.sum() > 0

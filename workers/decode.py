@@ -235,7 +235,7 @@ class DecodeWorker(HandoffMixin, Worker):
             self.cache.insert(seq.prompt, kv, matched)
         received = KvReceived(**self.stamp(seq.rid), bytes=inc.bytes_received, had=inc.have, start=inc.start,
                               end=inc.end, cache_only=seq.cache_only)
-        if seq.cache_only:  # the request ended on a relay; its KV was only wanted for the cache
+        if seq.cache_only:  # a holder's, or the request ended on a relay: the KV was only wanted for the cache
             self.expected.forget(seq.rid)
             self.emit(received)
             return

@@ -112,16 +112,21 @@ class RequestRow:
         return out | {f"plan_{k}": v for k, v in self.plan.items()}
 
 
+def _crossed(rr: RequestRecord, to: str) -> bool:
+    """Whether KV sent to ``to`` crossed the WAN: it went to another datacenter than the
+    prefill's (a record without its workers' datacenters: only the main decoder's KV could)."""
+    if rr.dcs:
+        return rr.prefill_dc is not None and rr.dcs.get(to, rr.prefill_dc) != rr.prefill_dc
+    return rr.prefill_dc is not None and rr.prefill_dc != rr.decode_dc and to == rr.decode
+
+
 def request_row(r: ClientRecord, rr: RequestRecord, h: RequestHints, sc: Scales, t0: float,
                 planned: float = NAN) -> RequestRow:
     """The row of one request from the client's record and the router's."""
     d, per_token = sc.dilation, sc.dilation * sc.s_out
     kv_sent = [e for e in rr.events if isinstance(e, KvSent)]
     prefill = next((e for e in rr.events if isinstance(e, PrefillDone)), None)
-    cross = rr.prefill_dc is not None and rr.prefill_dc != rr.decode_dc
-    # KV to the (main) decoder crosses the WAN when it sits in the other datacenter; KV to
-    # a relay never does.
-    wan = [e for e in kv_sent if cross and e.to == rr.decode]
+    wan = [e for e in kv_sent if _crossed(rr, e.to)]
     handoffs = [e for e in rr.events if isinstance(e, HandoffSent)]
     final_extend = next((e for e in rr.events if isinstance(e, Extended) and e.final), None)
     relay = rr.relay or (rr.decode if rr.pipeline == "P-RLD" else None)

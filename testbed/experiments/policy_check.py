@@ -58,7 +58,7 @@ def check_policy(sc: Scenario, spec: PolicySpec, wl: Workload, verify_sc: Scenar
     if not checks[0].passed:
         return checks
     first = _replay(sc, spec, wl, [])
-    used = sorted({w for r in first.router.values() for w in (r.prefill, r.decode, r.relay) if w})
+    used = sorted({w for r in first.router.values() for w in r.workers})
     home = home_datacenters(sc)
     victim = next((w for w in used if sc.host(w).role.value in ("decode", "relay-decode")), None) or \
         next(iter(used), None)
@@ -77,7 +77,7 @@ def check_policy(sc: Scenario, spec: PolicySpec, wl: Workload, verify_sc: Scenar
                         + (f"; {run.component_errors[0]}" if run.component_errors else "")))
 
     hosts = {h for dc in sc.datacenters.values() for h in dc.hosts}
-    absent = sorted({w for r in run.router.values() for w in (r.prefill, r.decode, r.relay) if w and w not in hosts})
+    absent = sorted({w for r in run.router.values() for w in r.workers if w not in hosts})
     cleared = {f.fault: f.cleared_s for f in run.faults}
     kill_end = next((c for k, c in cleared.items() if k.startswith("kill@")), None)
     dead_planned = []
@@ -85,7 +85,7 @@ def check_policy(sc: Scenario, spec: PolicySpec, wl: Workload, verify_sc: Scenar
         until = run.fault_t0 + (kill_end if kill_end is not None else float("inf"))
         for rid, r in run.router.items():
             sent = run.recs[rid].sent if rid in run.recs else None
-            if sent is not None and death.t < sent < until and death.worker in (r.prefill, r.decode, r.relay):
+            if sent is not None and death.t < sent < until and death.worker in r.workers:
                 dead_planned.append(f"{rid} -> {death.worker}")
     checks.append(Check("no plan names an absent or dead worker", not absent and not dead_planned,
                         f"{len(run.router)} plans; {len(run.deaths)} death(s) seen"
@@ -93,7 +93,7 @@ def check_policy(sc: Scenario, spec: PolicySpec, wl: Workload, verify_sc: Scenar
                         + (f"; planned onto the dead: {', '.join(dead_planned[:5])}" if dead_planned else "")))
 
     def shape(r: PolicyRun) -> dict[str, tuple[object, ...]]:
-        return {rid: (x.pipeline, x.prefill, x.decode, x.relay, r.recs[rid].error if rid in r.recs else None,
+        return {rid: (x.pipeline, *x.workers, r.recs[rid].error if rid in r.recs else None,
                       r.recs[rid].token_times[0] if rid in r.recs and r.recs[rid].token_times else None)
                 for rid, x in r.router.items()}
 
@@ -106,8 +106,8 @@ def check_policy(sc: Scenario, spec: PolicySpec, wl: Workload, verify_sc: Scenar
 
     undeclared = set()
     for r in run.router.values():
-        for w in (r.prefill, r.decode, r.relay):
-            if w and w in hosts:
+        for w in r.workers:
+            if w in hosts:
                 where = "home" if sc.datacenter_of(w) in home else "away"
                 if (sc.host(w).role.value, where) not in policy.deploys:
                     undeclared.add(f"{w} ({sc.host(w).role.value}, {where})")

@@ -22,8 +22,9 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.messages import DecodeCmd, Event, HandoffCmd, PrefillDone, RequestHints
-from protocol.policy import Candidate, PlanInfo, PolicyContext, PolicyReport, spell
+from protocol.policy import Candidate, PolicyContext, PolicyReport, spell
 from protocol.worker_config import KvTransfer
+from testbed.policies.plan import Plan
 from testbed.policies.prefix_index import PrefixIndex
 from testbed.policies.token_ids import token_array
 
@@ -113,25 +114,6 @@ class ClusterView:
             exact = self.workers[worker].role in self.exact_roles
             self.held[worker] = PrefixIndex(self.block_size, self.cache_tokens, exact_states=exact)
         return self.held[worker]
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Which workers serve a request. ``decode`` streams to the end; with ``relay`` set, the
-    relay decoder streams first (eager tokens) and hands over to ``decode`` (PDD's
-    P-RLD-MD). KV goes from ``prefill`` to the decoder(s) that need it, after the prefill or
-    streamed as it is computed (``kv_transfer``)."""
-
-    pipeline: str  # label recorded with the request, e.g. "P-D(a)", "P-MD", "P-RLD-MD"
-    prefill: str
-    decode: str
-    relay: str | None = None
-    info: PlanInfo = field(default_factory=PlanInfo, compare=False)  # why (recorded)
-    kv_transfer: KvTransfer | None = None  # when the prefill's KV leaves (None: the scenario's kv_transfer)
-
-    @property
-    def workers(self) -> set[str]:
-        return {w for w in (self.prefill, self.decode, self.relay) if w}
 
 
 @dataclass

@@ -32,11 +32,11 @@ from collections import Counter
 from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.messages import DecodeCmd, Event, Failed, KvReceived, KvSent
+from protocol.policy import PlanInfo
 from protocol.worker_config import KvTransfer
 from testbed.policies.base import (
     ClusterView,
     Plan,
-    PlanInfo,
     Policy,
     PolicyContext,
     PolicyReport,

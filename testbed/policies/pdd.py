@@ -49,11 +49,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.messages import DecodeCmd, Done, Event, Failed, HandoffCmd, KvReceived, KvSent, MainPart, RelayPart
+from protocol.policy import PlanInfo
 from protocol.worker_config import KvTransfer
 from testbed.policies.base import (
     ClusterView,
     Plan,
-    PlanInfo,
     Policy,
     PolicyContext,
     PolicyReport,
