@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from protocol.worker_config import Contract
+from protocol.worker_config import Contract, KvTransfer
 
 # A policy's name: what a user types and what labels its results.
 POLICY_NAME = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
@@ -68,6 +68,7 @@ class PolicyContext(Contract):
     token_scale: int = Field(default=1, ge=1)  # emulated tokens per replayed token (options in emulated tokens)
     # A hybrid model: a prefill's cache resumes only where a prompt ended (its linear states).
     prefill_exact_states: bool = False
+    kv_transfer: KvTransfer = "after-prefill"  # when a prefill's KV leaves unless a plan says (workers.kv_transfer)
 
     def transfer_bytes(self, tokens: int) -> int:
         """Wire bytes of a transfer of ``tokens`` tokens' KV and the request's state."""

@@ -61,7 +61,17 @@ def extended(path: Path, data: dict[str, Any], seen: tuple[Path, ...]) -> dict[s
     if not isinstance(base, str) or (base_path := path.parent / base).resolve() in seen:
         raise InputError(f"{path}: extends: expected the path of another scenario file (no cycle), got {base!r}")
     _, base_data = read_yaml(base_path)
-    return deep_merge(extended(base_path, base_data, (*seen, base_path.resolve())), data)
+    return deep_merge(extended(base_path, _cards_anchored(base_path, base_data), (*seen, base_path.resolve())), data)
+
+
+def _cards_anchored(path: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """A base's ``models:`` files named from the base's folder (they are relative to the file
+    that names them, wherever the scenario extending it lives)."""
+    models = data.get("models")
+    if not isinstance(models, dict):
+        return data
+    here = path.resolve().parent
+    return {**data, "models": {k: str(here / v) if isinstance(v, str) else v for k, v in models.items()}}
 
 
 def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

@@ -130,6 +130,10 @@ def test_a_scenario_extends_another_key_by_key(tmp_path: Path) -> None:
     (tmp_path / "child.yaml").write_text("extends: nowhere.yaml\nname: child\n")
     with pytest.raises(InputError, match="nowhere.yaml: cannot read scenario"):
         load_scenario(tmp_path / "child.yaml")
+    # A model card named by the base is read from the base's folder, wherever the child lives.
+    (tmp_path / "mine.yaml").write_text(f"extends: {TOPOLOGIES / 'prfaas.yaml'}\nname: mine\n")
+    assert load_scenario(tmp_path / "mine.yaml").models["hybrid-1t"].linear_layers == 70
+    assert load_scenario(Path("topologies/prfaas-homogeneous.yaml")).models["hybrid-1t"].linear_layers == 70
 
 
 def test_the_pd_outage_scenario_is_the_papers_with_a_kill_and_long_timeouts() -> None:

@@ -286,7 +286,7 @@ def test_a_header_written_before_a_recipe_field_existed_is_the_same_recipe() -> 
     assert same_recipe(older, {**header, "seed": 9}) and not same_recipe(older, {**header, "arrivals": "open"})
 
 
-@pytest.mark.parametrize("name", ["agentic-default.jsonl", "agentic-quick.jsonl", "paper.jsonl"])
+@pytest.mark.parametrize("name", ["agentic-default.jsonl", "agentic-quick.jsonl", "paper.jsonl", "prfaas.jsonl"])
 def test_shipped_generated_traces_are_reproducible_from_their_header(name: str) -> None:
     path = ROOT / "traces" / name
     header = json.loads(path.read_text().splitlines()[0])

@@ -158,7 +158,7 @@ def router_config(sc: Scenario, run_id: str, policy: PolicySpec, workers: dict[s
         decode_cache_tokens=-(-ws.decode_cache_tokens // (emulation.scales.s_in if emulation else 1)),
         home_dc=sc.datacenter_of(router),
         token_scale=emulation.scales.s_in if emulation else 1,
-        prefill_exact_states=cost is not None and cost.linear_layers > 0,
+        prefill_exact_states=cost is not None and cost.linear_layers > 0, kv_transfer=ws.kv_transfer,
     )  # fmt: skip
     endpoints = {h: WorkerEndpoint(role=c.role, dc=sc.datacenter_of(h), host=c.host_ip, kv_port=c.kv_port)
                  for h, c in workers.items()}

@@ -19,6 +19,7 @@ from testbed.analysis.confidence import mean_ci
 from testbed.analysis.report import paper_comparison, repetitions_markdown
 from testbed.analysis.results import load_run
 from testbed.analysis.tables import table_head
+from testbed.experiments import prfaas_case
 from testbed.experiments.hit_rate_sweep import HitPoint, benefit, compared, save_bathtub
 from testbed.experiments.load_sweep import REPORT_P50_GAP_S, SWEEP_FILE, SweepResult, save_sweep
 from testbed.experiments.regime import REGIME_FILE, RegimeFit, save_regime
@@ -104,6 +105,8 @@ def _rebuild_bathtub(d: Path) -> tuple[list[Path], pd.DataFrame, tuple[str, str]
 def rebuild_folder(d: Path) -> list[Path] | None:
     """Rewrite the tables and plots of a saved sweep, bathtub or calibration folder (or of
     their draws); ``None`` when ``d`` holds none of them."""
+    if prfaas_case.is_case(d):
+        return prfaas_case.write_case(d)
     if (d / REGIME_FILE).exists():
         return save_regime(RegimeFit.model_validate_json((d / REGIME_FILE).read_text()), d)
     if (d / CALIBRATION_FILE).exists():

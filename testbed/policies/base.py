@@ -195,6 +195,11 @@ class Policy(ABC):
     def plan(self, req: RequestState, cluster: ClusterView) -> Plan:
         """Choose workers for a new request. Raise LookupError if none can serve it."""
 
+    def streamed(self, plan: Plan) -> bool:
+        """Whether ``plan``'s KV leaves as it is computed: its transfer then takes the
+        prefill's time, not only the line's (no sample of the line's rate)."""
+        return (plan.kv_transfer or self.ctx.kv_transfer) == "per-chunk"
+
     def decode_command(self, req: RequestState, plan: Plan, worker: str) -> DecodeCmd:
         """The decode command sent to ``worker`` (default: decode the request to its end)."""
         return DecodeCmd(rid=req.rid, prompt=req.prompt.tolist(), max_new=req.max_new)

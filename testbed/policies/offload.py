@@ -16,13 +16,19 @@ Per request, from what the local prefill would have to compute and what the line
   busier than the home prefill (``local (away busier)``: requests in flight on each, with
   ``balance``; without it a fast line sends every long prefill away and its queue, not the
   line, becomes the tail), and a dead or unreachable remote pool (``local (no remote
-  prefill)``).
+  prefill)``);
+* **every prefill away** in a deployment with no prefill instance where requests enter
+  (``offloaded (no prefill home)``: PrfaaS's naive heterogeneous PD, ``topologies/prfaas-naive.yaml``).
 
 Options (``prefill-offload:key=value,...``, ``OffloadOptions`` below): ``threshold``
 (uncached emulated tokens, default 19,456: PrfaaS's reported break-even of ~19.4K, a starting
 point that ``testbed tune`` can move), ``wan_s`` (default 2.0 emulated s), ``balance``
-(default true) and ``transfer`` (``per-chunk``: an offloaded prefill's KV streams back as it
-is computed, as PrfaaS pipelines it; unset: the scenario's ``kv_transfer``).
+(default true: requests in flight, right between like pools; between unlike ones, an H200
+pool beside H20 instances, it keeps long prefills on the slow side, and PrfaaS's case study
+runs without it: docs/results.md) and ``transfer`` (``per-chunk``: an offloaded prefill's KV
+streams back as it is computed, as PrfaaS pipelines it; unset: the scenario's
+``kv_transfer``). A streamed transfer's time is its prefill's as much as the line's: it feeds
+the line's backlog, never its learned efficiency.
 """
 
 from __future__ import annotations
@@ -95,6 +101,8 @@ class PrefillOffload(Policy):
 
     def plan(self, req: RequestState, cluster: ClusterView) -> Plan:
         home = self.ctx.home_dc
+        if not any(w.role == "prefill" and w.dc == home for w in cluster.workers.values()):
+            return self._everything_away(req, cluster)
         p = cluster.pick("prefill", dc=home, prompt=req.prompt)
         d = cluster.pick("decode", dc=p.dc, prompt=req.prompt)
         uncached = (req.prompt_len - self._index(p.name, "prefill").match(req.prompt)) * self.ctx.token_scale
@@ -125,6 +133,19 @@ class PrefillOffload(Policy):
         self.counts["local"] += 1
         return Plan(f"P-D({d.dc})", p.name, d.name, kv_transfer=self.opts.transfer)
 
+    def _everything_away(self, req: RequestState, cluster: ClusterView) -> Plan:
+        """A deployment with no prefill instance where requests enter (PrfaaS's "naive
+        heterogeneous PD"): every prefill goes to the pool away, whatever the line does."""
+        d = cluster.pick("decode", dc=self.ctx.home_dc, prompt=req.prompt)
+        r = cluster.pick_outside("prefill", d.dc, prompt=req.prompt)
+        have = self._index(d.name).match(req.prompt)
+        delta_bytes = self.ctx.transfer_bytes(max(0, req.prompt_len - have))
+        self.wan.started(req.rid, delta_bytes)
+        self._index(r.name, "prefill").insert(req.prompt)
+        self.counts["offloaded (no prefill home)"] += 1
+        info = PlanInfo(md_have_tokens=have, delta_tokens=max(0, req.prompt_len - have), delta_bytes=delta_bytes)
+        return Plan(f"P({r.dc})-D({d.dc})", r.name, d.name, info=info, kv_transfer=self.opts.transfer)
+
     def decode_command(self, req: RequestState, plan: Plan, worker: str) -> DecodeCmd:
         return DecodeCmd(rid=req.rid, prompt=req.prompt.tolist(), max_new=req.max_new)
 
@@ -133,7 +154,8 @@ class PrefillOffload(Policy):
         if plan is None:
             return
         if isinstance(event, KvSent) and event.to == plan.decode and req.rid in self.wan.inflight:
-            self.wan.finished(req.rid, event.queued_s + event.end - event.start, event.cancelled)
+            observed = None if self.streamed(plan) else event.queued_s + event.end - event.start
+            self.wan.finished(req.rid, observed, event.cancelled)
         elif isinstance(event, KvReceived) and event.worker == plan.decode:
             self._index(event.worker).insert(req.prompt)  # the local decoder's cache now holds it
         elif isinstance(event, Failed):

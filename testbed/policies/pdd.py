@@ -188,7 +188,9 @@ class Pdd(Policy):
             return
         if isinstance(event, KvSent) and event.to == plan.decode:
             # From when it joined the sender's queue: the estimate counts the backlog ahead.
-            self.wan.finished(req.rid, event.queued_s + event.end - event.start, event.cancelled)
+            # (A streamed transfer's time is its prefill's too: no sample of the line's rate.)
+            observed = None if self.streamed(plan) else event.queued_s + event.end - event.start
+            self.wan.finished(req.rid, observed, event.cancelled)
         elif (isinstance(event, KvReceived) and event.worker == plan.decode and self.drc
               and plan.pipeline != "P-RLD"):
             # Only now does the MD hold this prompt (a cut-off transfer never gets here).
