@@ -37,4 +37,5 @@ def test_the_case_study_composes_three_sweeps_into_the_papers_figures(tmp_path: 
     for f in FIGURES:
         row = next(r for r in rows if r.startswith(f"| {f.name} |"))
         assert row.split("|")[3].strip() not in ("", "-"), row  # measured in this draw
+        assert row.split("|")[4].strip() in ("yes", "**no**"), row
     assert "| prfaas (prefill-offload) |" in table and "| 128.0 |" in table  # 64 H20 + 32 H200 at 2 H20
