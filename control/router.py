@@ -249,7 +249,8 @@ class Router:
             return
         req.plan = plan
         for w in plan.workers:
-            self.view.workers[w].assigned += 1
+            if w not in plan.hold:  # a holder only takes the KV in: not a request it serves
+                self.view.workers[w].assigned += 1
             self.view.remember(w, req.prompt)  # the prompt as an array: hashed without a copy
         # Who will stream it, said before any worker is told (the client takes the request's
         # tokens from those alone: ``protocol.stream_gate``).
@@ -361,7 +362,7 @@ class Router:
             print(f"router: {e}", file=sys.stderr, flush=True)
         plan = req.plan
         if plan:
-            for w in plan.workers:
+            for w in plan.workers - set(plan.hold):
                 self.view.workers[w].assigned -= 1
         w = self.view.workers
         rec = RequestRecord(rid=req.rid, md_failed=req.md_failed, cut_off=req.cut_off, error=error,

@@ -86,11 +86,13 @@ async def replay(transport: Transport, broker: BrokerInfo, topics: Topics, specs
     live = dict(recs)  # by the id of each request's current attempt
     by_rid = {s.rid: s for s in specs}
     followers: dict[str, list[RequestSpec]] = {}
+    waits: dict[str, set[str]] = {}  # a closed-loop request's predecessors still to complete
     for s in specs:
-        if s.after is not None:
-            if s.after not in by_rid:
-                raise ProtocolError(f"request {s.rid} follows unknown request {s.after}")
-            followers.setdefault(s.after, []).append(s)
+        for before in ([s.after, *s.also_after] if s.after is not None else []):
+            if before not in by_rid:
+                raise ProtocolError(f"request {s.rid} follows unknown request {before}")
+            followers.setdefault(before, []).append(s)
+            waits.setdefault(s.rid, set()).add(before)
     finished = asyncio.Event()
     n_done = 0
     pending: set[asyncio.Task[None]] = set()
@@ -178,8 +180,12 @@ async def replay(transport: Transport, broker: BrokerInfo, topics: Topics, specs
         if n_done == len(recs):
             finished.set()
         for nxt in followers.get(rec.rid, []):
-            if rec.ok:  # its delay after this answer, and not before its own time (a tree's child)
-                later(send(nxt, max(nxt.delay, t0 + nxt.at - clock.now())))
+            if recs[nxt.rid].done:  # failed already, by another of the calls it waited on
+                continue
+            if rec.ok:  # its delay after its last answer, and not before its own time (a tree's child)
+                waits[nxt.rid].discard(rec.rid)
+                if not waits[nxt.rid]:
+                    later(send(nxt, max(nxt.delay, t0 + nxt.at - clock.now())))
             else:
                 # An agent cannot take its next turn without this turn's answer (its retries spent).
                 f = recs[nxt.rid]

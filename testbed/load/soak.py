@@ -129,15 +129,15 @@ def soak_specs(wl: Workload, wall_s: float, load: float, dilation: float) -> lis
     out: list[RequestSpec] = []
     for k in range(int(wall_s // span) + 1):
         p = f"c{k}-"
-        out += [replace(s, rid=p + s.rid, at=s.at + k * span, after=None if s.after is None else p + s.after)
-                for s in base]
+        out += [replace(s, rid=p + s.rid, at=s.at + k * span, after=None if s.after is None else p + s.after,
+                        also_after=tuple(p + a for a in s.also_after)) for s in base]
     kept = {s.rid for s in out if s.after is None and s.at < wall_s}
     grew = True
     while grew:  # the later turns of every session whose first turn is in
         new = {s.rid for s in out if s.after in kept} - kept
         kept |= new
         grew = bool(new)
-    return [s for s in out if s.rid in kept]
+    return [replace(s, also_after=tuple(a for a in s.also_after if a in kept)) for s in out if s.rid in kept]
 
 
 def random_faults(sc: Scenario, emulated_s: float, every_s: float, seed: int) -> list[Fault]:

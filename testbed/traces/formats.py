@@ -26,6 +26,7 @@ from pydantic import (
 
 from protocol.messages import SAFE_NAME, RequestHints
 from testbed.errors import InputError
+from testbed.traces.agentic_mooncake import load_agentic_mooncake
 from testbed.traces.bailian import load_bailian
 from testbed.traces.burstgpt import BURSTGPT_COLUMNS, load_burstgpt
 from testbed.traces.cc_traces import load_cc_traces
@@ -37,7 +38,7 @@ from testbed.traces.workload import VOCAB_HIGH, Segment, TraceRequest, Workload,
 
 MOONCAKE_BLOCK = 512
 FORMATS = ("mooncake", "azure", "sessions", "requests", "bailian", "tracelab", "burstgpt", "copilot-agent",
-           "cc-traces")
+           "cc-traces", "agentic-mooncake")
 SESSIONS_FORMAT = "pdd-sessions"
 
 def _non_empty(path: Path, reqs: list[TraceRequest]) -> list[TraceRequest]:
@@ -294,7 +295,7 @@ def load_requests(path: Path, token_scale: int = 1) -> Workload:
 # ------------------------------------------------------------------------------ dispatch
 LOADERS = {"mooncake": load_mooncake, "azure": load_azure, "sessions": load_sessions, "requests": load_requests,
            "bailian": load_bailian, "tracelab": load_tracelab, "burstgpt": load_burstgpt,
-           "copilot-agent": load_copilot, "cc-traces": load_cc_traces}
+           "copilot-agent": load_copilot, "cc-traces": load_cc_traces, "agentic-mooncake": load_agentic_mooncake}
 
 
 def detect_format(path: Path) -> str:
@@ -311,7 +312,7 @@ def detect_format(path: Path) -> str:
         if isinstance(calls, list) and calls and isinstance(calls[0], dict) and "hash_ids" in calls[0]:
             return "cc-traces"
         if "hash_ids" in obj:
-            return "mooncake"
+            return "agentic-mooncake" if "session_id" in obj or "wait_for" in obj else "mooncake"
         turns = obj.get("turns")
         if isinstance(turns, list) and turns and isinstance(turns[0], dict) and "llm_calls" in turns[0]:
             return "copilot-agent"

@@ -77,6 +77,7 @@ class TraceRequest:
     at: float | None = None  # open loop: seconds after the replay starts
     after: str | None = None  # closed loop: sent ``delay`` s after this request completes
     delay: float = 0.0
+    also_after: tuple[str, ...] = ()  # closed loop: and after these (an agent waiting on several calls)
     session: str | None = None
     turn: int = 0
     line: int = 0  # where it came from, for messages
@@ -138,6 +139,7 @@ class RequestSpec:
     hints: RequestHints = field(default_factory=RequestHints)
     after: str | None = None  # closed loop: sent ``delay`` s after request ``after`` completes
     delay: float = 0.0
+    also_after: tuple[str, ...] = ()  # ... and every one of these
     # ``hints.answer`` as the client sends it, made then (a ``Prompt``): an hour at token scale
     # 1 is 10.8 M answer tokens, ~360 MB as lists held from the first request to the last.
     answer: Sequence[int] | None = None
@@ -162,7 +164,7 @@ class Workload:
             if r.at is not None:
                 est[r.rid] = r.at
             else:
-                est[r.rid] = est.get(r.after or "", 0.0) + r.delay
+                est[r.rid] = max(est.get(p, 0.0) for p in (r.after or "", *r.also_after)) + r.delay
         return est
 
     def select(self, limit: int | None = None, window: tuple[float, float] | None = None) -> Workload:
@@ -185,7 +187,12 @@ class Workload:
             r2 = dataclasses.replace(r)
             if r2.at is not None:
                 r2.at = r2.at - shift
-            if r2.after is not None and r2.after not in kept:  # (a tree's child keeps its own time)
+            waits = [p for p in (r2.after, *r2.also_after) if p is not None and p in kept]
+            if r2.after is not None and waits and waits[0] != r2.after:  # its first one cut away: the next
+                r2.after, r2.also_after = waits[0], tuple(waits[1:])
+            elif r2.also_after:
+                r2.also_after = tuple(waits[1:])
+            if r2.after is not None and not waits:  # (a tree's child keeps its own time)
                 r2.at = max(0.0, r2.at if r2.at is not None else est[r.rid] - shift)
                 r2.after, r2.delay = None, 0.0
             out.append(r2)
@@ -219,7 +226,7 @@ class Workload:
             hints = r.hints.model_copy(update={"session": r.session, "turn": r.turn})
             out.append(RequestSpec(r.rid, r.lazy_prompt(), r.output_len,
                                    at=(r.at or 0.0) / speed if r.at is not None else 0.0,
-                                   hints=hints, after=r.after, delay=r.delay / speed,
+                                   hints=hints, after=r.after, delay=r.delay / speed, also_after=r.also_after,
                                    answer=Prompt([r.answer]) if r.answer else None))
         return out
 
