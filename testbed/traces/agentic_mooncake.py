@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from protocol.messages import RequestHints
 from testbed.traces.line_errors import line_error
 from testbed.traces.lines import MAX_SECONDS, MAX_TOKENS, Number, Tokens, json_lines, parse_line
-from testbed.traces.workload import Segment, TraceRequest, Workload, scale_len
+from testbed.traces.workload import TraceRequest, Workload, hashed_blocks, scale_len
 
 AGENTIC_BLOCK = 512  # Mooncake's
 MAX_WAITS = 1024  # calls one call may wait for
@@ -70,12 +70,8 @@ def load_agentic_mooncake(path: Path, token_scale: int = 1) -> Workload:
         rid = f"am{i:06d}"
         rid_of[r.request_id] = rid
         rows[r.request_id] = (i, r)
-        want = min(scale_len(r.input_length, token_scale), n * block)
-        segs: list[Segment] = []
-        for h in r.hash_ids:
-            take = min(block, want - sum(s.n for s in segs))
-            if take > 0:
-                segs.append(Segment(f"agentic-mooncake:{h}:{block}", take))
+        segs = hashed_blocks("agentic-mooncake", r.hash_ids, min(scale_len(r.input_length, token_scale), n * block),
+                             block)
         waits = [rid_of[w] for w in r.wait_for]
         turn = turns.get(r.session_id, 0)
         turns[r.session_id] = turn + 1

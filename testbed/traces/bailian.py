@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from protocol.messages import RequestHints
 from testbed.traces.line_errors import line_error
 from testbed.traces.lines import MAX_TOKENS, Seconds, Tokens, json_lines, parse_line
-from testbed.traces.workload import Segment, TraceRequest, Workload, scale_len
+from testbed.traces.workload import TraceRequest, Workload, hashed_blocks, scale_len
 
 BAILIAN_BLOCK = 16
 ChatId = StrictInt | StrictStr
@@ -68,12 +68,7 @@ def load_bailian(path: Path, token_scale: int = 1) -> Workload:
         rid = f"b{len(reqs):06d}"
         rid_of[chat] = rid
         root_of[chat] = root_of[parent] if parent is not None else rid
-        want = min(scale_len(r.input_length, token_scale), n * block)
-        segs: list[Segment] = []
-        for h in r.hash_ids:
-            take = min(block, want - sum(s.n for s in segs))
-            if take > 0:
-                segs.append(Segment(f"bailian:{h}:{block}", take))
+        segs = hashed_blocks("bailian", r.hash_ids, min(scale_len(r.input_length, token_scale), n * block), block)
         reqs.append(TraceRequest(rid, segs, scale_len(r.output_length, token_scale), at=r.timestamp - t0,
                                  after=rid_of[parent] if parent is not None else None, session=root_of[chat],
                                  turn=r.turn, line=i, hints=RequestHints(tag=r.type[:32])))

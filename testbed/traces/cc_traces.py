@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from protocol.messages import RequestHints
 from testbed.traces.line_errors import line_error
 from testbed.traces.lines import MAX_TOKENS, Seconds, Tokens, json_lines, parse_line
-from testbed.traces.workload import Segment, TraceRequest, Workload, scale_len
+from testbed.traces.workload import TraceRequest, Workload, hashed_blocks, scale_len
 
 CC_BLOCK = 64
 MAX_CALLS = 100_000  # calls in one trace (the published ones hold up to 13.7K)
@@ -65,12 +65,8 @@ def load_cc_traces(path: Path, token_scale: int = 1) -> Workload:
     t0 = calls[0][0]
     reqs: list[TraceRequest] = []
     for t, i, k, c, scope in calls:
-        want = min(scale_len(c.in_, token_scale), len(c.hash_ids) * block)
-        segs: list[Segment] = []
-        for h in c.hash_ids:
-            take = min(block, want - sum(s.n for s in segs))
-            if take > 0:
-                segs.append(Segment(f"cc:{scope}:{h}:{block}", take))
+        segs = hashed_blocks(f"cc:{scope}", c.hash_ids, min(scale_len(c.in_, token_scale), len(c.hash_ids) * block),
+                             block)
         reqs.append(TraceRequest(f"c{i:05d}.{k:05d}", segs, scale_len(c.out, token_scale), at=t - t0,
                                  session=f"cc{i}", turn=k, line=i, hints=RequestHints(tag=c.model[:32])))
     return Workload(path, "cc-traces", reqs, token_scale, block)

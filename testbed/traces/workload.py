@@ -231,6 +231,17 @@ class Workload:
         return out
 
 
+def hashed_blocks(namespace: str, hash_ids: Sequence[int], want: int, block: int) -> list[Segment]:
+    """A prompt of ``want`` tokens made of a trace's hashed blocks of ``block`` tokens (equal
+    ids in one ``namespace`` are equal content, so shared prefixes are cached as published)."""
+    segs: list[Segment] = []
+    for h in hash_ids:
+        take = min(block, want - sum(s.n for s in segs))
+        if take > 0:
+            segs.append(Segment(f"{namespace}:{h}:{block}", take))
+    return segs
+
+
 def cut(segments: list[Segment], n: int) -> list[Segment]:
     """The first ``n`` tokens of ``segments`` (a shorter cut of a stream is its prefix): how a
     trace that gives a shared prefix as a count (TraceLab, Copilot) takes it from a session's
