@@ -254,12 +254,15 @@ def test_planned_hit_is_what_an_unbounded_cache_of_earlier_prompts_holds_and_sit
     assert cached["c"] == pytest.approx(128 / 144) and cached["b"] == plain["b"]
     recs["a"].sent = 5.0  # sent last: nothing before it, and b and c no longer find its blocks in the cache
     assert planned_hits(recs, specs, 16, outputs_cached=False)["b"] == 0.0
-    df = _rows([1.0] * 10).assign(planned_hit=1.0, prefill_hit=lambda d: d.prefill_hit_tokens / d.prompt_tokens)
+    df = _rows([1.0] * 10).assign(planned_hit=1.0, prefill_hit=lambda d: d.prefill_hit_tokens / d.prompt_tokens,
+                                  decode_hit=[0.2] * 5 + [np.nan] * 5)
     s = _policy(df)
     assert (s.hit_planned_mean, s.hit_planned_above95) == (1.0, 1.0)
     assert s.hit_got_mean == pytest.approx(0.45) and s.hit_got_above95 == 0.0
+    assert s.hit_decode_mean == pytest.approx(0.2)  # over the requests whose main decoder got KV
     section = report.hit_section(RunSummary.model_construct(policies={"pdd": s}))
-    assert section[0] == "## Prefix hit: planned and got" and "| pdd | 100.0 % | 100.0 % | 45.0 % | 0.0 % |" in section
+    assert section[0] == "## Prefix hit: planned and got"
+    assert "| pdd | 100.0 % | 100.0 % | 45.0 % | 0.0 % | 20.0 % |" in section
 
 
 @pytest.mark.parametrize("outputs_cached", [False, True])

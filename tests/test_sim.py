@@ -62,6 +62,9 @@ def test_every_policy_runs_in_the_simulator(capsys: pytest.CaptureFixture[str], 
     assert crosses is None or (s["wan_kv_bytes"] > 0) == crosses
     assert rows.ttft_s.notna().all() and (rows.ttft_s > 0).all() and (rows.tpot_s.dropna() > 0).all()
     assert summary["emulation"]["dilation"] == 1.0 and "simulated" in summary["emulation"]["dilation_reason"]
+    if policy in ("cross-dc", "pdd"):  # a session's later turns find their history at the main decoder
+        md = rows[rows.pipeline != "P-RLD"].decode_hit  # (none where a cut-off kept the KV from it)
+        assert md.notna().sum() > 20 and md.max() > 0.5 and s["hit_decode_mean"] == pytest.approx(md.mean())
 
 
 def test_the_same_inputs_give_the_same_records_in_any_process(capsys: pytest.CaptureFixture[str],

@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 from pydantic import BaseModel, ConfigDict
 
-from protocol.messages import Extended, HandoffSent, KvSent, PrefillDone, RequestHints
+from protocol.messages import Extended, HandoffSent, KvReceived, KvSent, PrefillDone, RequestHints
 from protocol.router_config import RequestRecord
 from protocol.worker_config import Scales
 from testbed.deploy.run_record import ClientRecord
@@ -78,8 +78,12 @@ class RequestRow:
     # The prefix hit, as shares of the prompt: planned (what an unbounded cache of every earlier
     # prompt, and answer where the scenario caches them, would hold: ``planned_hit.planned_hits``) and got
     # (what the prefill that served it held). Apart, they say what routing and cache sizes cost.
+    # At the decoders: what the main decoder (and a relay) already held of the prompt when its KV
+    # came (the KV that did not cross: PDD's decoder cache, ``KvReceived.had``).
     planned_hit: float
     prefill_hit: float
+    decode_hit: float
+    relay_hit: float
     kv_bytes: int
     kv_tokens_sent: int
     wan_kv_bytes: int
@@ -131,6 +135,7 @@ def request_row(r: ClientRecord, rr: RequestRecord, h: RequestHints, sc: Scales,
     final_extend = next((e for e in rr.events if isinstance(e, Extended) and e.final), None)
     relay = rr.relay or (rr.decode if rr.pipeline == "P-RLD" else None)
     eager = r.by_worker.get(relay, 0) if relay else 0
+    had = {e.worker: e.had for e in rr.events if isinstance(e, KvReceived)}
     done = r.ok and bool(r.token_times)
     return RequestRow(
         rid=r.rid, ok=r.ok, error=r.error, pipeline=rr.pipeline, prefill_worker=rr.prefill, decode_worker=rr.decode,
@@ -144,6 +149,8 @@ def request_row(r: ClientRecord, rr: RequestRecord, h: RequestHints, sc: Scales,
         e2e_s=(r.token_times[-1] - r.sent) / d if done else NAN,
         prefill_hit_tokens=prefill.hit_tokens if prefill else None, planned_hit=planned,
         prefill_hit=prefill.hit_tokens / r.prompt_len if prefill and r.prompt_len else NAN,
+        decode_hit=had[rr.decode] / r.prompt_len if rr.decode in had and r.prompt_len else NAN,
+        relay_hit=had[relay] / r.prompt_len if relay in had and r.prompt_len else NAN,
         prefill_computed=prefill.computed if prefill else None,
         kv_bytes=sum(e.bytes for e in kv_sent), kv_tokens_sent=sum(e.tokens for e in kv_sent),
         wan_kv_bytes=sum(e.bytes for e in wan),
@@ -258,6 +265,8 @@ class Summary(BaseModel):
     hit_planned_above95: float | None = None
     hit_got_mean: float | None = None
     hit_got_above95: float | None = None
+    hit_decode_mean: float | None = None  # what the main decoder held when the KV came (mean share)
+    hit_decode_above95: float | None = None
 
 
 def summarize(df: pd.DataFrame, itl: Sequence[float] | np.ndarray, slo: Slo | None = None,
@@ -309,7 +318,7 @@ def summarize(df: pd.DataFrame, itl: Sequence[float] | np.ndarray, slo: Slo | No
 
 def _hit_summary(ok: pd.DataFrame) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
-    for key, col in (("planned", "planned_hit"), ("got", "prefill_hit")):
+    for key, col in (("planned", "planned_hit"), ("got", "prefill_hit"), ("decode", "decode_hit")):
         v = ok[col].dropna() if col in ok else pd.Series(dtype=float)
         out[f"hit_{key}_mean"] = float(v.mean()) if len(v) else None
         out[f"hit_{key}_above95"] = float((v > 0.95).mean()) if len(v) else None

@@ -161,7 +161,8 @@ def hit_section(summary: RunSummary) -> list[str]:
     everything sent before them) beside what their prefill held (got); nothing for a summary
     saved before both were kept."""
     rows = [(name, f"{100 * s.hit_planned_mean:.1f} %", f"{100 * (s.hit_planned_above95 or 0):.1f} %",
-             f"{100 * s.hit_got_mean:.1f} %", f"{100 * (s.hit_got_above95 or 0):.1f} %")
+             f"{100 * s.hit_got_mean:.1f} %", f"{100 * (s.hit_got_above95 or 0):.1f} %",
+             "-" if s.hit_decode_mean is None else f"{100 * s.hit_decode_mean:.1f} %")
             for name, s in summary.policies.items()
             if s.hit_planned_mean is not None and s.hit_got_mean is not None]
     if not rows:
@@ -169,9 +170,10 @@ def hit_section(summary: RunSummary) -> list[str]:
     return ["## Prefix hit: planned and got", "",
             "Completed requests; planned: the share of each prompt an unbounded prefix cache of everything sent "
             "before it would hold (answers too where the scenario caches them), got: what the prefill that served "
-            "it held (its cache's size, and the routing across instances, make the difference).", "",
-            *markdown_table(["policy", "planned mean", "planned above 95 %", "got mean", "got above 95 %"], rows,
-                            "lrrrr"), ""]
+            "it held (its cache's size, and the routing across instances, make the difference); main decoder: "
+            "what the decoder that streamed to the end already held when the KV came (what did not cross).", "",
+            *markdown_table(["policy", "planned mean", "planned above 95 %", "got mean", "got above 95 %",
+                             "main decoder held, mean"], rows, "lrrrrr"), ""]
 
 
 def report_markdown(summary: RunSummary) -> str:
