@@ -69,7 +69,8 @@ class Router:
         self.transport = transport  # the broker and the workers' ports: the host's network or a simulator's
         self.topics = Topics(cfg.run_id)
         self.decisions = Decisions(cfg.policy, cfg.context)  # the policy, built once the router dropped root
-        self.view = ClusterView({n: WorkerView(n, w.role, w.dc, w.host, w.kv_port) for n, w in cfg.workers.items()},
+        self.view = ClusterView({n: WorkerView(n, w.role, w.dc, w.host, w.kv_port, tflops=w.prefill_tflops)
+                                 for n, w in cfg.workers.items()},
                                 block_size=cfg.context.block_size,
                                 cache_tokens=cfg.context.decode_cache_tokens or 262144,
                                 exact_roles=frozenset({"prefill"} if cfg.context.prefill_exact_states else ()))

@@ -38,6 +38,7 @@ class WorkerEndpoint(Contract):
     dc: str
     host: str  # emulated IP address
     kv_port: int = Field(ge=1, le=65535)
+    prefill_tflops: float | None = Field(default=None, gt=0)  # its device's peak x prefill efficiency; None: native
 
 
 class RouterConfig(Contract):

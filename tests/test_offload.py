@@ -88,6 +88,13 @@ def test_a_pool_away_busier_than_home_keeps_the_prefill_home_unless_balance_is_o
     cl.workers["prefill"].assigned = 0
     blind = _policy("prefill-offload:threshold=1000,wan_s=5,balance=false")
     assert blind.plan(_req("c", synth_tokens("c", 2000)), cl).prefill == "prefill-b"
+    # Unlike devices: requests in flight per unit of prefill compute. Three on a pool 8x the
+    # home instance's compute wait less than one at home.
+    cl.workers["prefill"].assigned, cl.workers["prefill"].tflops = 1, 72.0
+    cl.workers["prefill-b"].tflops = 8 * 72.0
+    assert pol.plan(_req("d", synth_tokens("d", 2000)), cl).prefill == "prefill-b"
+    cl.workers["prefill-b"].tflops = 72.0  # like devices: by count, as above
+    assert pol.plan(_req("e", synth_tokens("e", 2000)), cl).prefill == "prefill"
 
 
 def test_a_scenario_without_a_remote_prefill_pool_is_refused_for_offload() -> None:

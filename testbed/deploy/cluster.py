@@ -38,6 +38,7 @@ from protocol.topics import Topics
 from protocol.worker_config import (
     KV_PORT,
     BrokerInfo,
+    DeviceSpec,
     MemoryReport,
     RunAs,
     Scales,
@@ -140,6 +141,11 @@ def worker_configs(sc: Scenario, run_id: str, ip_of: Callable[[str], str], broke
     return out
 
 
+def _prefill_tflops(d: DeviceSpec) -> float | None:
+    """What a policy weighs instances of unlike devices by: the compute a prefill gets."""
+    return d.peak_tflops * d.compute_efficiency if d.peak_tflops else None
+
+
 def router_config(sc: Scenario, run_id: str, policy: PolicySpec, workers: dict[str, WorkerConfig],
                   broker: BrokerInfo, records_path: Path, model: str, dtype: str | None = None,
                   emulation: EmulationPlan | None = None, run_as: RunAs | None = None) -> RouterConfig:
@@ -160,7 +166,8 @@ def router_config(sc: Scenario, run_id: str, policy: PolicySpec, workers: dict[s
         token_scale=emulation.scales.s_in if emulation else 1,
         prefill_exact_states=cost is not None and cost.linear_layers > 0, kv_transfer=ws.kv_transfer,
     )  # fmt: skip
-    endpoints = {h: WorkerEndpoint(role=c.role, dc=sc.datacenter_of(h), host=c.host_ip, kv_port=c.kv_port)
+    endpoints = {h: WorkerEndpoint(role=c.role, dc=sc.datacenter_of(h), host=c.host_ip, kv_port=c.kv_port,
+                                   prefill_tflops=_prefill_tflops(sc.device_spec(h)))
                  for h, c in workers.items()}
     card = read_config(model)
     # A real model holds prompt and answer within its positions; a modeled worker only within

@@ -40,6 +40,7 @@ class WorkerView:
     active: int = 0
     queued: int = 0
     assigned: int = 0  # requests the router has in flight on this worker (fresher than status)
+    tflops: float | None = None  # the compute a prefill gets on it (``WorkerEndpoint.prefill_tflops``)
 
 
 AFFINITY_SLACK = 4  # requests more than the least-loaded worker that a prefix match may cost

@@ -23,9 +23,9 @@ Per request, from what the local prefill would have to compute and what the line
 Options (``prefill-offload:key=value,...``, ``OffloadOptions`` below): ``threshold``
 (uncached emulated tokens, default 19,456: PrfaaS's reported break-even of ~19.4K, a starting
 point that ``testbed tune`` can move), ``wan_s`` (default 2.0 emulated s), ``balance``
-(default true: requests in flight, right between like pools; between unlike ones, an H200
-pool beside H20 instances, it keeps long prefills on the slow side, and PrfaaS's case study
-runs without it: docs/results.md) and ``transfer`` (``per-chunk``: an offloaded prefill's KV
+(default true: requests in flight, per unit of prefill compute between unlike devices, an
+H200 pool beside H20 instances: counted alike it kept long prefills on the slow side;
+docs/results.md) and ``transfer`` (``per-chunk``: an offloaded prefill's KV
 streams back as it is computed, as PrfaaS pipelines it; unset: the scenario's
 ``kv_transfer``). A streamed transfer's time is its prefill's as much as the line's: it feeds
 the line's backlog, never its learned efficiency.
@@ -47,6 +47,7 @@ from testbed.policies.base import (
     PolicyContext,
     PolicyReport,
     RequestState,
+    WorkerView,
     busy,
     transfer_option,
 )
@@ -68,6 +69,16 @@ class OffloadOptions(BaseModel):
                          json_schema_extra={"tune": {"low": 0.0, "high": 5.0}})
     balance: bool = Field(default=True, description="offload only while the pool away is no busier than home")
     transfer: KvTransfer | None = transfer_option()
+
+
+def _busier(away: WorkerView, home: WorkerView) -> bool:
+    """``away`` has more in flight than ``home``: counted in requests between like devices, in
+    requests per unit of prefill compute between unlike ones (an 8-H200 pool finishes a prefill
+    ~8x sooner than an 8-H20 instance: by count it would look busier while it waits less)."""
+    a, h = away.tflops, home.tflops
+    if a and h and a != h:
+        return tuple(x / a for x in busy(away)) > tuple(x / h for x in busy(home))
+    return busy(away) > busy(home)
 
 
 @register
@@ -112,7 +123,7 @@ class PrefillOffload(Policy):
             except LookupError:
                 r = None
                 self.counts["local (no remote prefill)"] += 1
-            if r is not None and self.opts.balance and busy(r) > busy(p):
+            if r is not None and self.opts.balance and _busier(r, p):
                 r = None
                 self.counts["local (away busier)"] += 1
             if r is not None:
