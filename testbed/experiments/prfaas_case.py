@@ -27,6 +27,7 @@ from pathlib import Path
 from testbed.analysis.confidence import mean_ci
 from testbed.analysis.results import load_run
 from testbed.analysis.wan_line import byte_factor
+from testbed.errors import InputError
 from testbed.experiments.load_sweep import SWEEP_FILE, LoadPoint, SlaThroughput, SweepResult
 from testbed.outputs import write_atomic
 
@@ -72,7 +73,7 @@ def _sweep(d: Path) -> SweepResult:
 
 def _only(items: list[SlaThroughput], where: Path) -> SlaThroughput:
     if len(items) != 1:
-        raise ValueError(f"{where}: expected one policy's sweep, found {len(items)}")
+        raise InputError(f"{where}: expected the sweep of one policy, found {len(items)}")
     return items[0]
 
 
