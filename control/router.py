@@ -272,7 +272,8 @@ class Router:
             d = self.view.workers[w]
             targets.append(KVTarget(worker=d.name, host=d.host, port=d.kv_port, ticket=ticket))
         await self.publish(self.topics.cmd(plan.prefill), PrefillCmd(rid=r.rid, prompt=r.prompt, kv_to=targets,
-                                                                  kv_transfer=plan.kv_transfer).dump())
+                                                                  kv_transfer=plan.kv_transfer,
+                                                                  kv_connections=plan.kv_connections).dump())
 
     async def _on_event(self, ev: Event) -> None:
         req = self.inflight.get(ev.rid)

@@ -18,7 +18,7 @@ import pydantic_core
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from protocol.validation import one_line
-from protocol.worker_config import Contract, KvTransfer, WorkerRole
+from protocol.worker_config import MAX_KV_CONNECTIONS, Contract, KvTransfer, WorkerRole
 
 QOS = 1
 # The longest prompt anything here carries (a request, a prefill command, a KV transfer's
@@ -97,6 +97,8 @@ class PrefillCmd(Message):
     prompt: list[int] = Field(min_length=1)
     kv_to: list[KVTarget] = []
     kv_transfer: KvTransfer | None = None  # when the KV leaves (None: the worker's configured mode)
+    # TCP connections each transfer uses at most (None: the worker's configured number)
+    kv_connections: int | None = Field(default=None, ge=1, le=MAX_KV_CONNECTIONS)
 
 
 class RelayPart(Message):

@@ -19,9 +19,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 # When a prefill's KV leaves for its decoders: once the whole prefill is done (the naive
-# baseline), or frame by frame as each prefill pass (chunk) that computed it ends, so that
-# the transfer overlaps the compute (``workers/kv_stream.py``).
-KvTransfer = Literal["after-prefill", "per-chunk"]
+# baseline), frame by frame as each prefill pass (chunk) that computed it ends, or layer group
+# by layer group as the pass computes them, so that the transfer overlaps the compute
+# (``workers/kv_stream.py``).
+KvTransfer = Literal["after-prefill", "per-chunk", "per-layer"]
+STREAMED: tuple[KvTransfer, ...] = ("per-chunk", "per-layer")  # the modes that stream as computed
+MAX_LAYER_GROUPS = 64  # a per-layer transfer's layer groups (each frame one group's KV)
+MAX_KV_CONNECTIONS = 16  # TCP connections one KV transfer may use (``workers/kv_stripes.py``)
 
 WorkerRole = Literal["prefill", "decode", "relay-decode"]
 
@@ -161,6 +165,8 @@ class WorkerConfig(Contract):
     kv_hello_wait_s: float = Field(default=2.0, gt=0)  # a HELLO's wait for its request's command
     kv_streams_per_peer: int = Field(default=1, ge=1)
     kv_transfer: KvTransfer = "after-prefill"  # a prefill command may choose another (``PrefillCmd``)
+    kv_connections: int = Field(default=1, ge=1, le=MAX_KV_CONNECTIONS)  # TCP connections per transfer (too)
+    kv_layer_groups: int = Field(default=4, ge=1, le=MAX_LAYER_GROUPS)  # per-layer: a frame carries one group's KV
     # Emulated tokens a prefill pass packs from several waiting requests (each at most the
     # device's prefill_chunk of its own); None: one request at a time (``workers/prefill.py``).
     prefill_token_budget: int | None = Field(default=None, ge=1)

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from protocol.worker_config import KvTransfer
+from protocol.worker_config import MAX_KV_CONNECTIONS, MAX_LAYER_GROUPS, KvTransfer
 
 
 class Strict(BaseModel):
@@ -47,7 +47,16 @@ class WorkerSettings(Strict):
         description="KV transfers a sender runs at once to one receiver; later ones wait their turn in "
                     "arrival order (a transfer engine's queue per peer)")
     kv_transfer: KvTransfer = Field(default="after-prefill", description=(
-        "when a prefill's KV leaves: after-prefill (all at its end) or per-chunk (each pass's KV as the pass ends)"))
+        "when a prefill's KV leaves: after-prefill (all at its end), per-chunk (each pass's KV as the pass ends) "
+        "or per-layer (each pass's KV in layer groups as the pass computes them: kv_layer_groups)"))
+    kv_layer_groups: int = Field(default=4, ge=1, le=MAX_LAYER_GROUPS, description=(
+        "per-layer transfers: the model's layers in this many groups; group g of G is computed (g+1)/G of the "
+        "way through a pass (each layer an equal share of it) and leaves then, the last when the pass ends"))
+    kv_connections: int = Field(default=1, ge=1, le=MAX_KV_CONNECTIONS, description=(
+        "TCP connections one KV transfer uses at most, frames spread over them in turn (parallel streams "
+        "sharing the line, as transfer engines open on commodity Ethernet: each connection is a flow of its own "
+        "at the bottleneck, so a transfer over k takes up to k shares of a contended line); a policy may ask "
+        "for another number per request (its ``connections`` option)"))
     prefill_token_budget: int | None = Field(default=None, ge=1, description=(
         "emulated tokens one prefill pass packs from several waiting requests, first come first served, each "
         "taking at most its device's prefill_chunk (a request's last chunk is its tail, sharing the pass with "

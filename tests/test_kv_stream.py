@@ -1,10 +1,11 @@
-"""KV streamed as it is computed (``kv_transfer: per-chunk``): the schedule of a prefill's
-passes, the wire sending each frame once its tokens are computed (and a cut-off while it
-waits), both engines running it end to end with the reference tokens."""
+"""KV streamed as it is computed (``kv_transfer: per-chunk`` and ``per-layer``): the schedule of
+a prefill's passes, the wire sending each frame once its tokens (its layers) are computed (and a
+cut-off while it waits), both engines running it end to end with the reference tokens."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ from testbed.policies import parse_policy
 from testbed.traces.workload import RequestSpec, synth_tokens
 from workers import kv_wire
 from workers.device import make_pacer
-from workers.kv_stream import Computed, schedule
+from workers.kv_stream import Computed, LayerOrder, schedule
 from workers.model import ModelRunner, ensure_default_model
 from workers.model_dir import kv_bytes_per_token
 
@@ -140,12 +141,14 @@ def test_the_simulator_streams_a_long_prefills_kv_across_the_line_while_it_compu
 
 @pytest.mark.serial  # real compute held to its modeled step times: no neighbour on the cores
 @needs_root
-def test_streamed_kv_from_packed_passes_over_real_sockets_gives_the_reference_tokens_through_pdd() -> None:
+@pytest.mark.parametrize("how", ["transfer=per-chunk,connections=4", "transfer=per-layer,connections=2"])
+def test_streamed_kv_from_packed_passes_over_real_sockets_gives_the_reference_tokens_through_pdd(how: str) -> None:
     # Passes of at most 128 emulated tokens (token scale 1), each request at most 64 of them
     # and each pass 50 ms of emulated overhead: two prompts of 600 and 650 tokens sent together
     # share ~11 passes, ~1.2 s of real time at D 2, far more than the real model's compute, so
     # that the first passes' KV is due long before a prefill ends. PDD relays every request
-    # (relay_s=0): the KV streams to the relay and across the line, and the relay hands over.
+    # (relay_s=0): the KV streams to the relay and across the line, per pass over four TCP
+    # connections each (kv_connections) or per layer group over two, and the relay hands over.
     sc = scenario_with({"devices": {"h100": {"prefill_chunk": 64, "step_overhead_ms": 50.0}},
                         "workers": {"prefill_token_budget": 128},
                         "datacenters": {"a": {"lan": {"rate_mbit": 400000}}, "b": {"lan": {"rate_mbit": 400000}}}},
@@ -154,7 +157,7 @@ def test_streamed_kv_from_packed_passes_over_real_sockets_gives_the_reference_to
     specs = [RequestSpec(f"s{i}", synth_tokens(f"stream-{i}", 600 + 50 * i), 24, at=0.0) for i in range(2)]
     runner = ModelRunner(ensure_default_model(), "float64")
     refs = {s.rid: runner.reference(s.prompt, s.max_new) for s in specs}
-    policy = "pdd:relay_s=0,handoff=catch-up,threshold=4,transfer=per-chunk"
+    policy = f"pdd:relay_s=0,handoff=catch-up,threshold=4,{how}"
     with Deployment(sc, parse_policy(policy), emulation=plan, dtype="float64") as dep:
         run = dep.run(TraceReplay(specs, timeout_s=240))
     assert compare(specs, refs, run.recs) == []
@@ -185,3 +188,90 @@ def test_streamed_kv_from_packed_passes_under_a_heavy_prefill_ends(tmp_path: Pat
     assert r.returncode == 0, r.stderr[-3000:]
     df = pd.read_csv(out / "requests.csv")
     assert len(df) == 12 and df.ok.all()
+
+
+# ------------------------------------------------------------------ per layer
+def test_a_per_layer_order_is_pass_by_pass_then_group_by_group_each_due_its_share_of_the_pass() -> None:
+    # Frames of 64 tokens from token 0, 64 cached at the prefill; two passes: to token 64 + 128
+    # at 0.2 s, to 320 at 0.6 s; two layer groups.
+    c = Computed(0.0, 64, (128, 256), (0.2, 0.6))
+    order = LayerOrder(c, 0, 320, 64, 2)
+    frames = [asyncio.run(order.get(j)) for j in range(10)]
+    assert frames == [(0, 0), (1, 0),  # cached at the prefill: at once, both groups
+                      (0, 64), (0, 128), (1, 64), (1, 128),  # pass 1 (tokens 64-191): group 0, then group 1
+                      (0, 192), (0, 256), (1, 192), (1, 256)]  # pass 2 (the rest)
+    assert asyncio.run(order.get(10)) is None and order.last(10)
+    assert [order.due(f) for f in frames] == [0.0, 0.0, 0.1, 0.1, 0.2, 0.2, 0.4, 0.4, 0.6, 0.6]
+
+
+def test_packed_passes_announce_their_layer_groups_as_they_start() -> None:
+    c = Computed(10.0, 0, final=False)
+    order = LayerOrder(c, 0, 128, 64, 4)
+    assert c.layer_due(64, 0, 4) is None  # no pass yet
+    c.passing(64, 10.0, 11.0)  # the first pass: tokens to 64, from 10 s to 11 s
+    assert [order.due(f) for f in [asyncio.run(order.get(j)) for j in range(4)]] == [10.25, 10.5, 10.75, None]
+    c.passed(64, 11.2)  # the last group is there when the pass has ended (a little late here)
+    assert c.layer_due(64, 3, 4) == 11.2
+
+
+def test_the_wire_sends_a_passes_layer_groups_as_they_are_computed_over_two_connections() -> None:
+    n, kv = 256, torch.randn(4, 2, 2, 256, 8, dtype=torch.float32)
+    c = Computed(0.0, 0, (256,), (0.8,))  # one pass of 0.8 s: per chunk, nothing could leave before its end
+
+    async def main() -> tuple[kv_wire.Incoming, list[tuple[int, float]], kv_wire.TransferStats]:
+        got: list[kv_wire.Incoming] = []
+        seen: list[tuple[int, float]] = []
+
+        async def offer(rid: str, toks: list[int], ticket: str) -> int:
+            return 0
+
+        async def done(inc: kv_wire.Incoming) -> None:
+            got.append(inc)
+
+        async def fail(rid: str, msg: str) -> None:
+            raise AssertionError(msg)
+
+        server = await kv_wire.serve_kv("127.0.0.1", 0, offer, done, fail)
+        port = server.sockets[0].getsockname()[1]
+        t0 = clock.monotonic()
+        computed = Computed(t0, 0, c.done, c.at)
+        try:
+            st = await kv_wire.send_kv(
+                "127.0.0.1", port, "l", list(range(n)), kv, 1, 16, frame_tokens=64, computed=computed,
+                layer_groups=4, connections=2,
+                on_progress=lambda s: seen.append((s.payload_bytes, clock.monotonic() - t0)))
+        finally:
+            await asyncio.sleep(0.05)
+            server.close()
+        return got[0], seen, st
+
+    inc, seen, st = asyncio.run(main())
+    assert torch.equal(inc.kv, kv) and st.tokens_sent == n
+    group = n * kv[:1].numel() // n * 4  # bytes of one layer group (one layer here) of all 256 tokens
+    first_group_at = next(t for b, t in seen if b >= group)
+    assert 0.2 <= first_group_at < 0.45  # a quarter of the way through the pass, not at its end
+    assert max(t for _, t in seen) >= 0.8  # the last group waited for the pass's end
+
+
+def test_the_simulator_streams_a_one_pass_prompt_per_layer_and_prices_the_wires_bytes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "one.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 6400, "output_length": 32,
+                                 "hash_ids": list(range(1, 14))}) + "\n")
+    out = tmp_path / "run"
+    policies = "cross-dc:transfer=per-chunk,cross-dc:transfer=per-layer,cross-dc:transfer=per-layer,connections=4"
+    code, err = run_cli(["run", "--engine", "sim", "--scenario", str(ROOT / "topologies/paper.yaml"), "--trace",
+                         str(trace), "--token-scale", "16", "--prefill-cost", "32", "--policies", policies, "--out",
+                         str(out)], capsys)
+    assert code == 0, err[-3000:]
+    df = pd.read_csv(out / "requests.csv").set_index("policy")
+    chunk, layer = df.loc["cross-dc:transfer=per-chunk"], df.loc["cross-dc:transfer=per-layer"]
+    four = df.loc["cross-dc:transfer=per-layer,connections=4"]
+    assert df.ok.all() and (df.output_tokens == chunk.output_tokens).all()
+    # 6,400 emulated tokens: one pass (~1.4 s at a prefill cost of x32; ~0.3 s of the line for its
+    # KV). Per chunk the KV leaves at the pass's end; per layer three of four groups leave during
+    # it, and the first token comes sooner by about three quarters of the transfer (0.28 s here).
+    line_s = chunk.wan_kv_bytes * 8 / 44.6e6  # the paper line's wire rate at token scale 16
+    assert chunk.ttft_s - layer.ttft_s > 0.5 * line_s, (chunk.ttft_s, layer.ttft_s, line_s)
+    # Four groups: each frame's header four times; four connections: three AUTHs, JOINs and ENDs more.
+    assert layer.wan_kv_bytes > chunk.wan_kv_bytes and four.wan_kv_bytes > layer.wan_kv_bytes

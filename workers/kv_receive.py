@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -16,15 +17,13 @@ from protocol import clock
 from protocol.kv_format import (
     ACK,
     BLOCK,
-    BLOCK_HDR,
     END,
     HDR,
     HELLO,
-    MAX_CONTROL_FRAME,
+    JOIN,
     MAX_HELLO,
     OFFER,
     STATE,
-    STATE_FRAME,
     Ack,
     End,
     Hello,
@@ -32,11 +31,10 @@ from protocol.kv_format import (
     KVTransferError,
     ModelShape,
     Offer,
-    check_block,
-    decode_block,
     parse_frame,
 )
 from workers.kv_conn import IDLE_FACTOR, MAX_CONNECTIONS, Admission, PeerSilent, listen, read_frame, write_frame
+from workers.kv_stripes import Assembly, serve_stripe
 
 
 @dataclass
@@ -67,15 +65,17 @@ async def serve_kv(host: str, port: int, offer: OfferFn, done: DoneFn, fail: Fai
     authenticated at once, and ``MAX_UNAUTHENTICATED`` still to authenticate: the oldest of
     those is closed for a new one); ``netns``: listen inside that namespace (a process
     standing for several hosts); ``state_bytes``: the fixed-size state every transfer carries
-    after its KV (the only size taken)."""
+    after its KV (the only size taken). A transfer may use several connections
+    (``workers/kv_stripes.py``): the ones in progress are found by their key here."""
     gate = Admission(max_connections, token, timeout_s)
+    joins: dict[str, Assembly] = {}
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if not await gate.admit(reader, writer):
             return
         try:
             while await receive_kv(reader, writer, offer, done, fail, expect, token, keep_open=True, zeros=zeros,
-                                   timeout_s=timeout_s, state_bytes=state_bytes):
+                                   timeout_s=timeout_s, state_bytes=state_bytes, joins=joins):
                 pass  # the sender may send its next transfer on this connection
         finally:
             gate.release()
@@ -84,11 +84,10 @@ async def serve_kv(host: str, port: int, offer: OfferFn, done: DoneFn, fail: Fai
     return await listen(handle, host, port, netns)
 
 
-
 async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, offer: OfferFn, done: DoneFn,
                      fail: FailFn, expect: ModelShape | None = None, token: str = "", keep_open: bool = False,
                      zeros: Callable[[int], torch.Tensor] | None = None, timeout_s: float | None = None,
-                     state_bytes: int = 0) -> bool:
+                     state_bytes: int = 0, joins: dict[str, Assembly] | None = None) -> bool:
     """One transfer, receiver side. ``offer(rid, tokens, ticket)`` returns the cached prefix
     length to claim (or refuses the sender, ``KVRefused``, and the request is not failed);
     ``expect`` (the receiver's own model) is the only KV layout accepted, and with a
@@ -101,10 +100,14 @@ async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
     always, but its content is not copied, and the transfer hands over ``zeros(n)``. With
     ``timeout_s`` every frame of a transfer must come within it, and a kept connection idle
     for ``IDLE_FACTOR`` times as long is closed. ``state_bytes``: the request state every
-    transfer must carry after its KV (a HELLO announcing another size is refused)."""
+    transfer must carry after its KV (a HELLO announcing another size is refused).
+    ``joins``: the transfers in progress that further connections may join (a HELLO may then
+    ask for several; without it, one connection each)."""
     rid: str | None = None
     received = 0
     ok = False
+    key: str | None = None
+    asm: Assembly | None = None
     try:
         try:
             ftype, payload = await read_frame(reader, MAX_HELLO, None if timeout_s is None else IDLE_FACTOR * timeout_s)
@@ -114,6 +117,9 @@ async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
             return False  # the sender closed the connection between transfers
         except PeerSilent:
             return False  # idle too long: closed without a word (a sender finds it closed and reconnects)
+        if ftype == JOIN and joins is not None:  # a further connection of a transfer in progress
+            ok, _ = await serve_stripe(reader, writer, payload, joins, timeout_s)
+            return ok and keep_open
         start = clock.now()  # the transfer's start (a kept connection may idle before it)
         received += HDR.size + len(payload)
         if ftype != HELLO:
@@ -131,54 +137,48 @@ async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
             have = await offer(rid, tokens, hello.ticket)
         except Exception as e:  # noqa: BLE001 - reported to the sender
             rid = None if isinstance(e, KVRefused) else rid  # not its sender: the request waits on for its own
-            await write_frame(writer, OFFER, Offer(error=str(e)).model_dump_json().encode())
+            await write_frame(writer, OFFER, Offer(error=str(e)).model_dump_json(exclude_none=True).encode())
             raise KVTransferError(str(e)) from e
-        await write_frame(writer, OFFER, Offer(have=have).model_dump_json().encode(), timeout_s)
         n = len(tokens)
         kv = (zeros(n - have) if zeros is not None
               else torch.empty((shape.layers, 2, shape.kv_heads, n - have, shape.head_dim), dtype=shape.dtype))
-        pos = have
-        state = 0  # state bytes received (STATE frames, after the last block)
+        if hello.layer_groups > shape.layers:
+            raise KVTransferError(f"{hello.layer_groups} layer groups of a model of {shape.layers} layers")
+        stripes = hello.stripes if joins is not None else 1
+        asm = Assembly(rid, shape, have, n, hello.block_size, stripes, kv, modeled=zeros is not None,
+                       state_bytes=state_bytes, groups=hello.layer_groups)
+        if stripes > 1:
+            key = secrets.token_hex(16)
+            joins[key] = asm  # type: ignore[index]
+        await write_frame(writer, OFFER, Offer(have=have, key=key).model_dump_json(exclude_none=True).encode(),
+                          timeout_s)
         while True:
-            # A block holds at most the KV still missing.
-            limit = (BLOCK_HDR.size + (n - pos) * shape.kv_bytes_per_token if pos < n
-                     else min(STATE_FRAME, state_bytes - state) if state < state_bytes else MAX_CONTROL_FRAME)
-            ftype, payload = await read_frame(reader, max(limit, MAX_CONTROL_FRAME), timeout_s)
+            ftype, payload = await read_frame(reader, asm.limit(), timeout_s)
             received += HDR.size + len(payload)
             if ftype == END:
                 end = parse_frame(End, payload, "END")
-                if pos != n or end.n != n:
-                    raise KVTransferError(f"transfer ended at token {pos} of {n}")
-                if state != state_bytes:
-                    raise KVTransferError(f"transfer ended with {state} of {state_bytes} state bytes")
+                if end.n != n:
+                    raise KVTransferError(f"transfer ended for {end.n} tokens, its HELLO said {n}")
+                await asm.until_complete(timeout_s)  # blocks still on the other connections
                 await write_frame(writer, ACK, b'{"ok": true}', timeout_s)
                 ok = True
-                await done(Incoming(rid, tokens, have, kv, end.first_token, received, start, clock.now()))
+                await done(Incoming(rid, tokens, have, kv, end.first_token, received + asm.received, start,
+                                    clock.now()))
                 return keep_open
             if ftype == STATE:
-                if pos != n or not payload or state + len(payload) > state_bytes:
-                    raise KVTransferError(f"unexpected state frame of {len(payload)} bytes at token {pos} of {n}, "
-                                          f"state {state} of {state_bytes}")
-                state += len(payload)
-                await asyncio.sleep(0)
-                continue
-            if ftype != BLOCK:
-                raise KVTransferError(f"unexpected frame type {ftype}")
-            if zeros is None:
-                blk = decode_block(payload, shape.layers, shape.kv_heads, shape.head_dim, shape.dtype)
-                first, count = blk.first, blk.kv.shape[3]
+                asm.add_state(len(payload))
+            elif ftype == BLOCK:
+                asm.put(payload)
             else:
-                first, count = check_block(payload, shape.layers, shape.kv_heads, shape.head_dim, shape.dtype)
-            if first != pos or pos + count > n:
-                raise KVTransferError(f"block at token {first}: expected token {pos}")
-            if zeros is None:
-                kv[:, :, :, pos - have : pos - have + count] = blk.kv
-            pos += count
+                raise KVTransferError(f"unexpected frame type {ftype}")
             # Frames already buffered are read without waiting: yield after each, or a
             # transfer holds the loop (and the paced steps' timers) for its whole length.
             await asyncio.sleep(0)
     except Exception as e:  # noqa: BLE001 - a bad peer fails its transfer, never the server
-        msg = f"KV transfer for {rid or '?'} failed: {e or type(e).__name__}"
+        why = asm.error if asm is not None and asm.error is not None else (str(e) or type(e).__name__)
+        msg = f"KV transfer for {rid or '?'} failed: {why}"
+        if asm is not None:
+            asm.fail(msg)  # its other connections stop too
         with contextlib.suppress(Exception):
             async with asyncio.timeout(1.0):  # a courtesy: a peer that takes nothing is not waited for
                 await write_frame(writer, ACK, Ack(error=msg).model_dump_json().encode())
@@ -186,5 +186,7 @@ async def receive_kv(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
             await fail(rid, msg)
         return False
     finally:
+        if key is not None and joins is not None:
+            joins.pop(key, None)
         if not (ok and keep_open):
             writer.close()

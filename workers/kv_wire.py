@@ -57,6 +57,7 @@ from protocol.kv_format import (  # noqa: F401 - the format's names are part of 
     FRAME_TOKENS,
     HDR,
     HELLO,
+    JOIN,
     MAGIC,
     MAX_AUTH,
     MAX_CONTROL_FRAME,
@@ -72,6 +73,7 @@ from protocol.kv_format import (  # noqa: F401 - the format's names are part of 
     Block,
     End,
     Hello,
+    Join,
     KVRefused,
     KVTransferError,
     ModelShape,
@@ -80,10 +82,12 @@ from protocol.kv_format import (  # noqa: F401 - the format's names are part of 
     decode_block,
     encode_block,
     encode_zero_block,
+    layer_bounds,
     parse_frame,
     recv_frame,
     send_frame,
 )
+from workers import kv_stream, kv_stripes
 from workers.kv_conn import (  # noqa: F401 - Connections and the limits are part of this module's interface
     IDLE_FACTOR,
     MAX_CONNECTIONS,
@@ -137,7 +141,8 @@ async def send_kv(
     block_size: int, cancel: asyncio.Event | None = None, corrupt_block: int | None = None,
     on_progress: Callable[[TransferStats], None] | None = None, frame_tokens: int = 0, token: str = "",
     ticket: str = "", pool: Connections | None = None, zeros: bool = False, netns: str | None = None,
-    timeout_s: float | None = None, state_bytes: int = 0, computed: Computed | None = None,
+    timeout_s: float | None = None, state_bytes: int = 0, computed: Computed | None = None, connections: int = 1,
+    layer_groups: int = 1,
 ) -> TransferStats:
     """Send the part of ``kv`` (for ``tokens``) the receiver lacks, in frames of whole blocks
     (``frame_tokens``, default ``FRAME_TOKENS``), over a connection from ``pool`` if it has
@@ -147,12 +152,17 @@ async def send_kv(
     (or answer nothing) before the transfer is broken; ``ticket``: the request's ticket for
     this receiver (``KVTarget.ticket``); ``state_bytes``: the request's fixed-size state sent
     after the KV (STATE frames, ``protocol.kv_format``); ``computed``: KV streamed as it is
-    computed, each frame sent once its tokens are (``workers.kv_stream``). Raises KVTransferError."""
+    computed, each frame sent once its tokens are (``workers.kv_stream``); ``connections``: at
+    most this many TCP connections carry the frames (``workers.kv_stripes``, where the receiver
+    takes several); ``layer_groups``: a streamed transfer's blocks each carry one of this
+    many groups of layers, sent as the pass computes them (``kv_stream.LayerOrder``). Raises
+    KVTransferError."""
     if pool is not None and (conn := pool.take(host, port)) is not None:
         try:
             return await _send(conn, host, port, request_id, tokens, kv, first_token, block_size, cancel,
                                corrupt_block, on_progress, frame_tokens, token, ticket, pool, zeros, True, timeout_s,
-                               state_bytes=state_bytes, computed=computed)
+                               state_bytes=state_bytes, computed=computed, connections=connections, netns=netns,
+                               layer_groups=layer_groups)
         except _StaleConnection:
             pass  # the receiver closed it while idle: one fresh connection
     try:
@@ -169,7 +179,8 @@ async def send_kv(
     try:
         return await _send(conn, host, port, request_id, tokens, kv, first_token, block_size, cancel, corrupt_block,
                            on_progress, frame_tokens, token, ticket, pool, zeros, False, timeout_s, auth,
-                           state_bytes=state_bytes, computed=computed)
+                           state_bytes=state_bytes, computed=computed, connections=connections, netns=netns,
+                           layer_groups=layer_groups)
     except _StaleConnection as e:  # not reused: a plain broken transfer
         raise KVTransferError(f"transfer to {host}:{port} broke: {e}") from e
 
@@ -179,44 +190,94 @@ async def _send(
     block_size: int, cancel: asyncio.Event | None, corrupt_block: int | None,
     on_progress: Callable[[TransferStats], None] | None, frame_tokens: int, token: str, ticket: str,
     pool: Connections | None, zeros: bool, reused: bool, timeout_s: float | None, preamble: int = 0,
-    state_bytes: int = 0, computed: Computed | None = None,
+    state_bytes: int = 0, computed: Computed | None = None, connections: int = 1, netns: str | None = None,
+    layer_groups: int = 1,
 ) -> TransferStats:
     # The sender's event loop runs beside a compute thread that needs the GIL after every
     # torch op: Python work per frame is time taken from a paced step (see FRAME_TOKENS).
     per_frame = max(block_size, (frame_tokens or FRAME_TOKENS) // block_size * block_size)
     st = TransferStats(request_id, f"{host}:{port}", clock.now(), bytes_sent=preamble)  # its AUTH, if fresh
     layers, _, heads, n, head_dim = kv.shape
+    groups = max(1, min(layer_groups, layers)) if computed is not None else 1  # per layer: streamed only
+    bounds = layer_bounds(layers, groups)
     reader, writer = conn
+    # Every connection of the transfer: (writer, socket, what its kernel had acknowledged
+    # before). A kept connection has carried earlier transfers: this one's share starts here.
+    # (Taken whole, a cut-off on a reused connection reported every earlier transfer's bytes
+    # as its own: more than it wrote, a WAN "faster" than its line.)
     sock = writer.get_extra_info("socket")
+    conns: list[tuple[asyncio.StreamWriter, socket.socket, int]] = [(writer, sock, bytes_acked(sock))]
+    sides: list[Conn] = []
     clean = False
-    # The kernel counts what the peer acknowledged over the connection's whole life, and a
-    # kept connection has carried earlier transfers: this one's share starts here. (Taken
-    # whole, a cut-off on a reused connection reported every earlier transfer's bytes as its
-    # own: more than it wrote, a WAN "faster" than its line.)
-    acked_before = bytes_acked(sock)
 
     async def cut_off() -> None:
         assert cancel is not None
         await cancel.wait()
         st.cancelled = True
-        acked = bytes_acked(sock)
-        st.bytes_acked = min(st.bytes_sent, max(0, acked - acked_before))
+        at_cut = list(conns)  # a connection still opening is reset below, having sent nothing counted
+        acked = [bytes_acked(s) for _, s, _ in at_cut]
+        st.bytes_acked = min(st.bytes_sent, sum(max(0, a - b) for a, (_, _, b) in zip(acked, at_cut, strict=True)))
 
         # Until the reset (abort closes the socket a turn later), the kernel keeps sending as
         # acknowledgements come: all it put out unacknowledged at the cut may still cross.
         def flown() -> None:
-            out = bytes_put_out(sock)
-            st.bytes_in_flight = st.bytes_sent - st.bytes_acked if out is None else max(0, out - acked)
+            outs = [bytes_put_out(s) for _, s, _ in at_cut]
+            if any(o is None for o in outs):
+                st.bytes_in_flight = st.bytes_sent - st.bytes_acked
+            else:
+                st.bytes_in_flight = sum(max(0, o - a) for o, a in zip(outs, acked, strict=True))  # type: ignore[operator]
 
         asyncio.get_running_loop().call_soon(flown)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        writer.transport.abort()  # RST: queued bytes are dropped, not sent
+        for w, s, _ in at_cut:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            w.transport.abort()  # RST: queued bytes are dropped, not sent
+
+    async def frames(w: asyncio.StreamWriter, s: int) -> bool:
+        """Send stripe ``s``'s frames (``j = s, s + k, ...`` of the transfer's) on ``w``, each
+        once its KV is computed; False if cut off."""
+        stops = [cancel] if cancel else []
+        j = s
+        while True:
+            if order is None:
+                if j >= len(starts):
+                    break
+                g, start = 0, starts[j]
+            elif (frame := await order.get(j, stops)) is not None:
+                g, start = frame
+            else:
+                break
+            if computed is not None and not await computed.until(min(n, start + per_frame), stops, g, groups):
+                if watcher is not None:
+                    await watcher  # cut off while its tokens were computed: counted, the connections reset
+                return False
+            if st.cancelled:
+                return False
+            part = kv[bounds[g] : bounds[g + 1], :, :, start : start + per_frame]
+            # Fault injection names a block; its frame (its first layer group's) is the one corrupted.
+            hit = corrupt_block is not None and g == 0 and start <= corrupt_block * block_size < start + per_frame
+            frame, nbytes = (encode_zero_block if zeros else encode_block)(j, start, part, hit, bounds[g])
+            await _write(st, w, BLOCK, frame, timeout_s)
+            st.payload_bytes += nbytes
+            if g == groups - 1:  # a token is sent once its last layer group is
+                st.tokens_sent += part.shape[3]
+            if on_progress:
+                on_progress(st)
+            await asyncio.sleep(0)  # drain() returns at once below the buffer's mark: yield (see the receiver)
+            j += k
+        return not st.cancelled
+
+    async def ended(side: Conn, end: bytes) -> None:
+        await _write(st, side[1], END, end, timeout_s)
+        ftype, payload = await read_frame(side[0], timeout_s=timeout_s)
+        ack = parse_frame(Ack, payload, "ACK")
+        if ftype != ACK or not ack.ok:
+            raise KVTransferError(f"receiver rejected the transfer: {ack.error or f'frame type {ftype}'}")
 
     watcher = asyncio.create_task(cut_off()) if cancel is not None else None
     try:
         hello = Hello(rid=request_id, tokens=tokens, dtype=str(kv.dtype), layers=layers,  # type: ignore[arg-type]
                       kv_heads=heads, head_dim=head_dim, block_size=block_size, token=token, ticket=ticket,
-                      state_bytes=state_bytes)
+                      state_bytes=state_bytes, stripes=connections, layer_groups=groups)
         try:
             await _write(st, writer, HELLO, hello.wire(), timeout_s)
             ftype, payload = await read_frame(reader, timeout_s=timeout_s)
@@ -234,52 +295,64 @@ async def _send(
         have = offer.have
         st.receiver_had = have
         st.planned_payload = (n - have) * kv[:, :, :, :1].numel() * kv.element_size() + state_bytes
-        for idx, start in enumerate(range(have, n, per_frame)):
-            if computed is not None and not await computed.until(min(n, start + per_frame), [cancel] if cancel else []):
-                if watcher is not None:
-                    await watcher  # cut off while its tokens were computed: counted, the connection reset
-                break
-            if st.cancelled:
-                break
-            part = kv[:, :, :, start : start + per_frame]
-            # Fault injection names a block; its frame is the one corrupted.
-            hit = corrupt_block is not None and start <= corrupt_block * block_size < start + per_frame
-            frame, nbytes = (encode_zero_block if zeros else encode_block)(idx, start, part, corrupt=hit)
-            await _write(st, writer, BLOCK, frame, timeout_s)
-            st.payload_bytes += nbytes
-            st.tokens_sent += part.shape[3]
-            if on_progress:
-                on_progress(st)
-            await asyncio.sleep(0)  # drain() returns at once below the buffer's mark: yield (see the receiver)
-        for off in range(0, state_bytes, STATE_FRAME):
-            if st.cancelled:
-                break
-            size = min(STATE_FRAME, state_bytes - off)
-            await _write(st, writer, STATE, _state_zeros(size), timeout_s)
-            st.payload_bytes += size
-            await asyncio.sleep(0)
+        starts = list(range(have, n, per_frame))
+        # Per layer: frames of one layer group each, in the order they are computed.
+        order = kv_stream.LayerOrder(computed, have, n, per_frame, groups) if groups > 1 and computed else None
+        # Frame j on stripe j % k: the further connections the receiver allowed (its key), one
+        # per frame at most, opened while this one sends its own.
+        k = min(connections, len(starts) * groups) if offer.key is not None else 1
+        end = End(first_token=first_token, n=n).model_dump_json().encode()
+
+        async def join(i: int) -> None:
+            c, opened = await kv_stripes.open_side(host, port, offer.key or "", i, token, pool, netns, timeout_s)
+            sides.append(c)
+            conns.append((c[1], c[1].get_extra_info("socket"), bytes_acked(c[1].get_extra_info("socket"))))
+            st.bytes_sent += opened
+
+        async def side(i: int) -> None:
+            c = sides[i - 1]
+            if await frames(c[1], i):
+                await ended(c, end)
+
+        async def own() -> None:
+            if await frames(writer, 0):
+                for off in range(0, state_bytes, STATE_FRAME):
+                    if st.cancelled:
+                        break
+                    size = min(STATE_FRAME, state_bytes - off)
+                    await _write(st, writer, STATE, _state_zeros(size), timeout_s)
+                    st.payload_bytes += size
+                    await asyncio.sleep(0)
+
+        if k == 1:
+            await own()
+        else:
+            # Every further connection joined before the first sends a block: a JOIN sent
+            # later would queue behind this transfer's own frames at the line's buffer.
+            await kv_stripes.together([join(i) for i in range(1, k)])
+            if not st.cancelled:
+                await kv_stripes.together([own(), *(side(i) for i in range(1, k))])
         if not st.cancelled:
-            end = End(first_token=first_token, n=n).model_dump_json().encode()
-            await _write(st, writer, END, end, timeout_s)
-            ftype, payload = await read_frame(reader, timeout_s=timeout_s)
-            ack = parse_frame(Ack, payload, "ACK")
-            if ftype != ACK or not ack.ok:
-                raise KVTransferError(f"receiver rejected the transfer: {ack.error or f'frame type {ftype}'}")
+            await ended(conn, end)
             st.bytes_acked = st.bytes_sent
             clean = True
     except (OSError, asyncio.IncompleteReadError) as e:
         if not st.cancelled:
             raise KVTransferError(f"transfer to {host}:{port} broke: {e}") from e
+    except KVTransferError:
+        if not st.cancelled:
+            raise
     finally:
         st.end = clock.now()
         if watcher is not None:
             watcher.cancel()
-        if clean and not st.cancelled and pool is not None:
-            pool.give_back(host, port, conn)
-        else:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
+        for c in (conn, *sides):
+            if clean and pool is not None:
+                pool.give_back(host, port, c)
+            else:
+                c[1].close()
+                with contextlib.suppress(OSError):
+                    await c[1].wait_closed()
     return st
 
 

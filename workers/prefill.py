@@ -1,19 +1,18 @@
 """Prefill worker: prefix-cache lookup, chunked prefill of the missed tokens, KV shipping.
 
-Requests are prefilled one at a time in arrival order (prefill is compute-bound; chunking
-bounds a step's length), or, with ``prefill_token_budget``, in passes packing chunks of
-several requests as serving engines do (``_pass_loop``). The matched prefix is locked for the duration of the request so
-eviction cannot pull it away; the prompt's full blocks are inserted afterwards. The KV is
-then shipped to every target of the command concurrently while the next prefill runs, or,
-with ``kv_transfer: per-chunk``, streamed as it is computed: each pass's KV leaves once the
-pass ends (``workers/kv_stream.py``). Transfers to one receiver take turns
+Requests are prefilled one at a time in arrival order (chunking bounds a step's length), or,
+with ``prefill_token_budget``, in passes packing chunks of several requests as serving engines
+do (``_pass_loop``). The matched prefix is locked for the duration of the request so eviction
+cannot pull it away; the prompt's full blocks are inserted afterwards. The KV is then shipped
+to every target concurrently while the next prefill runs, or streamed as it is computed
+(``kv_transfer: per-chunk``: each pass's KV once the pass ends; ``per-layer``: in layer groups
+as the pass computes them; ``workers/kv_stream.py``). Transfers to one receiver take turns
 (``kv_streams_per_peer`` at a time, in arrival order), streamed ones too: a streamed
 transfer holds its turn while its prefill computes, and a decoder's cache holds what the
 transfers before it brought when it answers the next one's HELLO (one request at a time,
 that delays nobody; with packed passes a second request's transfer to the same decoder waits
 for the first's last pass).
-A warm command (a completed request's answer to cache, when the scenario keeps answers
-cached) runs only when no prefill waits.
+A warm command (a completed request's answer to cache) runs only when no prefill waits.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ import torch
 
 from protocol import clock
 from protocol.messages import CancelCmd, Command, Failed, KvSent, KVTarget, PrefillCmd, PrefillDone, WarmCmd
-from protocol.worker_config import PrefillCounters, TransferTotals, WorkerConfig, WorkerStats
+from protocol.worker_config import STREAMED, PrefillCounters, TransferTotals, WorkerConfig, WorkerStats
 from workers import kv_stream, kv_wire
 from workers.kv_queue import PeerQueues
 from workers.kv_stream import Computed
@@ -73,10 +72,7 @@ class PrefillWorker(Worker):
         self.queue: asyncio.Queue[PrefillCmd] = asyncio.Queue()
         self.warms: deque[WarmCmd] = deque()
         self.work = asyncio.Event()  # a prefill or a warm command is waiting
-        self.computed_tokens = 0
-        self.reused_tokens = 0
-        self.warmed_tokens = 0
-        self.warm_skipped = 0
+        self.computed_tokens = self.reused_tokens = self.warmed_tokens = self.warm_skipped = 0
         self.packed_passes = self.packed_tokens = 0
         self.transfers = TransferTotals()
         # Per request: one cancel event per KV target ("" = the request as a whole).
@@ -189,7 +185,7 @@ class PrefillWorker(Worker):
         tokens = cmd.prompt
         path = self._match(tokens)
         self.cache.lock(path)
-        streamed = (cmd.kv_transfer or self.cfg.kv_transfer) == "per-chunk"
+        streamed = (cmd.kv_transfer or self.cfg.kv_transfer) in STREAMED
         try:
             cached = self.cache.blocks_of(path)  # the runner copies them in once
             hit = len(path) * self.cfg.block_size
@@ -256,6 +252,9 @@ class PrefillWorker(Worker):
                     await asyncio.shield(job.compute)
             real = clock.perf_counter() - t_pass
             modeled = None if self.pacer.native else self.pacer.packed_time([(n, j.hit + j.done) for j, n in parts])
+            now = clock.monotonic()  # the pass began ``real`` ago and ends once paced (per-layer reads its groups)
+            for job, n in (p for p in parts if p[0].computed is not None):
+                job.computed.passing(job.done + n, now - real, now + max(0.0, (modeled or real) - real))  # type: ignore[union-attr]
             await self.pace("prefill", real, modeled, " + ".join(f"{n} after {j.hit + j.done}" for j, n in parts))
             self.packed_passes += 1
             self.packed_tokens += sum(n for _, n in parts) * s_in
@@ -282,7 +281,7 @@ class PrefillWorker(Worker):
                                                          self.cfg.prefill_chunk))
         compute.add_done_callback(_retrieved)  # a dropped job's failure is nobody's to read
         job = _Job(cmd, path, hit, compute, clock.now(), clock.monotonic())
-        if (cmd.kv_transfer or self.cfg.kv_transfer) == "per-chunk" and cmd.kv_to:
+        if (cmd.kv_transfer or self.cfg.kv_transfer) in STREAMED and cmd.kv_to:
             job.computed = kv_stream.Computed(job.began, hit, final=False)
             self.spawn(self._ship_computed(job))
         return job
@@ -347,7 +346,7 @@ class PrefillWorker(Worker):
 
     async def _ship(self, cmd: PrefillCmd, target: KVTarget, kv: torch.Tensor, first: int,
                     computed: Computed | None = None) -> None:
-        corrupt = self.cfg.faults.corrupt_block
+        corrupt, mode = self.cfg.faults.corrupt_block, cmd.kv_transfer or self.cfg.kv_transfer
         events = self.cancels[cmd.rid]
         cancel = asyncio.Event()
 
@@ -374,7 +373,9 @@ class PrefillWorker(Worker):
                 opts = KvSend(cancel=cancel, corrupt_block=corrupt, token=self.cfg.kv_token, pool=self.kv_conns,
                               zeros=self.cfg.compute == "modeled", netns=self.cfg.netns,
                               timeout_s=self.cfg.kv_read_timeout_s, ticket=target.ticket,
-                              state_bytes=self.cfg.kv_state_bytes, computed=computed)
+                              state_bytes=self.cfg.kv_state_bytes, computed=computed,
+                              connections=cmd.kv_connections or self.cfg.kv_connections,
+                              layer_groups=self.cfg.kv_layer_groups if mode == "per-layer" else 1)
                 st = await self.transport.send_kv(target.host, target.port, cmd.rid, cmd.prompt, kv, first,
                                                   self.cfg.block_size, opts)
             finally:

@@ -53,6 +53,8 @@ class KvSend:
     frame_tokens: int = 0  # tokens per BLOCK frame (0: FRAME_TOKENS); both price the framing by it
     state_bytes: int = 0  # the request's fixed-size state after its KV (a hybrid card's; both send it)
     computed: Computed | None = None  # streamed: when each part of the KV is computed (both); None: all now
+    connections: int = 1  # TCP connections the transfer uses at most, each a flow of its own (both)
+    layer_groups: int = 1  # streamed per layer: each frame one group of layers, sent as computed (both)
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,8 @@ class HostTransport:
                                      corrupt_block=opts.corrupt_block, frame_tokens=opts.frame_tokens,
                                      token=opts.token, ticket=opts.ticket, pool=opts.pool, zeros=opts.zeros,
                                      netns=opts.netns, timeout_s=opts.timeout_s, state_bytes=opts.state_bytes,
-                                     computed=opts.computed)
+                                     computed=opts.computed, connections=opts.connections,
+                                     layer_groups=opts.layer_groups)
 
     async def serve_kv(self, host: str, port: int, offer: kv_wire.OfferFn, done: kv_wire.DoneFn,
                        fail: kv_wire.FailFn, opts: KvServe = SERVE_DEFAULTS) -> object:

@@ -16,6 +16,9 @@ seconds of the line's rate):
 * KV streamed as it is computed: one transfer of S released in 8 equal pieces over 2 s (the
   line waits for the compute at first, then the compute for the line), 40 such at once,
   and one whose line drops to half its rate one second in;
+* over four connections each (``kv_connections``): one transfer; one beside a transfer over
+  one connection from the other sender (four shares of five while both run); 40 at once;
+  one streamed whose line drops to half its rate one second in;
 * with ``--held S``: ten transfers keeping the line saturated for S seconds (30 minutes:
   ``--held 1800``), each held to a tenth of it all along.
 
@@ -33,6 +36,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +67,13 @@ class Case:
     # KV streamed as it is computed (``workers/kv_stream.py``): each transfer's bytes in this
     # many equal pieces, the i-th released i/pieces of the way through this many seconds.
     stream: tuple[float, int] | None = None
+    # TCP connections each transfer is spread over (``kv_connections``): equal parts, each a
+    # flow of its own; a transfer is done when its last part is.
+    connections: int = 1
+    single: tuple[str, ...] = ()  # senders whose transfers use one connection all the same
+
+    def parts(self, host: str) -> int:
+        return 1 if host in self.single else self.connections
 
     def pieces(self, size: float) -> list[tuple[float, float]]:
         """(release s from the transfer's start, bytes) of one transfer."""
@@ -109,6 +120,13 @@ def cases(senders: list[str], rate_bps: float, seconds: float = 3.0, held_s: flo
         Case("40 streamed at once, two senders", many, stream=(seconds * 2 / 3, 8)),
         Case("streamed, line at half rate from 1 s", [(a, 0.0, s)], events=[(1.0, "half-rate")],
              stream=(seconds * 2 / 3, 8)),
+        # Over four connections (kv_connections): alone, beside one over one, 40 at once, streamed.
+        Case("one transfer, 4 connections", [(a, 0.0, s)], connections=4, repeats=3),
+        Case("4 connections beside 1, two senders", [(a, 0.0, s), (b, 0.0, s)], connections=4, single=(b,),
+             repeats=3),
+        Case("40 at once, 4 connections each", many, connections=4, repeats=3),
+        Case("streamed, 4 connections, line at half rate from 1 s", [(a, 0.0, s)], events=[(1.0, "half-rate")],
+             stream=(seconds * 2 / 3, 8), connections=4),
         Case(f"line down {OUTAGE_S:g} s from 1 s", [(a, 0.0, s)], events=[(1.0, "down"), (1.0 + OUTAGE_S, "up")]),
     ]
 
@@ -118,7 +136,9 @@ def _receiver(ns: str, ip: str, stop: threading.Event) -> threading.Thread:
     """In ``ns``: for every connection, read length-prefixed transfers and answer each with
     one byte once it has all of it."""
     with netns.entered(ns):
-        srv = socket.create_server((ip, PORT), reuse_port=True)
+        # A backlog for every connection of a case at once (160: 40 transfers over 4 each); at
+        # the default 128 the SYNs past it waited a second for their retransmission.
+        srv = socket.create_server((ip, PORT), reuse_port=True, backlog=1024)
     srv.settimeout(0.2)
 
     def serve(conn: socket.socket) -> None:
@@ -181,6 +201,17 @@ def _send(ns: str, ip: str, size: int, conn: socket.socket | None = None,
     return time.monotonic() - t0, conn
 
 
+def _striped(ns: str, ip: str, size: float, k: int, pieces: list[tuple[float, float]]) -> float:
+    """One transfer in ``k`` equal parts over as many new connections at once: when its last
+    part was answered."""
+    with ThreadPoolExecutor(k) as pool:
+        parts = [pool.submit(_send, ns, ip, int(size / k), None, [(at, b / k) for at, b in pieces]) for _ in range(k)]
+        done = [p.result() for p in parts]  # a part's OSError is raised here
+    for _, c in done:
+        c.close()
+    return max(t for t, _ in done)
+
+
 def on_line(net: Network, case: Case, receiver: str) -> float:
     """The case over the built network: the mean of its transfers' completion times."""
     ns_of, ip = net.ns_of, net.ip_of(receiver)
@@ -198,13 +229,16 @@ def on_line(net: Network, case: Case, receiver: str) -> float:
     def one(h: str, at: float, size: float) -> None:
         time.sleep(max(0.0, t0 + at - time.monotonic()))
         try:
-            took, c = _send(ns_of(h), ip, int(size), conns.get(h), case.pieces(size))
+            if case.parts(h) > 1:
+                took = _striped(ns_of(h), ip, size, case.parts(h), case.pieces(size))
+            else:
+                took, c = _send(ns_of(h), ip, int(size), conns.get(h), case.pieces(size))
+                if h not in conns:
+                    c.close()
         except OSError as e:  # raised below, in the caller's thread, with the case named
             failed.append(e)
             return
         out.append(took)
-        if h not in conns:
-            c.close()
 
     timers = []
     for at, what in case.events:
@@ -263,9 +297,16 @@ def on_model(net: Network, case: Case, receiver: str) -> float:
     rate = net.plan.wan_shaping[(a, b)].rate_bps
 
     async def send(h: str, size: float, conn: Conn) -> float:
+        k = case.parts(h)
+        if k > 1:  # equal parts over as many new connections, each a flow of its own
+            parts = [send_part(size / k, Conn(conn.path)) for _ in range(k)]
+            return max(await asyncio.gather(*parts))
+        return await send_part(size, conn)
+
+    async def send_part(size: float, conn: Conn) -> float:
         t0 = loop.time()
         await asyncio.sleep(links.prepare(conn))
-        origin = Origin()  # a streamed transfer's pieces: one flow's identity (``SimTransport._stream``)
+        origin = Origin()  # a streamed transfer's pieces: one flow's identity (``kv_stripes.stream``)
         for at, part in case.pieces(size):
             await asyncio.sleep(max(0.0, t0 + at - loop.time()))
             await links.send(conn, part, origin=origin)

@@ -348,12 +348,12 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--load-streams", type=int, default=2, help="bulk TCP streams loading the WAN (default 2)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(command="bench handoff")
-    p = bsub.add_parser("links", help="the simulator's link model against the emulated line: one transfer, two, "
-                                      "40, a rate change, a 15 s outage, small messages beside a full line")
+    p = bsub.add_parser("links", help="the simulator's link model against the emulated line, case by case")
     scenario_opts(p)
     wire_opts(p)
     p.add_argument("--held", type=float, default=0.0, metavar="S",
                    help="also: 10 transfers holding the line saturated for S seconds (e.g. 1800)")
+    p.add_argument("--case", default="", metavar="TEXT", help="only the cases whose name contains TEXT")
     p.add_argument("--json", action="store_true")
     p.set_defaults(command="bench links")
     p = bsub.add_parser("sim", help="the simulator's speed and memory: paper.jsonl on paper.yaml at token scale 1 "

@@ -51,7 +51,7 @@ def cmd_bench_net(args: argparse.Namespace) -> int:
 
 def cmd_bench_links(args: argparse.Namespace) -> int:
     with network_session(wire_scenario(args), args.impairment) as net:
-        result = run_links_bench(net, held_s=args.held)
+        result = run_links_bench(net, lambda c: args.case in c.name, held_s=args.held)
     print(json.dumps(result, indent=2) if args.json else format_links(result))
     return 0 if all(c["passed"] for c in result["cases"]) else 1
 

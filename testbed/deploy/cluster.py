@@ -127,6 +127,7 @@ def worker_configs(sc: Scenario, run_id: str, ip_of: Callable[[str], str], broke
                 cache_tokens=-(-(ws.prefill_cache_tokens if role == "prefill" else ws.decode_cache_tokens) // s_in),
                 max_batch=ws.max_batch, kv_timeout_s=ws.kv_timeout_s * d, kv_streams_per_peer=ws.kv_streams_per_peer,
                 kv_transfer=ws.kv_transfer, prefill_token_budget=ws.prefill_token_budget,
+                kv_connections=ws.kv_connections, kv_layer_groups=ws.kv_layer_groups,
                 kv_read_timeout_s=ws.kv_read_timeout_s * d, kv_hello_wait_s=ws.kv_hello_wait_s * d,
                 kv_capacity_tokens=(None if role == "prefill" or ws.decode_kv_tokens is None
                                     else -(-ws.decode_kv_tokens // s_in)),

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from protocol.messages import DecodeCmd, Event, HandoffCmd, PrefillDone, RequestHints
 from protocol.policy import Candidate, PolicyContext, PolicyReport, spell
-from protocol.worker_config import KvTransfer
+from protocol.worker_config import MAX_KV_CONNECTIONS, STREAMED, KvTransfer
 from testbed.policies.plan import Plan
 from testbed.policies.prefix_index import PrefixIndex
 from testbed.policies.token_ids import token_array
@@ -156,17 +156,27 @@ class NoOptions(BaseModel):
 
 
 def transfer_option() -> Any:
-    """A policy's ``transfer`` option: when its KV leaves the prefill (``per-chunk``: streamed as
-    it is computed, ``after-prefill``); unset, the scenario's ``workers.kv_transfer``."""
+    """A policy's ``transfer`` option: when its KV leaves the prefill (``per-chunk`` or
+    ``per-layer``: streamed as it is computed, ``after-prefill``); unset, the scenario's
+    ``workers.kv_transfer``."""
     return Field(default=None, description="when the KV leaves the prefill", json_schema_extra={"tune": False})
 
 
+def connections_option() -> Any:
+    """A policy's ``connections`` option: how many TCP connections each of its KV transfers
+    uses at most (frames spread over them in turn); unset, the scenario's ``workers.kv_connections``."""
+    return Field(default=None, ge=1, le=MAX_KV_CONNECTIONS, description="TCP connections per KV transfer",
+                 json_schema_extra={"tune": False})
+
+
 class TransferOptions(BaseModel):
-    """The options of a policy whose only option is ``transfer`` (``transfer_option``)."""
+    """The options of a policy whose only options say how its KV travels (``transfer_option``,
+    ``connections_option``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     transfer: KvTransfer | None = transfer_option()
+    connections: int | None = connections_option()
 
 
 class Policy(ABC):
@@ -199,7 +209,7 @@ class Policy(ABC):
     def streamed(self, plan: Plan) -> bool:
         """Whether ``plan``'s KV leaves as it is computed: its transfer then takes the
         prefill's time, not only the line's (no sample of the line's rate)."""
-        return (plan.kv_transfer or self.ctx.kv_transfer) == "per-chunk"
+        return (plan.kv_transfer or self.ctx.kv_transfer) in STREAMED
 
     def decode_command(self, req: RequestState, plan: Plan, worker: str) -> DecodeCmd:
         """The decode command sent to ``worker`` (default: decode the request to its end)."""

@@ -9,7 +9,9 @@ instances in the other datacenter, for ``prefill-offload``).
   baseline PDD improves on; ``cross-dc:transfer=per-chunk`` streams each prefill pass's KV
   as the pass ends, as an engine with a layer- or chunk-wise KV connector does.
 
-Both take ``transfer`` (``after-prefill`` | ``per-chunk``; unset: the scenario's ``kv_transfer``).
+Both take ``transfer`` (``after-prefill`` | ``per-chunk`` | ``per-layer``; unset: the scenario's ``kv_transfer``)
+and ``connections`` (TCP connections per transfer; unset: the scenario's ``kv_connections``):
+``cross-dc:transfer=per-chunk,connections=4`` is the strongest cross-datacenter baseline.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ class SameDc(Policy):
     def plan(self, req: RequestState, cluster: ClusterView) -> Plan:
         p = cluster.pick("prefill", dc=self.ctx.home_dc, prompt=req.prompt)
         d = cluster.pick("decode", dc=p.dc, prompt=req.prompt)
-        return Plan(f"P-D({d.dc})", p.name, d.name, kv_transfer=self.opts.transfer)
+        return Plan(f"P-D({d.dc})", p.name, d.name, kv_transfer=self.opts.transfer,
+                    kv_connections=self.opts.connections)
 
 
 @register
@@ -42,4 +45,5 @@ class CrossDc(Policy):
     def plan(self, req: RequestState, cluster: ClusterView) -> Plan:
         p = cluster.pick("prefill", dc=self.ctx.home_dc, prompt=req.prompt)
         d = cluster.pick_outside("decode", p.dc, prompt=req.prompt)
-        return Plan(f"P-D({d.dc})", p.name, d.name, kv_transfer=self.opts.transfer)
+        return Plan(f"P-D({d.dc})", p.name, d.name, kv_transfer=self.opts.transfer,
+                    kv_connections=self.opts.connections)

@@ -49,6 +49,7 @@ from testbed.policies.base import (
     RequestState,
     WorkerView,
     busy,
+    connections_option,
     transfer_option,
 )
 from testbed.policies.prefix_index import PrefixIndex
@@ -69,6 +70,7 @@ class OffloadOptions(BaseModel):
                          json_schema_extra={"tune": {"low": 0.0, "high": 5.0}})
     balance: bool = Field(default=True, description="offload only while the pool away is no busier than home")
     transfer: KvTransfer | None = transfer_option()
+    connections: int | None = connections_option()
 
 
 def _busier(away: WorkerView, home: WorkerView) -> bool:
@@ -138,11 +140,13 @@ class PrefillOffload(Policy):
                     self.wan.started(req.rid, delta_bytes)
                     self._index(r.name, "prefill").insert(req.prompt)
                     self.counts["offloaded"] += 1
-                    return Plan(f"P({r.dc})-D({d.dc})", r.name, d.name, info=info, kv_transfer=self.opts.transfer)
+                    return Plan(f"P({r.dc})-D({d.dc})", r.name, d.name, info=info, kv_transfer=self.opts.transfer,
+                                kv_connections=self.opts.connections)
                 self.counts["local (line busy)"] += 1
         self._index(p.name, "prefill").insert(req.prompt)
         self.counts["local"] += 1
-        return Plan(f"P-D({d.dc})", p.name, d.name, kv_transfer=self.opts.transfer)
+        return Plan(f"P-D({d.dc})", p.name, d.name, kv_transfer=self.opts.transfer,
+                    kv_connections=self.opts.connections)
 
     def _everything_away(self, req: RequestState, cluster: ClusterView) -> Plan:
         """A deployment with no prefill instance where requests enter (PrfaaS's "naive
@@ -155,7 +159,8 @@ class PrefillOffload(Policy):
         self._index(r.name, "prefill").insert(req.prompt)
         self.counts["offloaded (no prefill home)"] += 1
         info = PlanInfo(md_have_tokens=have, delta_tokens=max(0, req.prompt_len - have), delta_bytes=delta_bytes)
-        return Plan(f"P({r.dc})-D({d.dc})", r.name, d.name, info=info, kv_transfer=self.opts.transfer)
+        return Plan(f"P({r.dc})-D({d.dc})", r.name, d.name, info=info, kv_transfer=self.opts.transfer,
+                    kv_connections=self.opts.connections)
 
     def decode_command(self, req: RequestState, plan: Plan, worker: str) -> DecodeCmd:
         return DecodeCmd(rid=req.rid, prompt=req.prompt.tolist(), max_new=req.max_new)

@@ -58,6 +58,7 @@ from testbed.policies.base import (
     PolicyContext,
     PolicyReport,
     RequestState,
+    connections_option,
     transfer_option,
 )
 from testbed.policies.prefix_index import PrefixIndex
@@ -89,6 +90,7 @@ class PddOptions(BaseModel):
     eager: int | None = Field(default=None, ge=0, description="hand over after exactly this many tokens",
                               json_schema_extra=OFF)
     transfer: KvTransfer | None = transfer_option()
+    connections: int | None = connections_option()
 
 
 @register
@@ -117,7 +119,9 @@ class Pdd(Policy):
     # ----------------------------------------------------------------- routing
     def plan(self, req: RequestState, cluster: ClusterView) -> Plan:
         plan = self._route(req, cluster)
-        return plan if self.opts.transfer is None else replace(plan, kv_transfer=self.opts.transfer)
+        if self.opts.transfer is not None:
+            plan = replace(plan, kv_transfer=self.opts.transfer)
+        return plan if self.opts.connections is None else replace(plan, kv_connections=self.opts.connections)
 
     def _route(self, req: RequestState, cluster: ClusterView) -> Plan:
         o = self.opts

@@ -44,6 +44,7 @@ class Plan:
     relay: str | None = None  # the lead: streams first, hands over to ``decode``
     info: PlanInfo = field(default_factory=PlanInfo, compare=False)  # why (recorded)
     kv_transfer: KvTransfer | None = None  # when the prefill's KV leaves (None: the scenario's kv_transfer)
+    kv_connections: int | None = None  # TCP connections per transfer (None: the scenario's kv_connections)
     hold: tuple[str, ...] = ()  # decoders that take the KV into their caches only
     if_main_lost: Literal["lead-alone", "fail"] = "lead-alone"  # the main decoder lost before the handoff
 

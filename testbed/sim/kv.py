@@ -47,10 +47,11 @@ from protocol.kv_format import (
     KVTransferError,
 )
 from protocol.worker_config import BrokerInfo
+from testbed.sim import kv_stripes
 from testbed.sim.bus import SimBroker, SimClient
-from testbed.sim.links import Conn, Origin
+from testbed.sim.links import Conn
 from testbed.sim.network import LinkModel
-from workers.kv_stream import Computed
+from workers.kv_stream import LayerOrder
 from workers.kv_wire import DoneFn, FailFn, Incoming, OfferFn, TransferStats
 from workers.transport import SEND_DEFAULTS, SERVE_DEFAULTS, KvSend, KvServe
 
@@ -109,12 +110,13 @@ class SimNet:
 
 
 def hello_bytes(rid: str, tokens: list[int], shape: tuple[int, int, int], dtype: torch.dtype, block_size: int,
-                token: str, ticket: str, state_bytes: int = 0) -> int:
+                token: str, ticket: str, state_bytes: int = 0, stripes: int = 1, layer_groups: int = 1) -> int:
     """The HELLO frame's size: its JSON with the token ids' digits counted on a sample."""
     layers, heads, head_dim = shape
     empty = Hello.model_construct(rid=rid, tokens=[], dtype=str(dtype), layers=layers, kv_heads=heads,
                                   head_dim=head_dim, block_size=block_size, token=token,
-                                  ticket=ticket, state_bytes=state_bytes).wire()
+                                  ticket=ticket, state_bytes=state_bytes, stripes=stripes,
+                                  layer_groups=layer_groups).wire()
     n = len(tokens)
     step = max(1, n // HELLO_SAMPLE)
     sample = tokens[::step]
@@ -192,6 +194,7 @@ class SimTransport:
         per_token = layers * 2 * heads * head_dim * kv.element_size()
         abort = asyncio.Event()  # the receiver went away
         stops = [ev for ev in (cancel, abort) if ev is not None]
+        sides: list[Conn] = []  # the transfer's further connections (kv_connections)
         lst: _Listener | None = None
         receiving = False
         clean = False
@@ -205,13 +208,14 @@ class SimTransport:
             lst.aborts.add(abort)
             await asyncio.sleep(links.prepare(conn))
             ticket = opts.ticket
+            groups = max(1, min(opts.layer_groups, layers)) if opts.computed is not None else 1  # (kv_wire._send)
             hello = hello_bytes(request_id, tokens, (layers, heads, head_dim), kv.dtype, block_size, opts.token,
-                                ticket, opts.state_bytes)
+                                ticket, opts.state_bytes, opts.connections, groups)
             if fresh:  # a connection's first frame is its AUTH (kv_wire.send_kv)
                 hello += HDR.size + len(Auth(token=opts.token).model_dump_json())
             await self._push(conn, hello, stops, timeout_s, st)
             if any(ev.is_set() for ev in stops):
-                return self._cut(st, conn, lst, request_id, receiving)
+                return self._cut(st, [conn], lst, request_id, receiving)
             await asyncio.sleep(links.latency(path.links))
             receiving = True  # the receiver has the request id: a broken transfer fails it there
             start = clock.now()
@@ -231,17 +235,37 @@ class SimTransport:
             st.receiver_had = have
             state = opts.state_bytes
             st.planned_payload = (n - have) * per_token + state
-            data = block_frames_bytes(n - have, per_token, block_size, opts.frame_tokens) + state_frames_bytes(state)
+            frames = kv_stripes.frames_of(have, n, per_token, block_size, opts.frame_tokens)
             end = HDR.size + len(End(first_token=first_token, n=n).model_dump_json())
-            if opts.computed is None:
-                sent = await self._push(conn, data + end, stops, timeout_s, st)
-            else:
-                sent = await self._stream(conn, opts.computed, have, n, per_token, block_size, opts.frame_tokens,
-                                          data + end, stops, timeout_s, st)
+            tail = state_frames_bytes(state) + end
+            k = min(opts.connections, len(frames) * groups)
+            order, size = None, kv_stripes.layer_sizes(per_token // layers, layers, groups, n, block_size,
+                                                       opts.frame_tokens)
+            if groups > 1 and opts.computed is not None:  # per layer: frames of one layer group each
+                order = LayerOrder(opts.computed, have, n, kv_stripes.per_frame(block_size, opts.frame_tokens),
+                                   groups)
+            if k <= 1 and order is not None:
+                sent = await kv_stripes.stream_layers(links, conn, order, 0, 1, size, tail, stops, timeout_s)
+            elif k <= 1:
+                sent = await kv_stripes.stream(links, conn, opts.computed, frames, tail, stops, timeout_s)
+            else:  # frame j on connection j % k (kv_wire._send)
+
+                def free() -> Conn:
+                    c = next((c for c in kept if not c.busy), None)
+                    if c is None:
+                        c = Conn(path, kv=True)
+                        kept.append(c)
+                    c.busy = True
+                    return c
+
+                sent = await kv_stripes.send_striped(
+                    links, conn, free, k, opts.token, opts.computed, frames, tail, end, stops, timeout_s, sides,
+                    lambda c: asyncio.ensure_future(self._connect(c, host, port, timeout_s)), order, size)
+            st.bytes_sent += round(sent)
             st.tokens_sent = min(n - have, int(sent // per_token))
             st.payload_bytes = st.tokens_sent * per_token
             if any(ev.is_set() for ev in stops) or not lst.open:
-                return self._cut(st, conn, lst, request_id, receiving)
+                return self._cut(st, [conn, *sides], lst, request_id, receiving)
             st.tokens_sent, st.payload_bytes = n - have, (n - have) * per_token + state
             await asyncio.sleep(links.latency(path.links))
             if not lst.open:
@@ -264,11 +288,12 @@ class SimTransport:
             raise
         finally:
             st.end = clock.now()
-            conn.busy = False
+            for c in (conn, *sides):
+                c.busy = False
+                if not clean:
+                    c.established = False  # a cut-off or broken connection is closed
             if lst is not None:
                 lst.aborts.discard(abort)
-            if not clean:
-                conn.established = False  # a cut-off or broken connection is closed
         return st
 
     async def _connect(self, conn: Conn, host: str, port: int, timeout_s: float | None) -> None:
@@ -287,37 +312,7 @@ class SimTransport:
         st.bytes_sent += round(sent)
         return sent
 
-    async def _stream(self, conn: Conn, computed: Computed, have: int, n: int, per_token: int, block_size: int,
-                      frame_tokens: int, total: int, stops: list[asyncio.Event], timeout_s: float | None,
-                      st: TransferStats) -> float:
-        """KV streamed as it is computed (``workers.kv_stream``): each burst carries the frames
-        whose tokens are all computed by then (``kv_wire._send`` waits before each frame alike),
-        the last one the rest (state, END); one flow's identity throughout, its window kept
-        between bursts (the emulation's namespaces keep a window after idle)."""
-        links = self.net.links
-        per_frame = max(block_size, (frame_tokens or FRAME_TOKENS) // block_size * block_size)
-        ends = [min(n, start + per_frame) for start in range(have, n, per_frame)]
-        origin = Origin()
-        pushed = sent = 0.0
-        i = 0
-        while i < len(ends) or pushed < total:
-            if i < len(ends):
-                if not await computed.until(ends[i], stops):
-                    break
-                now = clock.monotonic()
-                i += 1  # due (woken at its time, to the float's rounding), and any due by then
-                while i < len(ends) and computed.ready(now) >= ends[i]:
-                    i += 1
-            upto = total if i == len(ends) else block_frames_bytes(ends[i - 1] - have, per_token, block_size,
-                                                                  frame_tokens)
-            sent += await links.send(conn, upto - pushed, stops, timeout_s, origin)
-            pushed = upto
-            if any(ev.is_set() for ev in stops):
-                break
-        st.bytes_sent += round(sent)
-        return sent
-
-    def _cut(self, st: TransferStats, conn: Conn, lst: _Listener, rid: str, receiving: bool) -> TransferStats:
+    def _cut(self, st: TransferStats, conns: list[Conn], lst: _Listener, rid: str, receiving: bool) -> TransferStats:
         """Cut off (the connection is reset): what the connection's window held was in flight,
         unacknowledged (the kernel's count; ``tcp_info``), the rest had been acknowledged; the
         receiver sees the reset after the path's delay. The window, not one bandwidth-delay
@@ -328,12 +323,12 @@ class SimTransport:
         if not lst.open:  # the receiver died: a broken transfer, not a cut-off
             raise KVTransferError(f"transfer to {st.peer} broke: Connection reset by peer")
         st.cancelled = True
-        window = round(conn.cwnd * conn.path.mss) if conn.path.links else 0
+        window = sum(round(c.cwnd * c.path.mss) for c in conns if c.path.links)
         st.bytes_in_flight = min(st.bytes_sent, window)
         st.bytes_acked = st.bytes_sent - st.bytes_in_flight
         if receiving and lst.fail is not None:
             fail = lst.fail
-            links.loop.call_later(links.latency(conn.path.links), self.net.spawn, fail, rid,
+            links.loop.call_later(links.latency(conns[0].path.links), self.net.spawn, fail, rid,
                                   f"KV transfer for {rid} failed: Connection reset by peer")
         return st
 
