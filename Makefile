@@ -27,7 +27,7 @@ REGIME_LOAD ?= 0.7925
 REGIME_PREFILL_COST ?= 32
 REGIME_LIMIT ?= 1000
 
-.PHONY: reproduce reproduce-prfaas sensitivity outage tune soak bench-cache bench-client bench-scale bench-sim setup debs test test-fast test-hostile test-cluster lint run-trace run-cluster bench-net bench-handoff clean distclean
+.PHONY: reproduce reproduce-prfaas sensitivity outage tune soak bench-cache bench-client bench-scale bench-sim setup debs test test-fast test-hostile test-cluster lint run-trace run-cluster bench-net bench-handoff bench-transfer clean distclean
 
 MININET_LINK := $(VENV)/.mininet-linked
 # CLUSTER=1: also Ray, for --executor ray (docs/scale-out.md); the default install leaves it out.
@@ -316,6 +316,11 @@ bench-cache: setup
 
 bench-handoff: setup
 	$(VENV)/bin/testbed bench handoff --scenario $(SCENARIO)
+
+# KV transfer modes (after the prefill, per chunk, per layer; 1 or 4 connections; an idle and a
+# loaded line) for 4K-64K-token prompts, the line beside the link model (docs/results.md).
+bench-transfer: setup
+	$(VENV)/bin/testbed bench transfer --scenario $(SCENARIO) --token-scale $(TOKEN_SCALE) $(TRANSFER_ARGS)
 
 # The simulator's speed and memory (docs/simulation.md): 1,000 requests of paper.jsonl on
 # paper.yaml at token scale 1 and at 16, beside the emulation's own rate on 60 of them (D 1),

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from testbed.bench import transfer_modes
+from testbed.deploy.emulation import EmulationPlan
 from testbed.net.plan import make_plan
+from testbed.scenario import load_scenario
 from testbed.sim.bus import SimBroker
 from testbed.sim.kv import SimNet
 from testbed.sim.network import LinkModel
@@ -21,9 +25,11 @@ from testbed.sim.vloop import VirtualLoop
 from workers import kv_wire
 from workers.kv_stream import Computed
 from workers.kv_wire import AUTH, BLOCK, END, HDR, HELLO, JOIN, MAGIC, OFFER, VERSION, encode_block
+from workers.model import ensure_default_model
+from workers.model_dir import kv_bytes_per_token, kv_dims, read_config
 from workers.transport import KvSend
 
-from .conftest import small_wan
+from .conftest import ROOT, small_wan
 
 T = 2.0
 
@@ -287,3 +293,26 @@ def test_four_connections_take_four_shares_of_a_contended_line() -> None:
     assert abs(alone[0] - alone[1]) < 0.2 * max(alone), alone  # one connection each: shared about evenly
     assert 0.6 * t1 < t4 < 0.72 * t1, (t4, t1)  # the four-connection transfer is done first, by far
     assert t1 == pytest.approx(max(alone), rel=0.1)  # and the line's work is the same
+
+
+def test_the_transfer_bench_models_each_mode_as_the_modes_say() -> None:
+    """``testbed bench transfer``'s model side on two-dc.yaml's line (token scale 16): a 64K
+    prompt's KV after the prefill, per chunk and per layer, on an idle and a loaded line, over 1
+    and 4 connections: streaming hides the prefill, a loaded line takes longer, and on it four
+    connections take four shares of five."""
+    sc = load_scenario(ROOT / "topologies/two-dc.yaml")
+    plan = EmulationPlan.make(sc, 16, 1.0, kv_bytes_per_token(ensure_default_model(), sc.workers.dtype))
+    wire = plan.wire_scenario(sc)
+    net_plan = make_plan(wire, "t")
+    net = SimpleNamespace(scenario=wire, plan=net_plan, ip_of=lambda h: net_plan.hosts[h].ip)
+    shape = kv_dims(read_config(ensure_default_model()))
+    hosts = ("prefill", "relay", "decode-b")
+    last = {(m, k, loaded): transfer_modes.on_model(net, transfer_modes.Case(65536, m, k, loaded), *hosts, plan,
+                                                    shape)  # type: ignore[arg-type]
+            for m in transfer_modes.MODES for k in (1, 4) for loaded in (False, True)}
+    prefill = transfer_modes._schedule(wire, plan, "prefill", 4096)[-1][1]
+    idle = {m: last[(m, 1, False)] for m in transfer_modes.MODES}
+    assert idle["per-chunk"] < idle["after-prefill"] - 0.5 * prefill and idle["per-layer"] <= idle["per-chunk"]
+    for m in transfer_modes.MODES:
+        assert last[(m, 1, True)] > 1.3 * last[(m, 1, False)]  # a bulk flow holds half the line
+        assert last[(m, 4, True)] < 0.85 * last[(m, 1, True)]  # four flows of five beside it

@@ -18,6 +18,7 @@ from pathlib import Path
 from testbed.bench.links import format_links, run_links_bench
 from testbed.bench.net import run_bench
 from testbed.bench.sim_speed import run_bench as run_sim_bench
+from testbed.bench.transfer_modes import format_transfer, run_transfer_bench
 from testbed.cli import net_commands, policy_commands, profile_commands, replay_commands, serve_commands
 from testbed.cli.arg_values import retry_policy, scenario_from_args
 from testbed.cli.args import build_parser
@@ -54,6 +55,17 @@ def cmd_bench_links(args: argparse.Namespace) -> int:
         result = run_links_bench(net, lambda c: args.case in c.name, held_s=args.held)
     print(json.dumps(result, indent=2) if args.json else format_links(result))
     return 0 if all(c["passed"] for c in result["cases"]) else 1
+
+
+def cmd_bench_transfer(args: argparse.Namespace) -> int:
+    sizes = tuple(int(x) for x in args.sizes.split(",") if x.strip())
+    if not sizes or min(sizes) < args.token_scale:
+        raise InputError("--sizes: emulated tokens, each at least the token scale")
+    plan, kv_shape = net_commands.emulation_of(args)
+    with network_session(plan.wire_scenario(scenario_from_args(args)), args.impairment) as net:
+        result = run_transfer_bench(net, plan, kv_shape, sizes)
+    print(json.dumps(result, indent=2) if args.json else format_transfer(result))
+    return 0
 
 
 def cmd_bench_sim(args: argparse.Namespace) -> int:
@@ -188,7 +200,7 @@ COMMANDS = {
     "tune": replay_commands.cmd_tune,
     "validate": replay_commands.cmd_validate,
     "bench net": cmd_bench_net, "bench handoff": cmd_bench_handoff, "bench links": cmd_bench_links,
-    "bench scale": cmd_bench_scale, "bench sim": cmd_bench_sim,
+    "bench scale": cmd_bench_scale, "bench sim": cmd_bench_sim, "bench transfer": cmd_bench_transfer,
     "serve": serve_commands.cmd_serve, "bench client": serve_commands.cmd_bench_client,
     "profile fit": profile_commands.cmd_profile_fit, "profile check": profile_commands.cmd_profile_check,
     "profile kv-rate": profile_commands.cmd_profile_kv_rate,
@@ -196,7 +208,7 @@ COMMANDS = {
 }  # fmt: skip
 # Commands that build namespaces need root (``clean`` decides for itself: nothing to clean needs none).
 NEEDS_ROOT = {"exec", "net up", "net down", "net check", "run", "verify", "bench net", "bench handoff", "bench links",
-              "soak", "sweep",
+              "bench transfer", "soak", "sweep",
               "calibrate", "sensitivity", "tune", "serve", "bench client", "bench scale", "validate"}
 # Commands that start workers: their fork server (torch's imports, seconds) starts at once,
 # beside this process's own imports and input checks instead of after them.

@@ -17,7 +17,7 @@ from testbed.net import netns, runstate
 from testbed.net.check import check_report, passed, run_check
 from testbed.net.mininet_nodes import MininetNodes
 from testbed.scenario import Scenario
-from workers.model_dir import kv_bytes_per_token
+from workers.model_dir import kv_bytes_per_token, kv_dims, read_config
 
 
 def require_root() -> None:
@@ -38,6 +38,19 @@ def wire_scenario(args: argparse.Namespace) -> Scenario:
     if not getattr(args, "json", False):
         print(plan.describe(sc))
     return plan.wire_scenario(sc)
+
+
+def emulation_of(args: argparse.Namespace) -> tuple[EmulationPlan, tuple[int, int, int]]:
+    """A scenario's emulation at this scale and dilation, and the real model's KV layout
+    (layers, KV heads, head dim): what a bench of the workers' own wire needs."""
+    sc = scenario_from_args(args)
+    if sc.emulation is None:
+        raise InputError(f"{args.scenario}: a bench of the KV wire needs a scenario with an emulation section")
+    model = ensure_model(sc.model_dir())
+    plan = EmulationPlan.make(sc, args.token_scale, args.dilation, kv_bytes_per_token(model, sc.workers.dtype))
+    if not getattr(args, "json", False):
+        print(plan.describe(sc))
+    return plan, kv_dims(read_config(model))
 
 
 def cmd_net_up(args: argparse.Namespace) -> int:
