@@ -9,9 +9,10 @@ instances in the other datacenter, for ``prefill-offload``).
   baseline PDD improves on; ``cross-dc:transfer=per-chunk`` streams each prefill pass's KV
   as the pass ends, as an engine with a layer- or chunk-wise KV connector does.
 
-Both take ``transfer`` (``after-prefill`` | ``per-chunk`` | ``per-layer``; unset: the scenario's ``kv_transfer``)
-and ``connections`` (TCP connections per transfer; unset: the scenario's ``kv_connections``):
-``cross-dc:transfer=per-chunk,connections=4`` is the strongest cross-datacenter baseline.
+Both take ``transfer`` (``after-prefill`` | ``per-chunk`` | ``per-layer``; unset: the
+scenario's ``kv_transfer``) and ``connections`` (TCP connections per transfer; unset: the
+scenario's ``kv_connections``). With packed prefill passes, ``per-chunk`` over one connection is
+the strongest cross-datacenter baseline measured (docs/results.md).
 """
 
 from __future__ import annotations
