@@ -128,6 +128,23 @@ async def connect(host: str, port: int, netns: str | None) -> Conn:
     return await asyncio.open_connection(sock=sock)
 
 
+async def open_authenticated(host: str, port: int, netns: str | None, timeout_s: float | None,
+                             token: str) -> tuple[Conn, int]:
+    """A new connection to a receiver, tuned, its AUTH sent: (connection, the AUTH's bytes).
+    Raises KVTransferError."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            conn = await connect(host, port, netns)
+    except (OSError, TimeoutError) as e:
+        raise KVTransferError(f"connect to {host}:{port}: {e or 'timed out'}") from e
+    tune_socket(conn[1].get_extra_info("socket"), timeout_s)
+    try:  # a connection's first frame: the run's token, alone (the receiver reads nothing else first)
+        return conn, await write_frame(conn[1], AUTH, Auth(token=token).model_dump_json().encode(), timeout_s)
+    except (OSError, KVTransferError) as e:
+        conn[1].close()
+        raise KVTransferError(f"transfer to {host}:{port} broke: {e}") from e
+
+
 def bytes_acked(sock: socket.socket) -> int:
     """tcp_info.tcpi_bytes_acked (Linux >= 4.1): bytes the peer acknowledged."""
     try:

@@ -27,7 +27,6 @@ import torch
 
 from protocol.kv_format import (
     ACK,
-    AUTH,
     BLOCK,
     BLOCK_HDR,
     END,
@@ -36,7 +35,6 @@ from protocol.kv_format import (
     MAX_CONTROL_FRAME,
     STATE_FRAME,
     Ack,
-    Auth,
     End,
     Join,
     KVTransferError,
@@ -46,7 +44,7 @@ from protocol.kv_format import (
     layer_bounds,
     parse_frame,
 )
-from workers.kv_conn import Conn, Connections, connect, read_frame, tune_socket, write_frame
+from workers.kv_conn import Conn, Connections, open_authenticated, read_frame, write_frame
 
 
 @dataclass(eq=False)
@@ -187,14 +185,8 @@ async def open_side(host: str, port: int, key: str, stripe: int, token: str, poo
             return kept, await _join(kept, join, timeout_s)
         except (OSError, asyncio.IncompleteReadError, KVTransferError):
             kept[1].close()  # closed by the receiver while idle: one fresh connection
+    conn, auth = await open_authenticated(host, port, netns, timeout_s, token)
     try:
-        async with asyncio.timeout(timeout_s):
-            conn = await connect(host, port, netns)
-    except (OSError, TimeoutError) as e:
-        raise KVTransferError(f"connect to {host}:{port}: {e or 'timed out'}") from e
-    tune_socket(conn[1].get_extra_info("socket"), timeout_s)
-    try:
-        auth = await write_frame(conn[1], AUTH, Auth(token=token).model_dump_json().encode(), timeout_s)
         return conn, auth + await _join(conn, join, timeout_s)
     except (OSError, asyncio.IncompleteReadError, KVTransferError) as e:
         conn[1].close()

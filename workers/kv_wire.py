@@ -101,6 +101,7 @@ from workers.kv_conn import (  # noqa: F401 - Connections and the limits are par
     bytes_put_out,
     connect,
     listen,
+    open_authenticated,
     read_frame,
     tune_socket,
     write_frame,
@@ -165,17 +166,7 @@ async def send_kv(
                                layer_groups=layer_groups)
         except _StaleConnection:
             pass  # the receiver closed it while idle: one fresh connection
-    try:
-        async with asyncio.timeout(timeout_s):
-            conn = await connect(host, port, netns)
-    except (OSError, TimeoutError) as e:
-        raise KVTransferError(f"connect to {host}:{port}: {e or 'timed out'}") from e
-    tune_socket(conn[1].get_extra_info("socket"), timeout_s)
-    try:  # a connection's first frame: the run's token, alone (the receiver reads nothing else first)
-        auth = await write_frame(conn[1], AUTH, Auth(token=token).model_dump_json().encode(), timeout_s)
-    except (OSError, KVTransferError) as e:
-        conn[1].close()
-        raise KVTransferError(f"transfer to {host}:{port} broke: {e}") from e
+    conn, auth = await open_authenticated(host, port, netns, timeout_s, token)
     try:
         return await _send(conn, host, port, request_id, tokens, kv, first_token, block_size, cancel, corrupt_block,
                            on_progress, frame_tokens, token, ticket, pool, zeros, False, timeout_s, auth,

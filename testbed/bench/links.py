@@ -19,6 +19,8 @@ seconds of the line's rate):
 * over four connections each (``kv_connections``): one transfer; one beside a transfer over
   one connection from the other sender (four shares of five while both run); 40 at once;
   one streamed whose line drops to half its rate one second in;
+* one transfer of S joining a line another (of 4 S) has held for two seconds: the joiner's
+  completion alone (``JOIN_WEIGHT``);
 * with ``--held S``: ten transfers keeping the line saturated for S seconds (30 minutes:
   ``--held 1800``), each held to a tenth of it all along.
 
@@ -71,6 +73,12 @@ class Case:
     # flow of its own; a transfer is done when its last part is.
     connections: int = 1
     single: tuple[str, ...] = ()  # senders whose transfers use one connection all the same
+
+    # Only this transfer's completion is compared (None: the mean of all of them).
+    timed: int | None = None
+
+    def measure(self, took: list[float]) -> float:
+        return statistics.mean(took) if self.timed is None else took[self.timed]
 
     def parts(self, host: str) -> int:
         return 1 if host in self.single else self.connections
@@ -127,6 +135,8 @@ def cases(senders: list[str], rate_bps: float, seconds: float = 3.0, held_s: flo
         Case("40 at once, 4 connections each", many, connections=4, repeats=3),
         Case("streamed, 4 connections, line at half rate from 1 s", [(a, 0.0, s)], events=[(1.0, "half-rate")],
              stream=(seconds * 2 / 3, 8), connections=4),
+        # A transfer that joins a line another one has held for 2 s (JOIN_WEIGHT): it alone is timed.
+        Case("one joining a line held 2 s by another", [(a, 0.0, 4 * s), (b, 2.0, s)], timed=1, repeats=3),
         Case(f"line down {OUTAGE_S:g} s from 1 s", [(a, 0.0, s)], events=[(1.0, "down"), (1.0 + OUTAGE_S, "up")]),
     ]
 
@@ -222,11 +232,11 @@ def on_line(net: Network, case: Case, receiver: str) -> float:
         for h, _, size in case.transfers:
             _, conns[h] = _send(ns_of(h), ip, int(size))
         time.sleep(IDLE_S)
-    out: list[float] = []
+    out: dict[int, float] = {}
     failed: list[OSError] = []
     t0 = time.monotonic()
 
-    def one(h: str, at: float, size: float) -> None:
+    def one(i: int, h: str, at: float, size: float) -> None:
         time.sleep(max(0.0, t0 + at - time.monotonic()))
         try:
             if case.parts(h) > 1:
@@ -238,7 +248,7 @@ def on_line(net: Network, case: Case, receiver: str) -> float:
         except OSError as e:  # raised below, in the caller's thread, with the case named
             failed.append(e)
             return
-        out.append(took)
+        out[i] = took
 
     timers = []
     for at, what in case.events:
@@ -250,7 +260,7 @@ def on_line(net: Network, case: Case, receiver: str) -> float:
                 net.impair_wan({(a, b): DirectionOverride(down=down), (b, a): DirectionOverride(down=down)}
                                if down else {})
         timers.append(threading.Timer(at, act))
-    threads = [threading.Thread(target=one, args=t) for t in case.transfers]
+    threads = [threading.Thread(target=one, args=(i, *t)) for i, t in enumerate(case.transfers)]
     for x in (*timers, *threads):
         x.start()
     for th in threads:
@@ -263,7 +273,7 @@ def on_line(net: Network, case: Case, receiver: str) -> float:
         c.close()
     if failed:
         raise ConnectionError(f"bench links, case {case.name!r}: a transfer failed: {failed[0]}") from failed[0]
-    return statistics.mean(out)
+    return case.measure([out[i] for i in range(len(case.transfers))])
 
 
 def queue_wait_on_line(net: Network, sender: str, receiver: str, seconds: float = 4.0) -> float:
@@ -331,8 +341,7 @@ def on_model(net: Network, case: Case, receiver: str) -> float:
             await asyncio.sleep(at)
             return await send(h, size, conns[h] if case.kept else Conn(links.path(h, receiver)))
 
-        took = await asyncio.gather(*(one(*t) for t in case.transfers))
-        return statistics.mean(took)
+        return case.measure(list(await asyncio.gather(*(one(*t) for t in case.transfers))))
 
     try:
         return loop.run_until_complete(main())

@@ -20,9 +20,10 @@ before its first step. Emulated seconds (the wire's divided by the dilation).
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import os
+import signal
 import socket
-import struct
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,6 @@ import torch
 
 from protocol import clock
 from testbed.bench.links import PORT as LOAD_PORT
-from testbed.bench.links import _receiver
 from testbed.deploy.emulation import EmulationPlan
 from testbed.net import netns
 from testbed.net.build import Network
@@ -105,31 +105,51 @@ async def _one(send: Any, case: Case, rid: str, steps: list[tuple[int, float]], 
 
 
 # ------------------------------------------------------------------ the line
-def _bulk(ns: str, ip: str, stop: threading.Event) -> threading.Thread:
-    """A bulk TCP stream to ``ip`` until ``stop`` (the load), to the links bench's receiver."""
+def _sink(ns: str, ip: str) -> None:
+    """The load's receiver (a process of its own): read whatever comes until the sender goes."""
+    with netns.entered(ns):
+        srv = socket.create_server((ip, LOAD_PORT), reuse_port=True)
+    with srv:
+        conn, _ = srv.accept()
+        buf = bytearray(1 << 20)
+        with conn:
+            while conn.recv_into(buf):
+                pass
 
-    def run() -> None:
-        with netns.entered(ns):
-            s = socket.socket()
-        s.connect((ip, LOAD_PORT))
-        # Closed with a reset: the namespaces' socket buffers (32 MB) would otherwise keep the
-        # line loaded for many seconds after the case.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        s.sendall((1 << 40).to_bytes(8, "big"))
-        chunk = bytes(1 << 16)
-        s.settimeout(0.2)
-        with s:
-            while not stop.is_set():
-                try:
-                    s.send(chunk)
-                except TimeoutError:
-                    continue
-                except OSError:
-                    return
 
-    th = threading.Thread(target=run, daemon=True)
-    th.start()
-    return th
+def _source(ns: str, ip: str) -> None:
+    """The load's sender (a process of its own): bytes to ``_sink`` until it is terminated."""
+    with netns.entered(ns):
+        s = socket.socket()
+    for _ in range(50):  # the sink may still be binding
+        try:
+            s.connect((ip, LOAD_PORT))
+            break
+        except ConnectionRefusedError:
+            time.sleep(0.05)
+    chunk = bytes(1 << 16)
+    while True:
+        s.sendall(chunk)
+
+
+class _Load:
+    """A bulk TCP stream across the line, sender and receiver each a process of its own (in
+    this process their threads took the GIL from the transfer's event loop: a loaded line then
+    measured the bench, not TCP). Ended by PID, and with a reset: the namespaces' socket buffers
+    (32 MB) would otherwise keep the line loaded long after the case."""
+
+    def __init__(self, src_ns: str, dst_ns: str, ip: str) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self.procs = [ctx.Process(target=_sink, args=(dst_ns, ip), daemon=True),
+                      ctx.Process(target=_source, args=(src_ns, ip), daemon=True)]
+        for p in self.procs:
+            p.start()
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.pid is not None and p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)  # the kernel resets its connection: nothing left queued
+            p.join(5.0)
 
 
 def on_line(net: Network, cases: list[Case], sender: str, loader: str, receiver: str, plan: EmulationPlan,
@@ -138,8 +158,6 @@ def on_line(net: Network, cases: list[Case], sender: str, loader: str, receiver:
     sc, ip = net.scenario, net.ip_of(receiver)
     layers, heads, head_dim = kv_shape
     out: dict[Case, float] = {}
-    stop_rx = threading.Event()
-    load_rx = _receiver(net.ns_of(receiver), ip, stop_rx)
 
     async def main() -> None:
         rx = _Rx()
@@ -156,17 +174,17 @@ def on_line(net: Network, cases: list[Case], sender: str, loader: str, receiver:
             for i, case in enumerate(cases):
                 replayed = case.tokens // plan.scales.s_in
                 kv = torch.zeros(layers, 2, heads, replayed, head_dim)
-                stop = threading.Event()
-                bulk = _bulk(net.ns_of(loader), ip, stop) if case.loaded else None
-                if bulk is not None:
-                    await asyncio.sleep(2.0)  # the load's flow at its share before the case starts
+                load = _Load(net.ns_of(loader), net.ns_of(receiver), ip) if case.loaded else None
                 rid = f"c{i}"
-                t0 = clock.monotonic()
-                await _one(send, case, rid, _schedule(sc, plan, sender, replayed), kv, t0)
-                await asyncio.sleep(0.1)
-                stop.set()
-                if bulk is not None:
-                    bulk.join()
+                try:
+                    if load is not None:
+                        await asyncio.sleep(2.0)  # the load's flow at its share before the case starts
+                    t0 = clock.monotonic()
+                    await _one(send, case, rid, _schedule(sc, plan, sender, replayed), kv, t0)
+                    await asyncio.sleep(0.1)
+                finally:
+                    if load is not None:
+                        load.stop()
                 if rid not in rx.done:
                     raise ConnectionError(f"bench transfer, {case.name}: {rx.failed.get(rid, 'no answer')}")
                 out[case] = rx.done[rid] - t0
@@ -175,11 +193,7 @@ def on_line(net: Network, cases: list[Case], sender: str, loader: str, receiver:
             pool.close()
             server.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        stop_rx.set()
-        load_rx.join()
+    asyncio.run(main())
     return out
 
 
