@@ -25,7 +25,7 @@ from testbed.deploy.cluster import worker_configs
 from testbed.deploy.deployment import Deployment
 from testbed.deploy.dilation import DELAYLINE_CPUS, MARGIN, Probe, choose_dilation
 from testbed.deploy.emulation import EmulationPlan, round_up
-from testbed.deploy.fidelity import format_verdict, host_steal_s, judge
+from testbed.deploy.fidelity import format_verdict, host_steal_s, judge, late_threshold_us
 from testbed.deploy.run_record import ClientRecord
 from testbed.load.trace_replay import TraceReplay
 from testbed.load.verify import compare
@@ -208,12 +208,12 @@ def _link(p99_us: float) -> DelayLineReport:
     return DelayLineReport(pid=1, uptime_s=1, final=True, directions={"a->b": d})
 
 
-def test_verdict_fails_past_one_percent_overruns_or_one_ms_lateness() -> None:
+def test_verdict_fails_past_one_percent_overruns_or_late_frames() -> None:
     assert judge({"w": _stats("w", 100, 1)}, _link(500), {"w": 5.0}, 10.0).passed
     v = judge({"w": _stats("w", 100, 2), "n": _stats("n", 100, 90, native=True)}, _link(500), {}, 10.0)
     assert not v.passed and len(v.reasons) == 1 and "w overran 2.0%" in v.reasons[0]  # native never judged
-    v = judge({"w": _stats("w", 100, 0)}, _link(2000), {}, 10.0)
-    assert not v.passed and "2 of 100 frames more than 1 ms late" in v.reasons[0]
+    v = judge({"w": _stats("w", 100, 0)}, _frames(94, [2000] * 6), {}, 10.0)
+    assert not v.passed and "6 of 100 frames more than 1 ms late" in v.reasons[0]
     assert late_percentile([0, 0, 5], 50) == 50 and late_percentile([1] + [0] * len(LATE_EDGES_US), 99) == 10
     assert math.isinf(late_percentile([0] * len(LATE_EDGES_US) + [3], 99))
 
@@ -260,11 +260,12 @@ def _frames(on_time: int, late_us: list[int]) -> DelayLineReport:
 
 
 def test_one_percent_is_counted_rounded_up_to_a_whole_frame_or_step() -> None:
-    # 78 frames: a P99 by rank is their maximum; one frame 1.07 ms late is within 1 %
-    # rounded up, two are not. 1,500 frames: 15 may be late, not 16. Exactly 1 ms is on time.
+    # 78 frames: a P99 by rank is their maximum; up to five frames late are a handful, which
+    # never fails a run; six are not. 1,500 frames: 15 may be late, not 16. Exactly 1 ms is on time.
     assert judge({}, _frames(77, [1070]), {}, 10.0).passed
-    v = judge({}, _frames(76, [1070, 2300]), {}, 10.0)
-    assert not v.passed and "2 of 78 frames more than 1 ms late" in v.reasons[0] and "allowed 1" in v.reasons[0]
+    assert judge({}, _frames(73, [1070, 2300, 1100, 1200, 1300]), {}, 10.0).passed
+    v = judge({}, _frames(72, [1070, 2300, 1100, 1200, 1300, 1400]), {}, 10.0)
+    assert not v.passed and "6 of 78 frames more than 1 ms late" in v.reasons[0] and "allowed 5" in v.reasons[0]
     assert judge({}, _frames(1485, [1500] * 15), {}, 10.0).passed
     assert not judge({}, _frames(1484, [1500] * 16), {}, 10.0).passed
     assert judge({}, _frames(10, [1000] * 10), {}, 10.0).passed
@@ -286,9 +287,9 @@ def test_the_verdict_says_what_the_hypervisor_took() -> None:
 
 
 def test_lateness_is_judged_from_the_loads_start() -> None:
-    # Three frames 2 ms late before the load started (workers starting up), then 98 on time
+    # Six frames 2 ms late before the load started (workers starting up), then 98 on time
     # and one 500 us late: judged on what came after, the line kept up.
-    start = _frames(97, [2000] * 3)
+    start = _frames(94, [2000] * 6)
     late, d0 = start.directions["a->b"], start.directions["a->b"].late_hist
     later = [n + (98 if i == 0 else 0) + (1 if i == LATE_EDGES_US.index(500) else 0) for i, n in enumerate(d0)]
     end = DelayLineReport(pid=1, uptime_s=9, final=True, directions={"a->b": late.model_copy(update={
@@ -405,3 +406,16 @@ def test_the_cpu_line_prints_what_summary_json_holds() -> None:
     v = judge({"w": _stats("w", 100, 0)}, None, {}, 10.0)
     v = v.model_copy(update={"cpu": {"router": CpuShare(cpu_s=0.37, share=0.037)}})
     assert "CPU: router 0.37 s (4%)" in format_verdict("pdd", v)
+
+
+def test_frames_are_judged_late_in_emulated_time_against_their_delay() -> None:
+    """At D 6 on a 15 ms line (a 90 ms wire delay) a frame 1.07 ms late on the wire is 0.18 ms
+    late in emulated time, 1.2 % of the delay: on time. Late is 5 % of the delay (4.5 ms of
+    wire here, counted from the 2 ms edge); at D 1 the host's timer noise, 1 ms, is the floor."""
+    seven = _frames(219, [1070] * 7)  # 226 frames, 7 of them 1.07 ms late: past 1 % and a handful
+    assert not judge({}, seven, {}, 10.0, delays_ms={"a->b": 15.0}).passed
+    assert judge({}, seven, {}, 10.0, delays_ms={"a->b": 90.0}).passed
+    v = judge({}, _frames(219, [2300] * 7), {}, 10.0, delays_ms={"a->b": 90.0})
+    assert not v.passed and "7 of 226 frames more than 2 ms late" in v.reasons[0]
+    assert (late_threshold_us(15.0), late_threshold_us(90.0), late_threshold_us(None)) == (1000.0, 2000.0, 1000.0)
+    assert late_threshold_us(400.0) == 10000.0  # 20 ms wanted: the 10 ms edge below it

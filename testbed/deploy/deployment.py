@@ -230,7 +230,8 @@ class Deployment:
         deaths = cl.worker_deaths()
         self.close()  # the delay line's final statistics come with the network's teardown
         final = net.delayline_stats_final
-        verdict = judge(workers, final.since(before_load[0]) if final else None, cpu, wall, steal)
+        delays = {name: d.delay_ms for name, d in net.scenario.wan_directions().items()}  # the wire's
+        verdict = judge(workers, final.since(before_load[0]) if final else None, cpu, wall, steal, delays)
         return PolicyRun(specs=specs, recs=recs, router=router, workers=workers, policy=policy_report,
                          verdict=verdict, impairment=f"{net.impairment} ({net.impairment_reason})",
                          faults=applied, wall_s=wall, memory=memory, rss=sampler.series if sampler else [],
