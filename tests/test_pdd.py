@@ -145,7 +145,7 @@ def test_bad_policy_options_are_rejected() -> None:
                       ("pdd:threshold=0", "option threshold='0': Input should be greater than or equal to 1"),
                       ("pdd:drc=maybe", "option drc='maybe': Input should be 'on' or 'off'"),
                       ("pdd:bogus=1", "unknown option 'bogus' \\(options: handoff, threshold"),
-                      ("same-dc:x=1", "unknown option 'x' \\(options: transfer\\)"),
+                      ("same-dc:x=1", "unknown option 'x' \\(options: transfer, connections\\)"),
                       ("pdx", "unknown policy 'pdx' \\(known: .*pdd, prefill-offload.*; a plugin"),
                       ("pdd:threshold", "option 'threshold' must be key=value")]:
         with pytest.raises(InputError, match=msg):

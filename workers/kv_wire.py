@@ -290,8 +290,8 @@ async def _send(
         # Per layer: frames of one layer group each, in the order they are computed.
         order = kv_stream.LayerOrder(computed, have, n, per_frame, groups) if groups > 1 and computed else None
         # Frame j on stripe j % k: the further connections the receiver allowed (its key), one
-        # per frame at most, opened while this one sends its own.
-        k = min(connections, len(starts) * groups) if offer.key is not None else 1
+        # per frame at most, all joined before any block is sent (below).
+        k = max(1, min(connections, len(starts) * groups)) if offer.key is not None else 1
         end = End(first_token=first_token, n=n).model_dump_json().encode()
 
         async def join(i: int) -> None:
@@ -338,7 +338,7 @@ async def _send(
         if watcher is not None:
             watcher.cancel()
         for c in (conn, *sides):
-            if clean and pool is not None:
+            if clean and not st.cancelled and pool is not None:
                 pool.give_back(host, port, c)
             else:
                 c[1].close()

@@ -18,7 +18,6 @@ from pathlib import Path
 from testbed.bench.links import format_links, run_links_bench
 from testbed.bench.net import run_bench
 from testbed.bench.sim_speed import run_bench as run_sim_bench
-from testbed.bench.transfer_modes import format_transfer, run_transfer_bench
 from testbed.cli import net_commands, policy_commands, profile_commands, replay_commands, serve_commands
 from testbed.cli.arg_values import retry_policy, scenario_from_args
 from testbed.cli.args import build_parser
@@ -58,6 +57,8 @@ def cmd_bench_links(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_transfer(args: argparse.Namespace) -> int:
+    from testbed.bench.transfer_modes import format_transfer, run_transfer_bench  # torch: not for every command
+
     sizes = tuple(int(x) for x in args.sizes.split(",") if x.strip())
     if not sizes or min(sizes) < args.token_scale:
         raise InputError("--sizes: emulated tokens, each at least the token scale")
