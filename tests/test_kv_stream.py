@@ -141,14 +141,14 @@ def test_the_simulator_streams_a_long_prefills_kv_across_the_line_while_it_compu
 
 @pytest.mark.serial  # real compute held to its modeled step times: no neighbour on the cores
 @needs_root
-@pytest.mark.parametrize("how", ["transfer=per-chunk,connections=4", "transfer=per-layer,connections=2"])
+@pytest.mark.parametrize("how", ["transfer=per-chunk,connections=4", "transfer=per-layer"])
 def test_streamed_kv_from_packed_passes_over_real_sockets_gives_the_reference_tokens_through_pdd(how: str) -> None:
     # Passes of at most 128 emulated tokens (token scale 1), each request at most 64 of them
     # and each pass 50 ms of emulated overhead: two prompts of 600 and 650 tokens sent together
     # share ~11 passes, ~1.2 s of real time at D 2, far more than the real model's compute, so
     # that the first passes' KV is due long before a prefill ends. PDD relays every request
     # (relay_s=0): the KV streams to the relay and across the line, per pass over four TCP
-    # connections each (kv_connections) or per layer group over two, and the relay hands over.
+    # connections each (kv_connections) or per layer group, and the relay hands over.
     sc = scenario_with({"devices": {"h100": {"prefill_chunk": 64, "step_overhead_ms": 50.0}},
                         "workers": {"prefill_token_budget": 128},
                         "datacenters": {"a": {"lan": {"rate_mbit": 400000}}, "b": {"lan": {"rate_mbit": 400000}}}},
