@@ -1,16 +1,16 @@
 """A KV transfer's data phase over the link model, on one connection or several
-(``kv_connections``; the wire's: ``workers/kv_stripes.py``).
+(``kv_connections``; the wire's: ``workers/kv_stripes.py``), after the prefill, per chunk or
+per layer group (``workers/kv_stream.py``).
 
 Frame ``j`` of a transfer travels on connection ``j % k``, as ``kv_wire._send`` spreads them;
 each connection is a flow of its own on every link it crosses, with its own window, so a
 transfer over ``k`` takes up to ``k`` shares of a contended line. A further connection is a
 kept one of the same pair of hosts when one is free, else a new one; it opens with AUTH (new
-only) and JOIN and waits for the receiver's answer (a round trip) before its first block, as
-the wire's does, all of them before the first connection sends a block; each ends with its
-own END. The first connection carries its frames, the
-request's state and the END. Bytes are the wire's, frame for frame.
+only) and JOIN and waits for the receiver's answer (a round trip), and all of them have joined
+before the first connection sends a block, as on the wire. The first connection carries its
+frames, the request's state and the END; each further one its frames and an END of its own.
+Bytes are the wire's, frame for frame.
 """
-
 from __future__ import annotations
 
 import asyncio
