@@ -128,8 +128,9 @@ class Hello(_Frame):
     layer_groups: int = Field(default=1, ge=1, le=MAX_LAYER_GROUPS)
 
     def wire(self) -> bytes:
-        """The frame's JSON; ``state_bytes`` and ``stripes`` only when not their defaults (a
-        dense model's HELLO over one connection is what it was before either)."""
+        """The frame's JSON; ``state_bytes``, ``stripes`` and ``layer_groups`` only when not
+        their defaults (a dense model's HELLO over one connection, all layers per block, is what
+        it was before any of them)."""
         left_out = {k for k, v in (("state_bytes", self.state_bytes), ("stripes", self.stripes - 1),
                                    ("layer_groups", self.layer_groups - 1)) if not v}
         return self.model_dump_json(exclude=left_out or None).encode()
