@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from protocol.messages import Event, Request
 from protocol.refusals import refusal
 from protocol.topics import Topics
+from testbed.policies import Plan, WorkerView
 
 
 def worker_of(topics: Topics, topic: str) -> str | None:
@@ -60,4 +61,17 @@ def out_of_bounds(r: Request, vocab_size: int, max_context: int) -> str | None:
     top = max(r.prompt)
     if top >= vocab_size:
         return f"token id {top} is outside the model's vocabulary (0..{vocab_size - 1})"
+    return None
+
+
+def unworkable(plan: Plan, workers: dict[str, WorkerView]) -> str | None:
+    """Why the router cannot carry ``plan`` out (None: it can): a worker not of this
+    deployment, or one told to prefill and decode a request that is not a colocated instance
+    (a decoder would never answer the prefill command)."""
+    unknown = sorted(plan.workers - set(workers))
+    if unknown:
+        return f"its plan names {', '.join(unknown)}, no worker of this deployment"
+    if plan.colocated and workers[plan.decode].role != "colocated":
+        w = workers[plan.decode]
+        return f"its plan has {w.name} ({w.role}) prefill and decode a request: only a colocated worker can"
     return None

@@ -24,7 +24,7 @@ from typing import TypeVar
 import aiomqtt
 from pydantic import ValidationError
 
-from control.checks import in_plan, out_of_bounds, repeated, speaks_for
+from control.checks import in_plan, out_of_bounds, repeated, speaks_for, unworkable
 from control.decisions import Decisions, PolicyFailed
 from control.ended import Ended
 from control.held import Held
@@ -53,6 +53,7 @@ from protocol.mqtt_session import Session
 from protocol.refusals import refusal
 from protocol.router_config import RequestRecord, RouterConfig
 from protocol.topics import Topics
+from protocol.worker_config import PREFILL_ROLES
 from testbed.policies import ClusterView, Policy, RequestState
 from testbed.policies.base import WorkerView
 from workers.allocator import WATCH
@@ -73,7 +74,7 @@ class Router:
                                  for n, w in cfg.workers.items()},
                                 block_size=cfg.context.block_size,
                                 cache_tokens=cfg.context.decode_cache_tokens or 262144,
-                                exact_roles=frozenset({"prefill"} if cfg.context.prefill_exact_states else ()))
+                                exact_roles=frozenset(PREFILL_ROLES if cfg.context.prefill_exact_states else ()))
         self.inflight: dict[str, RequestState] = {}
         self.ended = Ended(cfg.dilation)  # finished: kept for their late events, then on disk
         self.session: Session | None = None
@@ -239,10 +240,8 @@ class Router:
             commands = [(w, self._decided("decode_command", lambda w=w: self.policy.decode_command(req, plan, w)))
                         for w in plan.streamers]
             commands += [(w, DecodeCmd(rid=r.rid, prompt=r.prompt, max_new=r.max_new)) for w in plan.hold]
-            unknown = sorted(plan.workers - set(self.view.workers))
-            if unknown:
-                raise PolicyFailed(f"policy {self.cfg.policy.label}: its plan names {', '.join(unknown)}, "
-                                   "no worker of this deployment")
+            if (why := unworkable(plan, self.view.workers)) is not None:
+                raise PolicyFailed(f"policy {self.cfg.policy.label}: {why}")
         except (LookupError, PolicyFailed) as e:
             why = f"no plan: {e}" if isinstance(e, LookupError) else str(e)
             self.decisions.trace(r.rid, None, self.view.weighed, why)

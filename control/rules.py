@@ -21,6 +21,8 @@ def after_death(plan: Plan, events: list[Event], dead: str, relay_up: bool, hand
     died."""
     if dead in plan.hold:
         return "unaffected"
+    if plan.colocated and dead == plan.decode:  # it held everything the request had
+        return "fail"
     received = {e.worker for e in events if isinstance(e, KvReceived)}
     relay = plan.relay
     relay_can_finish = (relay is not None and relay != dead and relay_up and not handed_off

@@ -27,7 +27,8 @@ STREAMED: tuple[KvTransfer, ...] = ("per-chunk", "per-layer")  # the modes that 
 MAX_LAYER_GROUPS = 64  # a per-layer transfer's layer groups (each frame one group's KV)
 MAX_KV_CONNECTIONS = 16  # TCP connections one KV transfer may use (``workers/kv_stripes.py``)
 
-WorkerRole = Literal["prefill", "decode", "relay-decode"]
+WorkerRole = Literal["prefill", "decode", "relay-decode", "colocated"]
+PREFILL_ROLES: tuple[WorkerRole, ...] = ("prefill", "colocated")  # roles that prefill: their caches are a prefill's
 
 
 # Every worker's KV listener (its host is its own namespace); the delay line counts KV bytes by it.

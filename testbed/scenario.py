@@ -40,6 +40,7 @@ class Role(StrEnum):
     PREFILL = "prefill"
     RELAY_DECODE = "relay-decode"
     DECODE = "decode"
+    COLOCATED = "colocated"  # prefills and decodes (no disaggregation)
 
 
 class Host(_Strict):
@@ -222,8 +223,7 @@ class Scenario(_Strict):
     def check_fault(self, fault: Fault) -> None:
         """A fault names this scenario's datacenters, hosts of components and shaped
         directions (ValueError otherwise)."""
-        components = {h: str(spec.role) for dc in self.datacenters.values() for h, spec in dc.hosts.items()
-                      if spec.role in (Role.PREFILL, Role.DECODE, Role.RELAY_DECODE, Role.ROUTER, Role.CLIENT)}
+        components = {h: str(spec.role) for dc in self.datacenters.values() for h, spec in dc.hosts.items()}
         a, b = self.wan.between
         unshaped = {name for name, d in ((f"{a}->{b}", self.wan.forward), (f"{b}->{a}", self.wan.reverse))
                     if d.rate_mbit is None}

@@ -81,6 +81,23 @@ def test_policy_tokens_equal_reference(policy: str, prompts_and_refs) -> None:
         assert list(r.token_times) == sorted(r.token_times)
 
 
+def test_colocated_tokens_equal_reference(prompts_and_refs) -> None:
+    # Two instances that prefill and decode (mixed steps), each its own account; the prompts
+    # share prefixes in groups, which the router sends to the instance that holds them.
+    specs, refs = prompts_and_refs
+    hosts = {f"colo-{i}": {"role": "colocated"} for i in (1, 2)}
+    with Deployment(scenario_with({"datacenters": {"a": {"hosts": hosts}}}), parse_policy("colocated"),
+                    dtype="float64") as dep:
+        run = dep.run(UnprivilegedCheck(specs))
+    assert compare(specs, refs, run.recs) == []
+    df = request_rows(run.recs, run.router)
+    assert set(df.pipeline) == {"C(a)"} and (df.prefill_worker == df.decode_worker).all()
+    assert (df.prefill_hit_tokens + df.prefill_computed == df.prompt_tokens).all()
+    assert df.prefill_hit_tokens.sum() > 0 and df.kv_bytes.sum() == 0
+    reused = sum(w.prefill.reused_tokens for w in run.workers.values() if w.role == "colocated" and w.prefill)
+    assert reused == df.prefill_hit_tokens.sum()
+
+
 def _specs(n: int, out: int) -> list[RequestSpec]:
     return [RequestSpec(f"k{i}", synth_tokens(f"kill-{i}", 64), out, at=0.02 * i) for i in range(n)]
 

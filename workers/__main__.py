@@ -24,10 +24,9 @@ from pydantic import TypeAdapter
 
 from protocol import clock
 from protocol.worker_config import WorkerConfig
-from workers.decode import DecodeWorker
 from workers.event_loop import new_event_loop
+from workers.kinds import make_worker
 from workers.namespace import use_socket_maker
-from workers.prefill import PrefillWorker
 from workers.privilege import Identity, NamespaceSockets, drop_privileges, no_new_privileges
 from workers.runtime import Worker
 
@@ -98,7 +97,7 @@ def main(config_path: str) -> None:
     no_new_privileges()  # before torch or anything else starts a thread
     cfgs = load_configs(Path(config_path).read_text())
     who = set_up_privileges(cfgs)  # before the model: its child is a copy of a small process
-    workers: list[Worker] = [PrefillWorker(c) if c.role == "prefill" else DecodeWorker(c) for c in cfgs]
+    workers: list[Worker] = [make_worker(c) for c in cfgs]
     clock.follow_steps(clock.steps_file(config_path), Path(config_path).name.removesuffix(".cfg.json"))
     # Root no longer: set up (configuration read, model loaded, statistics folder open),
     # the worker now takes what arrives from the broker and from KV peers.

@@ -285,44 +285,56 @@ class DecodeWorker(HandoffMixin, Worker):
 
     async def _loop(self) -> None:
         while True:
-            if not self.running:
-                self.wake.clear()
-                await self.wake.wait()
-                continue
-            batch = [s for s in self.running.values() if not s.paused][: self.cfg.max_batch]
+            batch = self._decodable()
             if not batch:
                 self.wake.clear()
                 await self.wake.wait()
                 continue
             async with self.device:
+                # Those still running once the device is free (a handoff's extend may have held it);
+                # requests that joined meanwhile wait for the next step.
                 batch = [s for s in batch if self.running.get(s.rid) is s and not s.paused]
                 if not batch:
                     continue
-                builds = self.batch_builds
-                (self.dbatch, batch), build = await self.run_compute(self._form_batch, batch)
-                contexts = [s.n for s in batch]
-                results, real = await self.run_compute(self.dbatch.step, [s.out[-1] for s in batch])
-                modeled = None if self.pacer.native else self.pacer.decode_time(contexts)
-                self.step_log.append((len(batch), real))
-                detail = (f"batch {len(batch)}, step {1000 * real:.0f} ms, forming the batch {1000 * build:.0f} ms"
-                          + (" (rebuilt)" if self.batch_builds > builds else ""))
-                await self.pace("decode", real + build, modeled, detail)
-            for seq, (new_kv, tok) in zip(batch, results, strict=True):
-                if self.running.get(seq.rid) is not seq:
-                    continue  # cancelled while the step ran
-                seq.append(new_kv, [tok])
-                done = self.finished(seq)
-                self.stream(seq.rid, len(seq.out) - 1, [tok], done=done)
-                seq.streamed += 1
-                self.tokens_out += 1
-                if self.tokens_out == self.cfg.faults.die_after_tokens:
-                    os._exit(9)  # fault injection (tests): die abruptly, like kill -9
-                if done:
-                    del self.running[seq.rid]
-                    self.complete(seq)
-                elif seq.relay is not None:
-                    await self.maybe_hand_off(seq)
+                results, real, detail = await self._decode_step(batch)
+                modeled = None if self.pacer.native else self.pacer.decode_time([s.n for s in batch])
+                await self.pace("decode", real, modeled, detail)
+            await self._decoded(batch, results)
             await self.admit_queued()
+
+    def _decodable(self) -> list[Seq]:
+        """The requests the next step decodes: running, not paused, at most ``max_batch``."""
+        return [s for s in self.running.values() if not s.paused][: self.cfg.max_batch]
+
+    async def _decode_step(self, batch: list[Seq]) -> tuple[list[tuple[torch.Tensor, int]], float, str]:
+        """One batched forward pass over ``batch`` (the caller holds the device): each row's
+        new KV and token, the real seconds (forming the batch included), what to log."""
+        builds = self.batch_builds
+        (self.dbatch, rows), build = await self.run_compute(self._form_batch, batch)
+        batch[:] = rows  # row order
+        results, real = await self.run_compute(self.dbatch.step, [s.out[-1] for s in batch])
+        self.step_log.append((len(batch), real))
+        detail = (f"batch {len(batch)}, step {1000 * real:.0f} ms, forming the batch {1000 * build:.0f} ms"
+                  + (" (rebuilt)" if self.batch_builds > builds else ""))
+        return results, real + build, detail
+
+    async def _decoded(self, batch: list[Seq], results: list[tuple[torch.Tensor, int]]) -> None:
+        """A step's tokens: appended, streamed; finished requests complete, relays hand over."""
+        for seq, (new_kv, tok) in zip(batch, results, strict=True):
+            if self.running.get(seq.rid) is not seq:
+                continue  # cancelled while the step ran
+            seq.append(new_kv, [tok])
+            done = self.finished(seq)
+            self.stream(seq.rid, len(seq.out) - 1, [tok], done=done)
+            seq.streamed += 1
+            self.tokens_out += 1
+            if self.tokens_out == self.cfg.faults.die_after_tokens:
+                os._exit(9)  # fault injection (tests): die abruptly, like kill -9
+            if done:
+                del self.running[seq.rid]
+                self.complete(seq)
+            elif seq.relay is not None:
+                await self.maybe_hand_off(seq)
 
     def _form_batch(self, wanted: list[Seq]) -> tuple[DecodeBatch | ModeledBatch, list[Seq]]:
         """The decode batch for ``wanted`` and its members in row order (compute thread).

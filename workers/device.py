@@ -166,6 +166,66 @@ class Pacer:
             nbytes += m.kv_bytes_per_token * (done + new) + m.state_bytes
         return s.dilation * self.pass_emulated(flops, m.pass_weight_bytes(rows) + nbytes, rows)
 
+    def mixed_room(self, rows: int, budget: int) -> int:
+        """Replayed prompt tokens one step of a worker that prefills and decodes may carry
+        beside ``rows`` decode tokens under a budget of ``budget`` emulated tokens a pass: a
+        step with decodes stands for ``s_out`` emulated passes, each leaving ``budget - rows``
+        to prompts (at least one token: a prompt is never starved for good); a step without
+        is one pass of the whole budget, as a prefill worker's."""
+        s = self.scales
+        if rows == 0:
+            return max(1, budget // s.s_in)
+        return max(1, s.s_out * max(0, budget - rows) // s.s_in)
+
+    def mixed_time(self, contexts: list[int], parts: list[tuple[int, int]], budget: int) -> tuple[float, list[float]]:
+        """Real seconds of one step of a worker that prefills and decodes (``mixed_room``):
+        ``contexts``, the replayed contexts of its decode rows; ``parts``, per prompt the
+        replayed tokens it computes and the replayed tokens of its request before them. Its
+        ``s_out`` emulated passes (one without decodes) each take a decode token per row and,
+        in order, as much of the prompts as the budget leaves; a pass's FLOPs are priced at the
+        prefill's efficiency for prompt tokens and the decode's for decode rows, the weights
+        read once for all of them. Prompt tokens still left after those passes (a budget
+        smaller than the rows) take passes of their own. Returns the step's real seconds and,
+        per part, the real seconds from the step's start to the end of the pass that computed
+        its last token (a prompt's first token is due then, not at the step's end)."""
+        m, s = self.cost, self.scales
+        assert m is not None
+        rows = len(contexts)
+        left = [[n * s.s_in, before * s.s_in] for n, before in parts]  # emulated: to compute, before
+        room = budget if rows == 0 else max(1, budget - rows)
+        total, j, i = 0.0, 0, 0
+        ends = [0.0] * len(parts)
+        while i < len(left) or (rows and j < s.s_out):
+            decoding = rows if j < (s.s_out if rows else 0) else 0
+            flops = nbytes = 0.0
+            if decoding:
+                ctx = sum(contexts) * s.s_in + j * rows
+                flops = (2 * m.params * rows + 4 * (m.attention_layers or m.layers) * m.hidden * ctx
+                         + m.linear_flops_per_token * rows)
+                if m.window_layers:
+                    flops += 4 * m.window_layers * m.hidden * sum(min(c * s.s_in + j, m.window) for c in contexts)
+                nbytes = m.kv_bytes_per_token * ctx + m.state_bytes * rows
+            tokens, free, ended = 0, room, []
+            while free > 0 and i < len(left):
+                n, before = min(left[i][0], free), left[i][1]
+                # prompt FLOPs in decode-efficiency units (one pass, one roofline)
+                flops += (2 * m.params * n + m.attention_flops(n, before + n / 2)) * (
+                    self.decode_peak_flops / self.peak_flops if decoding else 1.0)
+                nbytes += m.kv_bytes_per_token * (before + n) + m.state_bytes
+                left[i] = [left[i][0] - n, before + n]
+                tokens += n
+                free -= n
+                if left[i][0] == 0:
+                    i += 1
+                    ended.append(i - 1)
+            nbytes += m.pass_weight_bytes(decoding + tokens)
+            peak = self.decode_peak_flops if decoding else self.peak_flops
+            total += self.pass_emulated(flops, nbytes, decoding + tokens, peak)
+            for k in ended:
+                ends[k] = s.dilation * total
+            j += 1
+        return s.dilation * total, ends
+
     def decode_time(self, contexts: list[int]) -> float:
         """Real seconds a decode step (one replayed token per request at these replayed
         contexts) must last."""

@@ -20,8 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -31,36 +29,12 @@ from protocol.worker_config import STREAMED, PrefillCounters, TransferTotals, Wo
 from workers import kv_stream, kv_wire
 from workers.kv_queue import PeerQueues
 from workers.kv_stream import Computed
+from workers.prefill_job import PrefillJob
 from workers.radix_cache import RadixCache
 from workers.runtime import Worker
 from workers.transport import HOST, KvSend, Transport
 
 WARMS_KEPT = 256  # waiting warm commands; the oldest is dropped past this (a prefill that is never idle)
-
-
-def _retrieved(f: asyncio.Future[Any]) -> None:
-    if not f.cancelled():
-        f.exception()
-
-
-@dataclass(eq=False)
-class _Job:
-    """A request in the passes of a prefill that packs several (``_pass_loop``)."""
-
-    cmd: PrefillCmd
-    path: list[Any]  # its cached prefix, locked until it ends
-    hit: int
-    compute: asyncio.Future[tuple[tuple[torch.Tensor, int], float]]  # the real model's, started at admission
-    t0: float  # clock.now() at admission
-    began: float  # clock.monotonic() at admission
-    done: int = 0  # tokens after ``hit`` computed by the passes so far
-    modeled: float = 0.0  # the modeled seconds of the passes it had a share of
-    computed: kv_stream.Computed | None = None  # streamed: its passes as they end
-    dropped: bool = False  # cancelled while in progress
-
-    @property
-    def left(self) -> int:
-        return len(self.cmd.prompt) - self.hit - self.done
 
 
 class PrefillWorker(Worker):
@@ -183,7 +157,7 @@ class PrefillWorker(Worker):
             self.cancels.pop(cmd.rid, None)  # cancelled before it started: nothing will ship
             return
         tokens = cmd.prompt
-        path = self._match(tokens)
+        path = self.cache.match_to_compute(tokens)
         self.cache.lock(path)
         streamed = (cmd.kv_transfer or self.cfg.kv_transfer) in STREAMED
         try:
@@ -213,7 +187,7 @@ class PrefillWorker(Worker):
         most the device's chunk, until the budget is spent; it is priced as one pass of all of
         them (``Pacer.packed_time``). A request's real computation starts when it first gets a
         share (the compute thread runs it beside the pacing) and must be done by its last pass."""
-        jobs: list[_Job] = []
+        jobs: list[PrefillJob] = []
         s_in = self.pacer.scales.s_in
         budget = max(1, (self.cfg.prefill_token_budget or 1) // s_in)
         chunk = max(1, (self.pacer.chunk or budget * s_in) // s_in)
@@ -228,7 +202,7 @@ class PrefillWorker(Worker):
                 await self.work.wait()
                 continue
             t_pass = clock.perf_counter()
-            parts: list[tuple[_Job, int]] = []
+            parts: list[tuple[PrefillJob, int]] = []
             left = budget
             for job in jobs:
                 if left == 0:
@@ -268,25 +242,20 @@ class PrefillWorker(Worker):
                 jobs.remove(job)
                 self._end(job)
 
-    def _admit(self, cmd: PrefillCmd) -> _Job | None:
+    def _admit(self, cmd: PrefillCmd) -> PrefillJob | None:
         """A waiting request's first share of a pass: its cached prefix (locked until it ends),
         its real computation started, its streamed transfers under way."""
         if self.cancels[cmd.rid][""].is_set():
             self.cancels.pop(cmd.rid, None)  # cancelled before it started: nothing will ship
             return None
-        path = self._match(cmd.prompt)
-        self.cache.lock(path)
-        hit = len(path) * self.cfg.block_size
-        compute = asyncio.ensure_future(self.run_compute(self.runner.prefill, cmd.prompt, self.cache.blocks_of(path),
-                                                         self.cfg.prefill_chunk))
-        compute.add_done_callback(_retrieved)  # a dropped job's failure is nobody's to read
-        job = _Job(cmd, path, hit, compute, clock.now(), clock.monotonic())
+        job = PrefillJob.start(cmd, self.cache, lambda prompt, cached: self.run_compute(
+            self.runner.prefill, prompt, cached, self.cfg.prefill_chunk))
         if (cmd.kv_transfer or self.cfg.kv_transfer) in STREAMED and cmd.kv_to:
-            job.computed = kv_stream.Computed(job.began, hit, final=False)
+            job.computed = kv_stream.Computed(job.began, job.hit, final=False)
             self.spawn(self._ship_computed(job))
         return job
 
-    async def _ship_computed(self, job: _Job) -> None:
+    async def _ship_computed(self, job: PrefillJob) -> None:
         """A streamed request's transfers, once its KV exists (at once when modeled)."""
         try:
             (kv, first), _ = await asyncio.shield(job.compute)
@@ -296,7 +265,7 @@ class PrefillWorker(Worker):
             return
         self._ship_all(job.cmd, kv, first, job.computed)
 
-    def _dropped(self, job: _Job) -> bool:
+    def _dropped(self, job: PrefillJob) -> bool:
         """A request cancelled while in progress: it leaves the passes, its prefix unlocked."""
         cancel = self.cancels.get(job.cmd.rid, {}).get("")
         if cancel is None or not cancel.is_set():  # checked before every pass: no allocation here
@@ -307,7 +276,7 @@ class PrefillWorker(Worker):
             self.cancels.pop(job.cmd.rid, None)
         return True
 
-    def _end(self, job: _Job) -> None:
+    def _end(self, job: PrefillJob) -> None:
         """A request's last pass ended: its KV cached, PrefillDone, its transfers (unless streamed)."""
         cmd, tokens = job.cmd, job.cmd.prompt
         try:
@@ -327,14 +296,6 @@ class PrefillWorker(Worker):
                               modeled_s=None if self.pacer.native else job.modeled))
         if job.computed is None:
             self._ship_all(cmd, kv, first, None)
-
-    def _match(self, tokens: list[int]) -> list[Any]:
-        """The cached prefix to resume from, keeping at least one token to compute (its logits
-        give the first output token)."""
-        path = self.cache.match_prefix(tokens)
-        while path and len(path) * self.cfg.block_size >= len(tokens):
-            path = self.cache.resumable(path[:-1])
-        return path
 
     def _ship_all(self, cmd: PrefillCmd, kv: torch.Tensor, first: int, computed: Computed | None) -> None:
         """Ship the KV to every target (``computed``: streamed, each frame once computed)."""

@@ -183,6 +183,14 @@ class RadixCache:
             self.hit_tokens += len(path) * self.block_size
         return path
 
+    def match_to_compute(self, tokens: list[int]) -> list[Node]:
+        """The cached prefix a prefill resumes from: as ``match_prefix``, keeping at least one
+        token to compute (its logits give the first output token)."""
+        path = self.match_prefix(tokens)
+        while path and len(path) * self.block_size >= len(tokens):
+            path = self.resumable(path[:-1])
+        return path
+
     def resumable(self, path: list[Node]) -> list[Node]:
         """``path`` up to its last kept state (``exact_states``), else all of it."""
         if not self.exact_states:

@@ -92,7 +92,7 @@ class Worker:
         self.tasks: set[asyncio.Task[Any]] = set()
         self.outbox: list[TokenChunk] = []  # token chunks of the step in progress (``stream``)
         self.cache_series: list[tuple[float, int, int]] = []  # (t, hit tokens, lookup tokens)
-        self.started: OrderedDict[str, None] = OrderedDict()  # requests a start command began, oldest first
+        self.started: OrderedDict[tuple[str, str], None] = OrderedDict()  # (command, request) begun, oldest first
         self.repeated_commands = 0
         # Opened while privileged: once it has dropped root, the worker writes only here.
         self.out = OutDir(Path(cfg.stats_path).parent) if cfg.stats_path else None
@@ -340,11 +340,12 @@ class Worker:
         idempotent where they are handled."""
         if not isinstance(cmd, PrefillCmd | DecodeCmd):
             return True
-        if cmd.rid in self.started:
+        key = (cmd.op, cmd.rid)  # a colocated worker takes both commands of a request
+        if key in self.started:
             self.repeated_commands += 1
             print(f"{self.cfg.name}: dropped a repeated {cmd.op} for {cmd.rid}", file=sys.stderr, flush=True)
             return False
-        self.started[cmd.rid] = None
+        self.started[key] = None
         if len(self.started) > REMEMBERED_STARTS:
             self.started.popitem(last=False)
         return True

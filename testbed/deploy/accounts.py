@@ -34,8 +34,8 @@ PER_COMPONENT = "per-component"
 DYNAMIC_FIRST, DYNAMIC_LAST = 61184, 65519  # systemd's dynamic users (systemd.exec, DynamicUser=)
 BLOCK = 8
 # Each one's place in its run's block: the worker roles, then the rest.
-COMPONENTS = ("router", "prefill", "decode", "relay-decode", "front", "client")
-WORKER_FOLDERS = ("prefill", "decode", "relay-decode")
+COMPONENTS = ("router", "prefill", "decode", "relay-decode", "colocated", "front", "client")
+WORKER_FOLDERS = ("prefill", "decode", "relay-decode", "colocated")
 OUT_DIR = "out"  # the run's folder (root's, 0711) holding one folder per component
 
 

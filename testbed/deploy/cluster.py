@@ -37,6 +37,7 @@ from protocol.router_config import (
 from protocol.topics import Topics
 from protocol.worker_config import (
     KV_PORT,
+    PREFILL_ROLES,
     BrokerInfo,
     DeviceSpec,
     MemoryReport,
@@ -67,7 +68,7 @@ from workers.model_dir import kv_bytes_per_token, read_config
 ROUTER_ENV = {"PYTHONMALLOC": "malloc"}
 T = TypeVar("T")
 WORKER_ROLES: dict[Role, WorkerRole] = {Role.PREFILL: "prefill", Role.DECODE: "decode",
-                                        Role.RELAY_DECODE: "relay-decode"}
+                                        Role.RELAY_DECODE: "relay-decode", Role.COLOCATED: "colocated"}
 
 
 def _parsed_lines(text: str, parse: Callable[[str], T], what: str) -> list[T]:
@@ -124,7 +125,8 @@ def worker_configs(sc: Scenario, run_id: str, ip_of: Callable[[str], str], broke
                 broker=broker if isinstance(broker, BrokerInfo) else broker[host], kv_token=kv_token,
                 model_path=model, compute=spec.compute, dtype=dtype or ws.dtype, threads=ws.threads,
                 block_size=ws.block_size, prefill_chunk=ws.prefill_chunk,
-                cache_tokens=-(-(ws.prefill_cache_tokens if role == "prefill" else ws.decode_cache_tokens) // s_in),
+                cache_tokens=-(-(ws.prefill_cache_tokens if role in PREFILL_ROLES else ws.decode_cache_tokens)
+                               // s_in),
                 max_batch=ws.max_batch, kv_timeout_s=ws.kv_timeout_s * d, kv_streams_per_peer=ws.kv_streams_per_peer,
                 kv_transfer=ws.kv_transfer, prefill_token_budget=ws.prefill_token_budget,
                 kv_connections=ws.kv_connections, kv_layer_groups=ws.kv_layer_groups,

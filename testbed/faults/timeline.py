@@ -66,7 +66,7 @@ _KEYS: dict[str, tuple[set[str], set[str]]] = {  # kind -> (required keys, optio
     "router-kill": (set(), set()),
     "clock-step": ({"s"}, {"host"}),
 }
-WORKER_ROLES = ("prefill", "decode", "relay-decode")  # the roles a kill may name
+WORKER_ROLES = ("prefill", "decode", "relay-decode", "colocated")  # the roles a kill may name
 _VALUED = ("pct", "ms", "mbit", "dc", "host", "s")  # the keys with a value of their own
 _SPEC_RE = re.compile(r"^(?P<kind>[a-z-]+)@(?P<at>[^+:]+)(\+(?P<dur>[^:]+))?(:(?P<kv>.*))?$")
 

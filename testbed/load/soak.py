@@ -146,7 +146,7 @@ def random_faults(sc: Scenario, emulated_s: float, every_s: float, seed: int) ->
     rng = random.Random(seed)
     a, b = sc.wan.between
     workers = sorted(h for dc in sc.datacenters.values() for h, spec in dc.hosts.items()
-                     if spec.role in (Role.PREFILL, Role.DECODE, Role.RELAY_DECODE))
+                     if spec.role in (Role.PREFILL, Role.DECODE, Role.RELAY_DECODE, Role.COLOCATED))
     shaped = [d for d, w in ((f"{a}->{b}", sc.wan.forward), (f"{b}->{a}", sc.wan.reverse)) if w.rate_mbit]
     out = []
     t = every_s

@@ -11,7 +11,7 @@ the object. The built-ins register themselves as a plugin does.
 from __future__ import annotations
 
 from protocol.policy import PolicySpec
-from testbed.policies import classic, offload, pdd  # noqa: F401 - the built-ins register themselves
+from testbed.policies import classic, colocated, offload, pdd  # noqa: F401 - the built-ins register themselves
 from testbed.policies.base import ClusterView, NoOptions, Plan, Policy, RequestState, WorkerView
 from testbed.policies.registry import (
     PolicyError,

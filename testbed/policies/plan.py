@@ -17,6 +17,9 @@ Roles:
   remote cache tier, a standby warmed for a session's next turn). Losing one, or its
   transfer failing, never fails the request.
 
+* one worker named as both ``prefill`` and ``decode`` prefills and decodes the request itself
+  (a colocated instance, ``workers/colocated.py``): its KV never leaves it.
+
 Loss rule: ``if_main_lost`` says what the main decoder's loss before the handoff means when
 a lead streams: ``lead-alone`` (the lead finishes the request; PDD) or ``fail``. Otherwise a
 request fails when a worker it still needs is lost, and not when it no longer needs it (a
@@ -51,7 +54,9 @@ class Plan:
     def __post_init__(self) -> None:
         # A plan the router could not carry out is the policy's bug: said here, where it was built
         # (the router fails that request with this reason, ``control/decisions.py``).
-        named = [self.prefill, self.decode, *([self.relay] if self.relay else []), *self.hold]
+        # One worker may prefill and decode a request (``colocated``), nothing else twice.
+        named = [self.prefill, *([self.decode] if self.decode != self.prefill else []),
+                 *([self.relay] if self.relay else []), *self.hold]
         twice = sorted({w for w in named if named.count(w) > 1})
         if twice:
             raise ValueError(f"plan {self.pipeline}: {', '.join(twice)} named in two roles (one worker, one role)")
@@ -71,6 +76,11 @@ class Plan:
     @property
     def workers(self) -> set[str]:
         return {self.prefill, *self.receivers}
+
+    @property
+    def colocated(self) -> bool:
+        """One worker prefills and decodes."""
+        return self.prefill == self.decode
 
     def role_of(self, worker: str) -> Role | None:
         if worker == self.prefill:

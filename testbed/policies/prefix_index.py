@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from protocol.policy import PolicyContext
+from protocol.worker_config import PREFILL_ROLES
 from testbed.policies.token_ids import TOKEN_BYTES, token_array
 
 # Memory one indexed block costs with eviction going on (its dict entry and hash, its place
@@ -58,7 +59,8 @@ class PrefixIndex:
     def shadowing(cls, ctx: PolicyContext, role: str) -> PrefixIndex:
         """An index of what a worker of ``role`` caches, sized as the deployment's caches (a
         hybrid's prefill: matched only where a prompt ended)."""
-        return cls(ctx.block_size, ctx.decode_cache_tokens, exact_states=role == "prefill" and ctx.prefill_exact_states)
+        exact = role in PREFILL_ROLES and ctx.prefill_exact_states
+        return cls(ctx.block_size, ctx.decode_cache_tokens, exact_states=exact)
 
     def _hashes(self, tokens: Sequence[int]) -> array[int]:
         # Over the ids as 4-byte integers, whatever sequence holds them: a list and the

@@ -61,9 +61,8 @@ from testbed.sim.network import LinkModel
 from testbed.sim.scope import check_simulable
 from testbed.sim.vloop import EPOCH, VirtualLoop
 from workers.allocator import WATCH
-from workers.decode import DecodeWorker
+from workers.kinds import make_worker
 from workers.model_dir import kv_bytes_per_token
-from workers.prefill import PrefillWorker
 from workers.runtime import Worker
 from workers.transport import Transport
 
@@ -233,7 +232,7 @@ class SimDeployment:
     def _start_worker(self, host: str) -> None:
         cfg = self.configs[host]
         transport = self.net.transport(host)
-        w: Worker = PrefillWorker(cfg, transport) if cfg.role == "prefill" else DecodeWorker(cfg, transport)
+        w: Worker = make_worker(cfg, transport)
         self.workers[host] = w
         self.tasks[host] = self._component(host, self._serve(host, w))
 

@@ -13,7 +13,7 @@ from protocol.worker_config import WorkerFaults
 from testbed.errors import InputError
 from testbed.scenario import Role, Scenario
 
-WORKER_ROLES = (Role.PREFILL, Role.DECODE, Role.RELAY_DECODE)
+WORKER_ROLES = (Role.PREFILL, Role.DECODE, Role.RELAY_DECODE, Role.COLOCATED)
 
 
 def check_simulable(sc: Scenario, worker_faults: dict[str, WorkerFaults] | None = None) -> None:
