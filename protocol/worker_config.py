@@ -198,6 +198,10 @@ class WorstOverrun(Contract):
 # the host (docs/emulated-time.md), which says nothing about whether the emulation keeps up.
 LATE_WAKE = 0.05
 LATE_WAKE_FLOOR_S = 0.001
+# A step's need (``DeviceReport.needs``) counted in buckets of 5 %: bucket k holds needs up to
+# NEED_STEP ** k; needs under a tenth of the modeled time share the lowest bucket.
+NEED_STEP = 1.05
+NEED_MIN_BUCKET = -48
 
 
 class DeviceReport(Contract):
@@ -216,6 +220,10 @@ class DeviceReport(Contract):
     late_max_s: float = 0.0
     by_kind: dict[str, tuple[int, int]] = {}  # kind -> (steps, overruns)
     worst: list[WorstOverrun] = []  # the largest overruns, largest first
+    # Paced steps by need, bucket -> steps: how many times its modeled time a step would have
+    # needed to neither overrun nor end late (``workers.device.need_bucket``); from it the verdict
+    # says how far down the dilation could have gone (``testbed.deploy.fidelity.needed_dilation``).
+    needs: dict[int, int] = {}
 
     @property
     def overrun_fraction(self) -> float:

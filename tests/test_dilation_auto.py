@@ -97,9 +97,9 @@ def test_an_auto_choice_is_kept_per_inputs_and_host_raised_after_a_failure_and_n
 def test_auto_on_a_host_with_a_busy_core_passes_or_says_why_and_the_next_run_reuses_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """A core kept busy by another process (what a shared host does to a run): the probe
-    measures the host as it is, so the run at the chosen dilation passes its verdict, or
-    exits 3 with the reason and keeps a higher dilation for the next run, which takes it
-    without probing."""
+    measures the host as it is, so the run at the chosen dilation passes its verdict (and keeps
+    it, or what its steps needed if lower), or exits 3 with the reason and keeps a higher
+    dilation for the next run, which takes it without probing."""
     raw = yaml.safe_load((TOPOLOGIES / "paper.yaml").read_text())  # modeled: the probe builds the deployment
     keep = {"client", "router", "prefill-1", "prefill-2", "relay", "decode-a1", "decode-b1"}
     for dc in raw["datacenters"].values():
@@ -135,5 +135,30 @@ def test_auto_on_a_host_with_a_busy_core_passes_or_says_why_and_the_next_run_reu
     said = capsys.readouterr().out
     assert "kept from an earlier run of this scenario and trace on this host" in said and "probe at D" not in said
     d = summary.emulation.dilation
-    assert plan.dilation == d if first.returncode == 0 else plan.dilation > d
+    if first.returncode == 0:  # kept, or lowered to what its steps needed (and said so)
+        assert plan.dilation == d or (plan.dilation < d and "the next auto run of this scenario" in first.stdout)
+    else:
+        assert plan.dilation > d
     assert plan.auto_key is not None
+
+
+def test_the_verdicts_move_the_kept_dilation_down_to_what_the_steps_needed_and_never_back_to_a_failure(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(dilation_cache.CACHE_ENV, str(tmp_path))
+    key = dilation_cache.key_for(TOPOLOGIES / "two-dc.yaml", ROOT / "traces" / "agentic-quick.jsonl", 16, "x")
+    dilation_cache.remember(key, 3.7, "auto: probed x 2 margin")
+    assert dilation_cache.recall(key) == (3.7, "auto: probed x 2 margin")
+    # Passed at 3.7, every step would have kept up at 0.5 x it: the next run takes 0.5 x 1.25 x 3.7.
+    assert dilation_cache.passed_at(key, 3.7, 0.5) == pytest.approx(2.4)  # 2.3125, rounded up
+    d, why = dilation_cache.recall(key)
+    assert d == pytest.approx(2.4) and "needing 0.50 x it" in why
+    assert dilation_cache.passed_at(key, 2.4, 0.9) is None  # no lower: the kept one stands
+    assert dilation_cache.passed_at(key, 2.4, None) is None
+    # Failed at 2.4: up by 1.5, and 2.4 is remembered as too low here...
+    assert dilation_cache.failed_at(key, 2.4, 1.1) == pytest.approx(3.6)
+    d, _ = dilation_cache.recall(key)
+    assert d == pytest.approx(3.6)
+    # ...so a later pass that says 0.5 goes down no further than 1.25 x 2.4.
+    assert dilation_cache.passed_at(key, 3.6, 0.5) == pytest.approx(3.0)
+    d, why = dilation_cache.recall(key)
+    assert d == pytest.approx(3.0) and "D 2.4 (failed here)" in why

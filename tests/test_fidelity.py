@@ -419,3 +419,33 @@ def test_frames_are_judged_late_in_emulated_time_against_their_delay() -> None:
     assert not v.passed and "7 of 226 frames more than 2 ms late" in v.reasons[0]
     assert (late_threshold_us(15.0), late_threshold_us(90.0), late_threshold_us(None)) == (1000.0, 2000.0, 1000.0)
     assert late_threshold_us(400.0) == 10000.0  # 20 ms wanted: the 10 ms edge below it
+
+
+def test_each_step_says_what_it_needed_and_the_verdict_how_far_down_the_dilation_could_go() -> None:
+    pacer = make_pacer(DeviceSpec(name="gpu", peak_tflops=989, mem_gbps=3350, step_overhead_ms=2.0),
+                       ModelCost(params=7.6e9, layers=28, hidden=3584, kv_bytes_per_token=57344,
+                                 weight_bytes=15.2e9))
+    # 196 steps of 10 ms done in 5 ms and ended on time: they needed half their modeled time.
+    for _ in range(196):
+        pacer.account("decode", 0.005, 0.010)
+        pacer.woke(0.010, 0.0002)
+    pacer.account("decode", 0.008, 0.010)  # 0.8
+    pacer.woke(0.010, 0.0)
+    pacer.account("decode", 0.012, 0.010)  # an overrun: 1.2, no wait follows
+    pacer.account("decode", 0.004, 0.010)  # its work fit, its end came 3 ms late: at less than 6x
+    pacer.woke(0.010, 0.003)               # its modeled time the late end would fail it
+    pacer.account("prefill", 0.009, 0.010)  # 0.9
+    pacer.woke(0.010, 0.0)
+    rep = pacer.report()
+    assert sum(rep.needs.values()) == rep.steps == 200
+    st = WorkerStats(worker="w", role="decode", device=rep)
+    v = judge({"w": st}, None, {}, 10.0)
+    # Two of 200 may fail (1 %): the third largest need, 0.9, bounds how far down D could go.
+    assert v.need == pytest.approx(0.9, rel=0.05) and v.need >= 0.9
+    assert "would have passed down to 0.9" in format_verdict("p", v)
+    # Past the allowance the largest needs decide: with two more late ends the bound is the 1.2 overrun.
+    for _ in range(2):
+        pacer.account("decode", 0.004, 0.010)
+        pacer.woke(0.010, 0.003)
+    v = judge({"w": WorkerStats(worker="w", role="decode", device=pacer.report())}, None, {}, 10.0)
+    assert v.need == pytest.approx(1.2, rel=0.05)

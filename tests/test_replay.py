@@ -50,7 +50,8 @@ def test_bad_trace_exits_2_naming_line_and_field_and_starts_nothing(tmp_path: Pa
     # The same checks of the policy grammar, in this process (the exit path is the one above).
     trace = str(ROOT / "traces" / "agentic-default.jsonl")
     code, err = run_cli(["run", "--trace", trace, "--policies", "nope"], capsys)
-    assert code == 2 and "--policies: unknown policy 'nope' (known: cross-dc, " in err  # (and any plugin loaded)
+    # (and any plugin loaded)
+    assert code == 2 and "--policies: unknown policy 'nope' (known: colocated, cross-dc, " in err
     assert all(name in err.split("(known: ")[1] for name in ("pdd", "prefill-offload", "same-dc"))
     for spelling, says in [("same-dc,pdd:handoff=sideways", "option handoff='sideways': Input should be"),
                            ("pdd:threshold=64,lodd=3", "unknown option 'lodd' (options: handoff, threshold"),

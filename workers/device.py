@@ -27,6 +27,7 @@ CPU is the device).
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -34,6 +35,8 @@ from protocol import clock
 from protocol.worker_config import (
     LATE_WAKE,
     LATE_WAKE_FLOOR_S,
+    NEED_MIN_BUCKET,
+    NEED_STEP,
     DeviceReport,
     DeviceSpec,
     ModelCost,
@@ -70,6 +73,10 @@ class Pacer:
     late_max_s: float = 0.0
     # the largest overruns: (over, kind, real, modeled, t, detail)
     worst: list[tuple[float, str, float, float, float, str]] = field(default_factory=list)
+    # Each paced step's need (``need_bucket``): how many times its modeled time it would have
+    # needed not to overrun nor end late; counted per bucket, what the verdict reads a lower D from.
+    needs: dict[int, int] = field(default_factory=dict)
+    _need: float = 0.0  # the step being waited for: its real / modeled, until it wakes
 
     @property
     def native(self) -> bool:
@@ -247,6 +254,10 @@ class Pacer:
             self.modeled_s += real_s
             return 0.0
         self.modeled_s += modeled_s
+        if modeled_s > 0:
+            self._need = real_s / modeled_s
+            if real_s >= modeled_s:  # no wait follows: its need is known now
+                self._count_need(self._need)
         if real_s > modeled_s:
             self.overruns += 1
             counts[1] += 1
@@ -264,19 +275,33 @@ class Pacer:
         the run's figures feel is the sum, and a step late by more than LATE_WAKE of itself
         (and more than the host's timer noise, LATE_WAKE_FLOOR_S)."""
         late_s = max(0.0, late_s)
+        if modeled_s > 0:  # at f x D it would end late once f x LATE_WAKE x modeled < late_s
+            self._count_need(max(self._need, late_s / (LATE_WAKE * modeled_s) if late_s > LATE_WAKE_FLOOR_S else 0.0))
         self.late_s += late_s
         self.late_max_s = max(self.late_max_s, late_s)
         if late_s > max(LATE_WAKE * modeled_s, LATE_WAKE_FLOOR_S):
             self.late_wakes += 1
+
+    def _count_need(self, need: float) -> None:
+        k = need_bucket(need)
+        self.needs[k] = self.needs.get(k, 0) + 1
 
     def report(self) -> DeviceReport:
         return DeviceReport(device=self.name, native=self.native, steps=self.steps, overruns=self.overruns,
                             overrun_s=round(self.overrun_s, 4), modeled_s=round(self.modeled_s, 4),
                             real_s=round(self.real_s, 4), late_wakes=self.late_wakes, late_s=round(self.late_s, 4),
                             late_max_s=round(self.late_max_s, 5),
-                            by_kind={k: (v[0], v[1]) for k, v in self.by_kind.items()},
+                            by_kind={k: (v[0], v[1]) for k, v in self.by_kind.items()}, needs=dict(self.needs),
                             worst=[WorstOverrun(kind=k, real_s=round(r, 4), modeled_s=round(m, 4), t=t, detail=d)
                                    for _, k, r, m, t, d in sorted(self.worst, reverse=True)])
+
+
+def need_bucket(need: float) -> int:
+    """The bucket of a step's need (real / modeled, or what its late end asks): the smallest
+    ``k`` with ``need <= NEED_STEP ** k``, at least ``NEED_MIN_BUCKET`` (needs below are alike)."""
+    if need <= NEED_STEP**NEED_MIN_BUCKET:
+        return NEED_MIN_BUCKET
+    return max(NEED_MIN_BUCKET, math.ceil(math.log(need) / math.log(NEED_STEP) - 1e-9))
 
 
 def make_pacer(dev: DeviceSpec, cost: ModelCost | None, scales: Scales | None = None) -> Pacer:

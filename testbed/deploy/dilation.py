@@ -53,6 +53,8 @@ if TYPE_CHECKING:
 # PDD's prefill still overran 4 of 117 steps (3-31 ms: its sends to two decoders beside it).
 # At 1.5 (D 2.8, 2026-12-04) `make run-trace` passed some times and failed others: PDD's
 # prefill overran 3 of 117 steps, the worst 110 ms against 92 ms modeled (it needed 1.8).
+# The first choice only: each run's verdict then moves it (``dilation_cache``: down to what its
+# steps needed x SAFETY when it passed, up when it failed).
 MARGIN = 2.0
 DECODE_BATCHES = (1, 8, 24)
 EXTEND_TOKENS = (1, 64)  # a catch-up handoff's last batch is often one token: fixed costs dominate
@@ -168,14 +170,14 @@ MODELED_STEP_S = 0.015
 
 
 def concurrent_workers(sc: Scenario) -> int:
-    """Worker processes that step at once under one policy: every prefill and relay host and
-    the decoders of one datacenter (a policy decodes in one datacenter at a time). Modeled
-    workers count too: they compete for the cores' wakeups if not for compute."""
+    """Worker processes that step at once under one policy: every prefill, relay and
+    colocated host and the decoders of one datacenter (a policy decodes in one datacenter at a
+    time). Modeled workers count too: they compete for the cores' wakeups if not for compute."""
     per_dc: dict[str, int] = {}
     for h in sc.hosts_with_role(Role.DECODE):
         per_dc[sc.datacenter_of(h)] = per_dc.get(sc.datacenter_of(h), 0) + 1
     return (len(sc.hosts_with_role(Role.PREFILL)) + len(sc.hosts_with_role(Role.RELAY_DECODE))
-            + max(per_dc.values(), default=0))
+            + len(sc.hosts_with_role(Role.COLOCATED)) + max(per_dc.values(), default=0))
 
 
 def choose_dilation(found: list[Probe], workers: int, cpus: int) -> tuple[float, str]:

@@ -21,7 +21,14 @@ import os
 
 from pydantic import BaseModel, ConfigDict
 
-from protocol.worker_config import LATE_WAKE, LATE_WAKE_FLOOR_S, WorkerStats, WorstOverrun
+from protocol.worker_config import (
+    LATE_WAKE,
+    LATE_WAKE_FLOOR_S,
+    NEED_MIN_BUCKET,
+    NEED_STEP,
+    WorkerStats,
+    WorstOverrun,
+)
 from testbed.engines import kind
 from testbed.net.delayline_contract import LATE_EDGES_US, DelayLineReport
 
@@ -80,6 +87,7 @@ class WorkerFidelity(_Record):
     late_wakes: int = 0  # steps whose work fit but which ended late (``workers/device.py``)
     late_s: float = 0.0
     late_max_s: float = 0.0
+    need: float | None = None  # the share of this run's dilation its steps would have kept up at (``need_factor``)
 
 
 class LinkFidelity(_Record):
@@ -111,11 +119,30 @@ class Verdict(_Record):
     cpu: dict[str, CpuShare] = {}
     host_steal_s: float = 0.0  # CPU seconds the hypervisor took from this machine during the run
     host_steal_share: float = 0.0  # of all its CPUs' time over the run
+    # The share of this run's dilation at which every worker's steps would still have passed
+    # (the largest worker's ``need``; None: nothing paced): what ``dilation auto`` learns from.
+    need: float | None = None
 
 
 def allowed(n: int) -> int:
     """How many of ``n`` steps or frames may overrun or arrive late: 1 %, rounded up."""
     return (n * MAX_SHARE_PCT + 99) // 100
+
+
+def need_factor(needs: dict[int, int], steps: int) -> float | None:
+    """The smallest share ``f`` of the run's dilation at which no more than ``allowed(steps)``
+    of these steps would have overrun or ended late, each taking the real time it took here
+    (``DeviceReport.needs``, in buckets of ``NEED_STEP``; rounded up to a bucket's edge). A
+    lower dilation runs the same work in less wall time, so the host is busier: a floor to
+    confirm by a run, not a promise. None when no step was counted."""
+    if not needs:
+        return None
+    left = allowed(steps)
+    for k in sorted(needs, reverse=True):
+        if needs[k] > left:
+            return NEED_STEP**k
+        left -= needs[k]
+    return NEED_STEP**NEED_MIN_BUCKET
 
 
 def late_threshold_us(delay_ms: float | None) -> float:
@@ -141,7 +168,11 @@ def judge(workers: dict[str, WorkerStats], delayline: DelayLineReport | None, cp
         v.workers[name] = WorkerFidelity(
             device=d.device, native=d.native, compute=st.compute, steps=d.steps, overruns=d.overruns,
             overrun_fraction=d.overrun_fraction, overrun_s=d.overrun_s, by_kind=d.by_kind, worst=d.worst,
-            late_wakes=d.late_wakes, late_s=d.late_s, late_max_s=d.late_max_s)
+            late_wakes=d.late_wakes, late_s=d.late_s, late_max_s=d.late_max_s,
+            need=None if d.native else need_factor(d.needs, d.steps))
+        need = v.workers[name].need
+        if need is not None:
+            v.need = max(v.need or 0.0, need)
         # A step whose work fit but whose end came late lasted longer than modeled all the same.
         if not d.native and d.overruns + d.late_wakes > allowed(d.steps):
             v.passed = False
@@ -193,6 +224,9 @@ def format_verdict(label: str, v: Verdict, engine: str = "emulation") -> str:
                      f"max {d.late_max_us / 1000:.2f} ms")
     if v.cpu:
         lines.append("  CPU: " + ", ".join(f"{n} {c.cpu_s:.2f} s ({100 * c.share:.0f}%)" for n, c in v.cpu.items()))
+    if v.need is not None:
+        lines.append(f"  steps: would have passed down to {v.need:.2f} x this dilation, each taking the real time it "
+                     "took here (a lower dilation keeps the host busier: to confirm by a run)")
     if v.host_steal_s > 0:
         lines.append(f"  host: its hypervisor took {v.host_steal_s:.1f} CPU-s from this machine during the run "
                      f"(steal, {100 * v.host_steal_share:.1f}% of its CPU time)")

@@ -155,9 +155,16 @@ def run_trace(sc: Scenario, wl: Workload, policies: list[PolicySpec], opts: RunO
               + "; ".join(errors[:3]), file=sys.stderr)
     if broken:
         return 1
+    needs = [s.fidelity.need for s in summaries.values() if s.fidelity.need is not None]
+    need = max(needs) if needs else None
+    if all(s.fidelity.passed for s in summaries.values()) and plan.auto_key is not None:
+        lower = dilation_cache.passed_at(plan.auto_key, d, need)  # the verdicts say how much margin was left
+        if lower is not None:
+            print(f"dilation auto: every step would have kept up at D {d * (need or 1):.2f}; the next auto run of "
+                  f"this scenario and trace here runs at D {lower:g}", flush=True)
     if not all(s.fidelity.passed for s in summaries.values()):
         if plan.auto_key is not None:  # auto chose too low: the next run starts higher
-            raised = dilation_cache.failed_at(plan.auto_key, d)
+            raised = dilation_cache.failed_at(plan.auto_key, d, need)
             print(f"dilation auto: D {d:g} did not keep up on this host; the next auto run of this scenario and "
                   f"trace here starts at D {raised:g}", file=sys.stderr)
         if not opts.allow_infidelity:
