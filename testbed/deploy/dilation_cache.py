@@ -1,15 +1,15 @@
-"""``--dilation auto`` remembered per scenario, trace and host, and raised when it failed.
+"""``--dilation auto`` remembered per scenario, trace and host, and moved by each run's verdict.
 
 Choosing a dilation costs a calibration or a few probe deployments, and a choice that a
 full run then fails is worth learning from. So the choice is kept in a small JSON file per
 (scenario file, trace file, token scale, requests replayed and how fast, host), under the cache folder
 (``.cache/dilation``; ``PDD_TESTBED_DILATION_CACHE`` names another, ``off`` disables it). The
-next ``auto`` run with the same inputs on the same host takes it without probing, and each run
-at an ``auto`` dilation moves it (``learn``): a failed verdict raises the kept value by
-``FAILED_STEP`` for the next one, so five runs in a row do not fail the same way, and marks that
-dilation as too low here; a passed one whose steps say they would have kept up lower
-(``Verdict.need``) lowers it to that, times ``SAFETY``, never within ``FLOOR_STEP`` of a
-dilation that failed here. So the margin over the probe is taken from the verdicts of the
+next ``auto`` run with the same inputs on the same host takes it without probing, and each
+run at an ``auto`` dilation moves it (``failed_at``, ``passed_at``): a failed verdict raises
+the kept value by ``FAILED_STEP`` for the next one, so five runs in a row do not fail the same
+way, and marks that dilation as too low here; a passed one whose steps say they would have kept
+up lower (``Verdict.need``) lowers it to that, times ``SAFETY``, never within ``FLOOR_STEP``
+of a dilation that failed here. So the margin over the probe is taken from the verdicts of the
 runs themselves, not fixed. An entry older than
 ``MAX_AGE_S``, from another version, or not what this module writes is ignored (and says
 so): the file is read, not trusted.
