@@ -108,7 +108,7 @@ def test_auto_on_a_host_with_a_busy_core_passes_or_says_why_and_the_next_run_reu
     scenario.write_text(yaml.safe_dump(raw))
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps({"session": f"s{i}", "start_s": 0.4 * i, "turns": [
-        {"new_tokens": 1500, "output_tokens": 120}]}) + "\n" for i in range(10)))
+        {"new_tokens": 1500, "output_tokens": 120}]}) + "\n" for i in range(6)))
     cache = tmp_path / "cache"
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
