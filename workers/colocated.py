@@ -202,13 +202,10 @@ class ColocatedWorker(DecodeWorker):
         job.ended = True
         cmd, tokens = job.cmd, job.cmd.prompt
         try:
-            (kv, first), real = job.compute.result()
-            self.cache.insert(tokens, kv, job.path)
+            kv, first, real = job.finish(self.cache)
         except Exception as e:  # noqa: BLE001 - the request fails, the worker goes on
-            self.cache.unlock(job.path)
             await self.fail(cmd.rid, f"prefill on {self.cfg.name}: {e}")
             return
-        self.cache.unlock(job.path)
         new = len(tokens) - job.hit
         self.computed_tokens += new
         self.reused_tokens += job.hit

@@ -280,14 +280,11 @@ class PrefillWorker(Worker):
         """A request's last pass ended: its KV cached, PrefillDone, its transfers (unless streamed)."""
         cmd, tokens = job.cmd, job.cmd.prompt
         try:
-            (kv, first), real = job.compute.result()
-            self.cache.insert(tokens, kv, job.path)
+            kv, first, real = job.finish(self.cache)
         except Exception as e:  # noqa: BLE001 - the request fails, the worker goes on
-            self.cache.unlock(job.path)
             self.cancels.pop(cmd.rid, None)
             self.emit(Failed(**self.stamp(cmd.rid), reason=f"prefill on {self.cfg.name}: {e}"))
             return
-        self.cache.unlock(job.path)
         new = len(tokens) - job.hit
         self.computed_tokens += new
         self.reused_tokens += job.hit

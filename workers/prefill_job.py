@@ -43,6 +43,17 @@ class PrefillJob:
     def left(self) -> int:
         return len(self.cmd.prompt) - self.hit - self.done
 
+    def finish(self, cache: RadixCache) -> tuple[torch.Tensor, int, float]:
+        """Its last pass ended: the real computation's KV cached under its prompt and its
+        prefix unlocked; returns the KV, the first token and the computation's real seconds.
+        Raises what the computation raised (the prefix unlocked all the same)."""
+        try:
+            (kv, first), real = self.compute.result()
+            cache.insert(self.cmd.prompt, kv, self.path)
+        finally:
+            cache.unlock(self.path)
+        return kv, first, real
+
     @classmethod
     def start(cls, cmd: PrefillCmd, cache: RadixCache,
               run: Callable[[list[int], list[torch.Tensor]], Awaitable[tuple[tuple[torch.Tensor, int], float]]],
